@@ -1,0 +1,52 @@
+"""Model builder: a random-init model from a config, or a pretrained one from a hub id or folder.
+
+Both paths return a Hugging Face `PreTrainedModel`; differential attention and LoRA are applied on
+top of it by their own modules, so the loop never needs to know how the model was made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class DiffConfig:
+    mode: str = "scratch"  # scratch (paper init) | retrofit (exact function at step 0)
+    layers: Any = "all"  # "all" or a list of 0-based layer indices
+    lambda_warmup_steps: int = 0  # retrofit: steps over which the negative map is ramped in
+
+
+@dataclass
+class ModelConfig:
+    name: str = "qwen2_tiny"
+    pretrained: Optional[str] = None  # hub id or local folder; None = random init from `arch` + `init`
+    arch: str = "qwen2"  # model_type for random init (qwen2, llama, mistral)
+    init: dict[str, Any] = field(default_factory=dict)  # config kwargs for random init (hidden_size, ...)
+    tokenizer: Optional[str] = None  # tokenizer id/folder; None = the pretrained model's, or a BPE trained on the data
+    attention: str = "standard"  # standard | diff_v1 | diff_v2
+    diff: DiffConfig = field(default_factory=DiffConfig)
+    dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = None) -> PreTrainedModel:
+    """The configured causal LM: `from_pretrained` when `pretrained` is set, else random init."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"model.dtype={cfg.dtype!r} must be one of {sorted(DTYPES)}")
+    dtype = DTYPES[cfg.dtype]
+    if cfg.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.pretrained, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+        )
+    else:
+        config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **cfg.init)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model

@@ -1,0 +1,38 @@
+"""LoRA through peft: wraps the model when `peft=lora`, leaves it alone for `peft=none`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedModel
+
+
+@dataclass
+class PeftConfig:
+    method: str = "none"  # none | lora
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    # Module names LoRA wraps; the differential-attention projections are named like the standard ones.
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def apply_peft(model: PreTrainedModel, cfg: PeftConfig):
+    """The model, wrapped in a peft LoRA model when asked (only adapter weights train)."""
+    if cfg.method == "none":
+        return model
+    if cfg.method != "lora":
+        raise ValueError(f"peft.method={cfg.method!r} must be 'none' or 'lora'")
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    if getattr(model.base_model.model, "is_gradient_checkpointing", False):
+        # Frozen embeddings + non-reentrant checkpointing: inputs must require grad for adapters to learn.
+        model.enable_input_require_grads()
+    return model

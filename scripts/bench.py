@@ -1,0 +1,76 @@
+"""Run the named benchmarks and print one table; `--write` also rewrites BENCHMARKS.md.
+
+    python -m scripts.bench                 # every benchmark
+    python -m scripts.bench train prior     # some of them
+    python -m scripts.bench --write         # and record the table in BENCHMARKS.md
+
+Every row is a ratio against a baseline measured in the same process and run, because the machines
+are shared and noisy: an absolute time alone means little.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# name -> (module, function); each function returns a list of row dicts with at least `name`.
+BENCHMARKS = {
+    "train": ("scripts.bench_train", "bench_train"),
+    "prior": ("scripts.bench_prior", "bench_prior"),
+    "jacobian": ("scripts.bench_jacobian", "bench_jacobian"),
+    "diff": ("scripts.bench_diff", "bench_diff"),
+    "data": ("scripts.bench_data", "bench_data"),
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    """Markdown table: benchmark, row name, ratio, and every other field of the row."""
+    lines = ["| benchmark | what | ratio | details |", "| --- | --- | --- | --- |"]
+    for bench, row in rows:
+        details = "; ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k not in ("name", "ratio"))
+        lines.append(f"| {bench} | {row['name']} | {_fmt(row.get('ratio'))} | {details} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md with this table")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
+    rows = []
+    for name in args.names or list(BENCHMARKS):
+        module, func = BENCHMARKS[name]
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        rows += [(name, row) for row in getattr(importlib.import_module(module), func)()]
+        print(f"  {name} took {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    out = table(rows)
+    print(out)
+    if args.write:
+        command = "python -m scripts.bench " + " ".join(sys.argv[1:])
+        header = (
+            "# Benchmarks\n\nRatios against a baseline measured in the same run (see each benchmark's module in "
+            f"`scripts/`). Made by:\n\n```\n{command.strip()}\n```\n\non {platform.machine()}, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}.\n\n"
+        )
+        (ROOT / "BENCHMARKS.md").write_text(header + out + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Shared fixtures: Hydra `compose` of the real config tree, tiny CPU-scale overrides."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import train  # noqa: F401  (registers the structured config schemas)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# A model and data small enough for a few optimizer steps in a couple of seconds on 2 cores.
+TINY = [
+    "model.init.hidden_size=32",
+    "model.init.num_hidden_layers=2",
+    "model.init.intermediate_size=64",
+    "data.context_len=128",
+    "data.segment_len=64",
+    "data.num_train=64",
+    "data.num_eval=8",
+    "data.num_train_docs=200",
+    "data.num_eval_docs=80",
+    "data.heldout_doc_len=256",
+    "data.vocab_size=400",
+    "trainer.micro_batch_size=4",
+    "trainer.warmup_steps=2",
+    "eval.num_examples=8",
+    "eval.every=0",
+    "jacobian=off",
+    "logger.mode=disabled",
+]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Tokenizer caches go to a per-session temporary folder, never the user's ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POSDEBIAS_CACHE", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("WANDB_MODE", "offline")
+    yield
+    mp.undo()
+
+
+@pytest.fixture
+def compose_cfg():
+    """compose_cfg(*overrides) -> the composed training config, as `python train.py ...` would see it."""
+
+    def _compose(*overrides: str):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="train", overrides=list(overrides))
+
+    return _compose

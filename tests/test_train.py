@@ -1,0 +1,87 @@
+"""The training loop end to end at tiny scale: smoke run, save/reload, exact resume, config errors."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import CONF_DIR, ROOT, TINY
+from train import run
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+@pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
+def test_every_experiment_composes(compose_cfg, exp):
+    cfg = compose_cfg(f"+exp={exp}")
+    assert cfg.exp_name == exp
+    assert cfg.trainer.max_steps > 0
+
+
+def test_smoke_three_steps(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, "trainer.max_steps=3", "jacobian=hutchinson", "jacobian.seq_len=64",
+                      "jacobian.chunk_len=32", "jacobian.num_probes=2")
+    metrics = run(cfg, tmp_path)
+    assert set(_losses(tmp_path)) == {1, 2, 3}
+    assert all(torch.isfinite(torch.tensor(v)) for v in _losses(tmp_path).values())
+    assert "eval/in2/acc_mean" in metrics
+    ckpt = tmp_path / "checkpoints" / "step-3"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "trainer_state.json").is_file()
+    assert (tmp_path / "plots" / "in2_accuracy_by_depth.png").stat().st_size > 0
+    assert (tmp_path / "jacobian.npz").is_file()
+    AutoTokenizer.from_pretrained(ckpt)  # the checkpoint carries its tokenizer
+
+
+def test_save_reload_identical_logits(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, "trainer.max_steps=2")
+    run(cfg, tmp_path)
+    ckpt = tmp_path / "checkpoints" / "step-2"
+    from models.build import build_model
+
+    reload_cfg = compose_cfg(*TINY, f"model.pretrained={ckpt}")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    a = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    b = build_model(reload_cfg.model, len(tok), tok.pad_token_id).eval()
+    ids = torch.tensor([tok("Where does Kamir live? Answer:")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_resume_matches_uninterrupted_run(compose_cfg, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(compose_cfg(*TINY, "trainer.max_steps=4"), full)
+    run(compose_cfg(*TINY, "trainer.max_steps=4", "trainer.save_every=2"), part)
+    # Drop everything after step 2 as if the run had been killed there, then resume.
+    shutil.rmtree(part / "checkpoints" / "step-4")
+    lines = [line for line in (part / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
+    (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run(compose_cfg(*TINY, "trainer.max_steps=4", "trainer.resume_from=latest"), part)
+    expected, resumed = _losses(full), _losses(part)
+    assert [resumed[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]  # bitwise on CPU
+
+
+def test_unknown_key_fails_naming_it(compose_cfg):
+    with pytest.raises(ConfigCompositionException, match="lrr"):
+        compose_cfg("trainer.lrr=0.1")
+
+
+def test_unknown_key_in_cli_fails_naming_it():
+    out = subprocess.run([sys.executable, "train.py", "+exp=in2", "trainer.not_a_key=1"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "not_a_key" in out.stderr
+
+
+def test_cli_prints_resolved_config():
+    out = subprocess.run([sys.executable, "train.py", "--cfg", "job", "+exp=in2"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert "exp_name: in2" in out.stdout and "max_steps:" in out.stdout

@@ -1,0 +1,326 @@
+"""Position-debiasing fine-tunes: `python train.py +exp=in2` (Hydra config tree in conf/).
+
+One loop for every setting, read top to bottom: build tokenizer, data, model and engine; then for
+each step measure the Jacobian profile (before the update, so step 0 is the initial model), take
+one optimizer step over `grad_accum` micro-batches, log, evaluate and save.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import numpy as np
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from analysis.jacobian import JacobianConfig
+from analysis.metrics_log import LoggerConfig, MetricsLogger, NullLogger
+from analysis.positional_eval import EvalConfig
+from data_builders.in2 import DataConfig
+from models.build import ModelConfig
+from models.peft_setup import PeftConfig
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300  # optimizer steps
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20  # linear warm-up
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+    micro_batch_size: int = 8  # samples per rank per forward
+    grad_accum: int = 1  # micro-batches per optimizer step
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    device: str = "cpu"  # cpu | cuda | auto
+    resume_from: Optional[str] = None  # checkpoint folder, or `latest` of this run directory
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last_n: int = 2  # checkpoints kept; 0 = all
+    max_bad_steps: int = 10  # non-finite losses tolerated (skipped) before the run stops
+    deepspeed: Optional[dict[str, Any]] = None  # DeepSpeed config block (trainer=zero2/zero3/...)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    jacobian: JacobianConfig = field(default_factory=JacobianConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 0
+    exp_name: str = "default"  # names the run directory outputs/<exp_name>/<time>
+
+
+def run_stamp() -> str:
+    """Run directory timestamp, identical on every rank of one launch.
+
+    Each rank resolves Hydra's run directory on its own, and `${now:}` can straddle a second
+    between them. Ranks started by `deepspeed` or `torchrun` share their parent (the launcher), so
+    its start time names the run instead.
+    """
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    else:
+        started = time.time()
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started))
+
+
+def register_configs() -> None:
+    """Typed schemas: the composed config must match `TrainConfig`, unknown keys fail at start-up."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
+
+
+register_configs()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, dataset, batch_size: int, pad_id: int, device: torch.device) -> float:
+    """Token-weighted mean loss over the held-out split (answer tokens only, as in training)."""
+    from data_builders.collate import collate
+
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(dataset), batch_size):
+        batch = collate(dataset.select(range(start, min(len(dataset), start + batch_size))), pad_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, L, V)
+        labels = batch["labels"][:, 1:]  # (B, L-1)
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        total += nll.item()
+        count += int((labels != -100).sum())
+    model.train(was_training)
+    return total / max(1, count)
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
+    """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
+    from analysis.jacobian import JacobianRecorder, build_eval_sequences, measure_sets
+    from analysis.plots import plot_depth_accuracy, plot_evolution
+    from analysis.positional_eval import evaluate_in2, write_eval_json
+    from analysis.topology import prefixed, topology_metrics
+    from data_builders.collate import BatchStream
+    from data_builders.in2 import build_datasets
+    from data_builders.tokenizer import load_tokenizer
+    from models.build import build_model
+    from models.checkpoint import atomic_checkpoint, load_trainer_state, resolve_checkpoint, save_trainer_state
+    from models.distributed import DeepSpeedEngine, TorchEngine, all_mean, barrier, dist_info, resolve_device
+    from models.peft_setup import apply_peft
+
+    tcfg = cfg.trainer
+    seed_everything(cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # Data and tokenizer: the model's own tokenizer, or a BPE trained on the training corpus.
+    tok_source = cfg.model.tokenizer or cfg.model.pretrained
+    bundle = build_datasets(cfg.data, load_tokenizer(tok_source, cfg.model.trust_remote_code) if tok_source else None)
+    tokenizer = bundle.tokenizer
+    tokenizer.save_pretrained(run_dir / "tokenizer")
+
+    model = build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id)
+    model = apply_peft(model, cfg.peft)
+    model.train()
+
+    def make_optimizer(params):
+        return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
+
+    def make_scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
+        )
+
+    info = dist_info()
+    if tcfg.deepspeed:
+        engine = DeepSpeedEngine(model, make_optimizer, make_scheduler, OmegaConf.to_container(tcfg.deepspeed)
+                                 if OmegaConf.is_config(tcfg.deepspeed) else dict(tcfg.deepspeed),
+                                 tcfg.precision, tcfg.micro_batch_size, tcfg.grad_accum, tcfg.grad_clip)
+    elif info.world_size > 1:
+        raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
+    else:
+        model.to(resolve_device(tcfg.device))
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        engine = TorchEngine(model, optimizer, make_scheduler(optimizer), resolve_device(tcfg.device),
+                             tcfg.precision, tcfg.grad_accum, tcfg.grad_clip)
+    model, device = engine.module, engine.device
+    stream = BatchStream(bundle.train, tcfg.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
+                         info.world_size)
+    if info.is_main_process:
+        print(f"global batch = {tcfg.micro_batch_size} micro x {tcfg.grad_accum} accumulation x "
+              f"{info.world_size} ranks = {tcfg.micro_batch_size * tcfg.grad_accum * info.world_size} samples")
+
+    start_step = 0
+    if tcfg.resume_from:
+        ckpt = resolve_checkpoint(tcfg.resume_from, run_dir)
+        engine.load(ckpt)
+        state = load_trainer_state(ckpt, info.rank)
+        start_step, stream.position = state["step"], state["stream_position"]
+        print(f"resumed from {ckpt} at step {start_step}")
+
+    main = info.is_main_process
+    config_dict = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else vars(cfg)
+    logger = MetricsLogger(cfg.logger, run_dir, config_dict) if main else NullLogger()
+    n_layers = model.config.num_hidden_layers
+
+    def save(step: int) -> Path:
+        def write(folder: Path) -> None:
+            engine.save(folder, tokenizer)
+            save_trainer_state(folder, step, info.rank, {"stream_position": stream.position})
+
+        return atomic_checkpoint(run_dir, step, write, tcfg.keep_last_n, main, barrier)
+
+    # Jacobian sequences come from held-out documents, never from the training split.
+    jac_on = cfg.jacobian.every > 0
+    if jac_on:
+        jac_seqs = build_eval_sequences(
+            bundle.heldout_docs, cfg.jacobian.seq_len, cfg.jacobian.n_vanilla, cfg.jacobian.n_chunked,
+            cfg.jacobian.chunk_len,
+        )
+        recorder = JacobianRecorder(
+            run_dir / "jacobian.npz", {k: v.shape[0] for k, v in jac_seqs.items()}, cfg.jacobian.seq_len
+        ) if main else None
+
+    def measure_jacobian(step: int) -> dict[str, float]:
+        results = measure_sets(model, {k: v.to(device) for k, v in jac_seqs.items()}, cfg.jacobian)
+        metrics: dict[str, float] = {}
+        for name, res in results.items():
+            metrics.update(prefixed(topology_metrics(res.profile.mean(axis=0), n_layers), name))
+        if recorder is not None:
+            recorder.add(step, {k: r.profile for k, r in results.items()})
+        return metrics
+
+    eval_records = bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval))))
+
+    def depth_accuracy(step: int) -> dict[str, float]:
+        metrics, result = evaluate_in2(model, tokenizer, eval_records, cfg.eval)
+        if main:
+            write_eval_json(run_dir, step, "in2", result)
+        return metrics
+
+    accuracy_curves: dict[str, list[float]] = {}
+    if start_step == 0:
+        acc0 = depth_accuracy(0)
+        accuracy_curves["step 0"] = [v for k, v in acc0.items() if "acc@" in k]
+        logger.log({**acc0, "eval/loss": heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
+                                                      tokenizer.pad_token_id, device)}, step=0)
+
+    stop = StopRequest()
+    bad_steps, metrics = 0, {}
+    loop_start = time.perf_counter()
+    batches = iter(stream)
+    bar = tqdm(range(start_step, tcfg.max_steps), initial=start_step, total=tcfg.max_steps,
+               disable=not main, desc="train", dynamic_ncols=True)
+    step = start_step
+    try:
+        for step in bar:
+            metrics = measure_jacobian(step) if jac_on and step % cfg.jacobian.every == 0 else {}
+            t0, tokens, losses = time.perf_counter(), 0, []
+            for _ in range(tcfg.grad_accum):
+                batch = next(batches)
+                tokens += int(batch["attention_mask"].sum())
+                losses.append(engine.forward_backward(batch))
+            loss = all_mean(torch.stack(losses).mean().item())
+            finite = math.isfinite(loss)
+            grad_norm = engine.optimizer_step(skip=not finite)
+            if not finite:
+                bad_steps += 1
+                if bad_steps > tcfg.max_bad_steps:
+                    raise RuntimeError(
+                        f"{bad_steps} non-finite losses (trainer.max_bad_steps={tcfg.max_bad_steps}); "
+                        f"the last good checkpoint is intact under {run_dir / 'checkpoints'}"
+                    )
+            elapsed = time.perf_counter() - t0
+            metrics.update({
+                "train/loss": loss, "train/lr": engine.current_lr(), "train/grad_norm": grad_norm,
+                "train/tokens_per_s": tokens / elapsed, "train/tokens": tokens, "train/bad_steps": bad_steps,
+                "train/wall_s": time.perf_counter() - loop_start,
+            })
+            done = step + 1
+            if cfg.eval.every and done % cfg.eval.every == 0:
+                metrics["eval/loss"] = heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
+                                                    tokenizer.pad_token_id, device)
+            logger.log(metrics, step=done)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+            if tcfg.save_every and done % tcfg.save_every == 0 and done < tcfg.max_steps:
+                save(done)
+            if stop.requested:
+                print(f"stop requested: saving step {done} and exiting")
+                save(done)
+                return metrics
+    finally:
+        stop.restore()
+        bar.close()
+
+    final = tcfg.max_steps
+    if jac_on and final % cfg.jacobian.every == 0:
+        # One more profile after the last update: the paper's (n, steps + 1, L) arrays.
+        logger.log(measure_jacobian(final), step=final)
+    acc = depth_accuracy(final)
+    logger.log(acc, step=final)
+    metrics.update(acc)
+    save(final)
+    if main:
+        accuracy_curves[f"step {final}"] = [v for k, v in acc.items() if "acc@" in k]
+        plot_depth_accuracy(accuracy_curves, run_dir / "plots" / "in2_accuracy_by_depth.png",
+                            title=f"{cfg.exp_name}: exact match by gold depth")
+        if jac_on:
+            for name in jac_seqs:
+                plot_evolution(run_dir / "jacobian.npz", run_dir / "plots" / f"jacobian_evolution_{name}.png", name)
+    logger.close()
+    return metrics
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg) -> None:
+    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    main()
