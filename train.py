@@ -151,6 +151,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     from data_builders.in2 import build_datasets
     from data_builders.tokenizer import load_tokenizer
     from models.build import build_model
+    from models.diff_attention import diff_lambda_stats, set_diff_step
     from models.checkpoint import atomic_checkpoint, load_trainer_state, resolve_checkpoint, save_trainer_state
     from models.distributed import DeepSpeedEngine, TorchEngine, all_mean, barrier, dist_info, resolve_device
     from models.peft_setup import apply_peft
@@ -166,6 +167,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     tokenizer.save_pretrained(run_dir / "tokenizer")
 
     model = build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id)
+    info = dist_info()
+    if cfg.peft.method != "none" and not cfg.model.pretrained and info.is_main_process:
+        # Adapters of a random-init model are useless without their base: keep it beside them.
+        model.save_pretrained(run_dir / "base_model", safe_serialization=True)
     model = apply_peft(model, cfg.peft)
     model.train()
 
@@ -177,7 +182,6 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             optimizer, lambda s: warmup_cosine(s, tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
         )
 
-    info = dist_info()
     if tcfg.deepspeed:
         engine = DeepSpeedEngine(model, make_optimizer, make_scheduler, OmegaConf.to_container(tcfg.deepspeed)
                                  if OmegaConf.is_config(tcfg.deepspeed) else dict(tcfg.deepspeed),
@@ -260,6 +264,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     step = start_step
     try:
         for step in bar:
+            set_diff_step(model, step)
             metrics = measure_jacobian(step) if jac_on and step % cfg.jacobian.every == 0 else {}
             t0, tokens, losses = time.perf_counter(), 0, []
             for _ in range(tcfg.grad_accum):
@@ -281,6 +286,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
                 "train/loss": loss, "train/lr": engine.current_lr(), "train/grad_norm": grad_norm,
                 "train/tokens_per_s": tokens / elapsed, "train/tokens": tokens, "train/bad_steps": bad_steps,
                 "train/wall_s": time.perf_counter() - loop_start,
+                **diff_lambda_stats(model),
             })
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0:

@@ -11,14 +11,17 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from models.diff_attention import convert_to_diff_attention
+
+ATTENTIONS = ("standard", "diff_v1", "diff_v2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class DiffConfig:
-    mode: str = "scratch"  # scratch (paper init) | retrofit (exact function at step 0)
+    mode: str = "scratch"  # scratch (paper init, random-init models) | retrofit (pretrained: exact at step 0)
     layers: Any = "all"  # "all" or a list of 0-based layer indices
-    lambda_warmup_steps: int = 0  # retrofit: steps over which the negative map is ramped in
+    lambda_warmup_steps: int = 0  # steps over which λ ramps in; retrofit needs >= 1
 
 
 @dataclass
@@ -40,13 +43,26 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
     if cfg.dtype not in DTYPES:
         raise ValueError(f"model.dtype={cfg.dtype!r} must be one of {sorted(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
+    if cfg.attention not in ATTENTIONS:
+        raise ValueError(f"model.attention={cfg.attention!r} must be one of {ATTENTIONS}")
     if cfg.pretrained:
+        # Importing models.diff_attention registers the diff model types with the Auto classes, so a
+        # checkpoint saved with differential attention restores its diff layers (and weights) here.
         model = AutoModelForCausalLM.from_pretrained(
             cfg.pretrained, dtype=dtype, trust_remote_code=cfg.trust_remote_code
         )
     else:
         config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **cfg.init)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    already_diff = getattr(model.config, "diff_attention", None) is not None
+    if cfg.attention != "standard" and not already_diff:
+        convert_to_diff_attention(
+            model,
+            version=cfg.attention.removeprefix("diff_"),
+            mode=cfg.diff.mode,
+            layers=cfg.diff.layers if isinstance(cfg.diff.layers, str) else list(cfg.diff.layers),
+            lambda_warmup_steps=cfg.diff.lambda_warmup_steps,
+        )
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -85,3 +85,21 @@ def test_cli_prints_resolved_config():
     out = subprocess.run([sys.executable, "train.py", "--cfg", "job", "+exp=in2"], cwd=ROOT,
                          capture_output=True, text=True, check=True)
     assert "exp_name: in2" in out.stdout and "max_steps:" in out.stdout
+
+
+def test_diff_attention_run_logs_lambda_and_restores(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, "+exp=in2_diff", "trainer.max_steps=2", "jacobian=off")
+    run(cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("diff/layer0/lambda_mean" in r for r in rows)
+    ckpt = tmp_path / "checkpoints" / "step-2"
+    from models.build import build_model
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    restored = build_model(compose_cfg(*TINY, "+exp=in2_diff", f"model.pretrained={ckpt}").model, len(tok),
+                           tok.pad_token_id).eval()
+    assert type(restored.model.layers[0].self_attn).__name__ == "Qwen2DiffAttention"
+    again = build_model(compose_cfg(*TINY, f"model.pretrained={ckpt}").model, len(tok), tok.pad_token_id).eval()
+    ids = torch.tensor([tok("Which pet does Kamir keep?")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(restored(ids).logits, again(ids).logits)

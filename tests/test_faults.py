@@ -1,0 +1,76 @@
+"""Training that survives faults: SIGTERM, a kill mid-save, non-finite losses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.checkpoint import list_checkpoints, resolve_checkpoint
+from models.distributed import TorchEngine
+from tests.conftest import ROOT, TINY
+from train import run
+
+
+def test_kill_mid_save_keeps_last_good_checkpoint(compose_cfg, tmp_path, monkeypatch):
+    real_save, calls = TorchEngine.save, []
+
+    def crashing_save(self, folder, tokenizer):
+        calls.append(folder)
+        real_save(self, folder, tokenizer)
+        if len(calls) == 2:  # the second checkpoint dies after writing its weights, before it is published
+            raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(TorchEngine, "save", crashing_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(compose_cfg(*TINY, "trainer.max_steps=4", "trainer.save_every=2"), tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-2"]
+    assert resolve_checkpoint("latest", tmp_path).name == "step-2"
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-2")
+
+
+def test_nonfinite_loss_is_skipped_and_counted(compose_cfg, tmp_path, monkeypatch):
+    real, seen = TorchEngine.forward_backward, []
+
+    def poisoned(self, batch):
+        seen.append(1)
+        if len(seen) == 2:  # the second micro-batch returns NaN and must not update the weights
+            return torch.tensor(float("nan"))
+        return real(self, batch)
+
+    monkeypatch.setattr(TorchEngine, "forward_backward", poisoned)
+    run(compose_cfg(*TINY, "trainer.max_steps=3"), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    bad = {r["step"]: r["train/bad_steps"] for r in rows if "train/bad_steps" in r}
+    assert bad == {1: 0, 2: 1, 3: 1}
+
+
+def test_too_many_nonfinite_losses_stop_the_run(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setattr(TorchEngine, "forward_backward", lambda self, batch: torch.tensor(float("inf")))
+    with pytest.raises(RuntimeError, match="max_bad_steps=1"):
+        run(compose_cfg(*TINY, "trainer.max_steps=5", "trainer.max_bad_steps=1"), tmp_path)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    env = {**os.environ, "POSDEBIAS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *TINY, "trainer.max_steps=100000", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "stop requested" in out
+    ckpt = resolve_checkpoint("latest", tmp_path / "run")
+    AutoModelForCausalLM.from_pretrained(ckpt)
