@@ -1,0 +1,332 @@
+"""Jacobian profile of a decoder LM: how strongly each input position moves the last position.
+
+``rho(j) = || d target / d e_j ||_F`` with ``e_j`` the input embedding at position j and the target
+the final hidden state at the last position (see DESIGN.md, "The Jacobian profile"). Three
+estimators share one forward pass and differ only in the vector-Jacobian products (VJPs) they take:
+
+- ``exact``: the d standard-basis VJPs of the d-dim target, ``exact_chunk`` per batched backward;
+- ``hutchinson``: k Gaussian probes u_i, ``rho^2(j) ≈ mean_i ||J_j^T u_i||^2`` (unbiased for rho^2);
+- ``top_prob``: one VJP of the last position's top-token probability.
+
+The measurement is side-effect free for training: dropout off while measuring, every module's
+train/eval flag restored afterwards, gradients taken w.r.t. the embeddings only (parameter ``.grad``
+untouched), probes drawn from a dedicated generator (global RNG untouched).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ESTIMATORS = ("exact", "hutchinson", "top_prob")
+TARGETS = ("last_hidden", "pre_norm")
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+
+
+@dataclass
+class JacobianConfig:
+    """Hydra group ``jacobian``: what to measure, on which sequences, how often."""
+
+    every: int = 1  # measure every N optimizer steps; 0 turns the profile off
+    estimator: str = "hutchinson"  # exact | hutchinson | top_prob
+    num_probes: int = 8  # Gaussian probes per hutchinson profile (>= 2, for the standard error)
+    target: str = "last_hidden"  # last_hidden (after the final norm) | pre_norm (its input)
+    seq_len: int = 256  # L, tokens per evaluation sequence
+    n_vanilla: int = 2  # sequences that are one document truncated to L
+    n_chunked: int = 2  # sequences of chunk_len-token excerpts of distinct documents
+    chunk_len: int = 300  # c; when L <= c a chunked sequence is a single excerpt
+    exact_chunk: int = 64  # VJPs per batched backward (exact and hutchinson); bounds memory
+    plot_every: int = 50  # redraw the evolution plots every N measured steps
+    seed: int = 0  # probe generator seed; the same probes at every step (common random numbers)
+
+
+@dataclass
+class ProfileResult:
+    """A profile, shape (B, L) or (L,) like the input ids, and its standard error (hutchinson only)."""
+
+    profile: np.ndarray
+    stderr: np.ndarray | None
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Switch every module to eval; restore each module's own flag (not one global flag) on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    """The norm applied after the last decoder layer (Llama/Qwen2/Mistral ``model.norm`` and kin)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
+    for name in _FINAL_NORM_NAMES:
+        norm = getattr(decoder, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise ValueError(f"pre_norm target: {type(decoder).__name__} has none of {_FINAL_NORM_NAMES}")
+
+
+def _input_embeddings(model: nn.Module) -> nn.Module:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PeftModel lacks the method
+    return base.get_input_embeddings()
+
+
+def _target(model: nn.Module, embeds: torch.Tensor, target: str, estimator: str) -> torch.Tensor:
+    """Forward pass from ``embeds`` (B, L, D) to the measured output: (B, d) vectors or (B,) scalars."""
+    if estimator == "top_prob":
+        logits = model(inputs_embeds=embeds, use_cache=False, logits_to_keep=1).logits[:, -1]  # (B, V)
+        probs = logits.float().softmax(-1)  # (B, V)
+        top = probs.detach().argmax(-1, keepdim=True)  # (B, 1)
+        return probs.gather(-1, top).squeeze(-1)  # (B,)
+    if target == "last_hidden":
+        # transformers ties hidden_states[-1] to last_hidden_state (after the final norm) unless told not to.
+        if getattr(getattr(model, "config", None), "tie_last_hidden_states", None) is False:
+            raise ValueError("config.tie_last_hidden_states=False: hidden_states[-1] would be pre-norm")
+        out = model(inputs_embeds=embeds, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        return out.hidden_states[-1][:, -1]  # (B, d)
+    captured: list[torch.Tensor] = []
+    handle = _final_norm(model).register_forward_hook(lambda mod, args, out: captured.append(args[0][:, -1]))
+    try:
+        model(inputs_embeds=embeds, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[-1]  # (B, d)
+
+
+def _vjp_sq_norms(
+    y: torch.Tensor, embeds: torch.Tensor, cotangents: Sequence[torch.Tensor]
+) -> Iterator[torch.Tensor]:
+    """``||J_j^T v||^2`` (n, B, L) float64 per cotangent chunk v (n, B, d), one batched backward each.
+
+    Only one chunk's embedding gradients (n, B, L, D) are alive at a time: that bounds the memory.
+    """
+    for i, v in enumerate(cotangents):
+        (g,) = torch.autograd.grad(
+            y, embeds, v.to(y), retain_graph=i < len(cotangents) - 1, is_grads_batched=True
+        )  # (n, B, L, D)
+        # Square in at least float32: summing D squares in bf16 would keep ~3 significant digits.
+        yield g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum(-1).double()  # (n, B, L)
+
+
+def jacobian_profile(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    estimator: str = "hutchinson",
+    num_probes: int = 8,
+    target: str = "last_hidden",
+    chunk: int = 64,
+    generator: torch.Generator | None = None,
+) -> ProfileResult:
+    """Per-position Jacobian norm of ``target`` at the last position w.r.t. the input embeddings.
+
+    ``input_ids`` is (B, L) or (L,); the result has the same leading shape. ``chunk`` VJPs share a
+    batched backward. ``generator`` (CPU) draws the hutchinson probes; None means a fresh one seeded 0.
+    The hutchinson standard error is the delta-method one for rho: ``se(rho^2) / (2 rho)`` with
+    ``se(rho^2)`` = the sample std of the k per-probe squared norms over sqrt(k). Probes are shared
+    by all positions of a sequence, so errors along one sequence are correlated. ``top_prob`` has
+    its own scalar target and ignores ``target``.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if estimator == "hutchinson" and num_probes < 2:
+        raise ValueError(f"hutchinson needs num_probes >= 2 for its standard error, got {num_probes}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    squeeze = input_ids.dim() == 1
+    ids = input_ids.unsqueeze(0) if squeeze else input_ids  # (B, L)
+    stderr = None
+    emb_layer = _input_embeddings(model)
+    with _eval_mode(model), torch.enable_grad():
+        embeds = emb_layer(ids.to(emb_layer.weight.device)).detach().requires_grad_(True)  # (B, L, D)
+        y = _target(model, embeds, target, estimator)  # (B, d) or (B,)
+        B = y.shape[0]
+        if estimator == "top_prob":
+            (g,) = torch.autograd.grad(y.sum(), embeds)  # (B, L, D); batch rows are independent
+            rho = g.to(torch.promote_types(g.dtype, torch.float32)).norm(dim=-1).double()  # (B, L)
+        elif estimator == "exact":
+            d = y.shape[-1]
+            eye = torch.eye(d, dtype=y.dtype, device=y.device)  # (d, d)
+            basis = [eye[s:s + chunk, None, :].expand(-1, B, -1) for s in range(0, d, chunk)]  # [(n, B, d)]
+            rho = sum(sq.sum(0) for sq in _vjp_sq_norms(y, embeds, basis)).sqrt()  # (B, L)
+        else:
+            gen = generator if generator is not None else torch.Generator().manual_seed(0)
+            u = torch.randn(num_probes, B, y.shape[-1], generator=gen, dtype=torch.float64)  # (k, B, d)
+            q = torch.cat(list(_vjp_sq_norms(y, embeds, u.to(y.device).split(chunk))))  # (k, B, L)
+            rho = q.mean(0).sqrt()  # (B, L)
+            se_sq = q.std(0) / math.sqrt(num_probes)  # (B, L): standard error of the rho^2 estimate
+            # delta method: d rho = d(rho^2) / (2 rho); rho = 0 only where every probe gave 0, so se = 0
+            stderr = (se_sq / (2 * rho).clamp_min(torch.finfo(torch.float64).tiny)).cpu().numpy()
+    profile = rho.detach().cpu().numpy()
+    if squeeze:
+        profile = profile[0]
+        stderr = None if stderr is None else stderr[0]
+    return ProfileResult(profile=profile, stderr=stderr)
+
+
+def measure_sets(
+    model: nn.Module, seqs: Mapping[str, torch.Tensor], cfg: JacobianConfig
+) -> dict[str, ProfileResult]:
+    """One profile per evaluation set (each set one batch), with the same probes at every call."""
+    return {
+        name: jacobian_profile(
+            model, ids, cfg.estimator, cfg.num_probes, cfg.target, cfg.exact_chunk,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+        for name, ids in seqs.items()
+    }
+
+
+def build_eval_sequences(
+    documents: Sequence[Sequence[int] | np.ndarray],
+    seq_len: int,
+    n_vanilla: int,
+    n_chunked: int,
+    chunk_len: int,
+) -> dict[str, torch.Tensor]:
+    """Evaluation sequences ``{"vanilla": (n_vanilla, L), "chunked": (n_chunked, L)}`` of token ids.
+
+    Policy, deterministic in document order:
+
+    - vanilla i = the i-th document with at least L tokens, truncated to L;
+    - chunked: ceil(L / c) excerpts per sequence, excerpt m at positions [m c, (m+1) c), the last one
+      cut to fit L (so L <= c gives one excerpt); an excerpt is the first tokens of a document with
+      at least min(c, L) tokens. Excerpts come from documents not used by vanilla first, each
+      document once; only when those run out do documents repeat (the vanilla ones join the
+      rotation), with a warning. A sequence never holds two excerpts of one document.
+
+    Raises ValueError when fewer than n_vanilla documents have L tokens, or fewer distinct documents
+    than excerpts per chunked sequence are long enough.
+    """
+    if seq_len < 1 or chunk_len < 1 or n_vanilla < 0 or n_chunked < 0:
+        raise ValueError(f"need seq_len, chunk_len >= 1 and counts >= 0, got {seq_len}, {chunk_len}, "
+                         f"{n_vanilla}, {n_chunked}")
+    docs = [np.asarray(doc, dtype=np.int64) for doc in documents]
+    long_docs = [i for i, doc in enumerate(docs) if len(doc) >= seq_len]
+    if len(long_docs) < n_vanilla:
+        raise ValueError(f"vanilla needs {n_vanilla} documents of >= {seq_len} tokens, "
+                         f"found {len(long_docs)}")
+    vanilla_ids = long_docs[:n_vanilla]
+    vanilla = [docs[i][:seq_len] for i in vanilla_ids]
+
+    widths = [min(chunk_len, seq_len - s) for s in range(0, seq_len, chunk_len)]  # excerpt lengths
+    used = set(vanilla_ids)
+    fresh = [i for i, doc in enumerate(docs) if len(doc) >= widths[0] and i not in used]
+    pool = fresh + vanilla_ids  # vanilla documents have L >= widths[0] tokens
+    if n_chunked and len(pool) < len(widths):
+        raise ValueError(f"chunked needs {len(widths)} distinct documents of >= {widths[0]} tokens, "
+                         f"found {len(pool)}")
+    n_excerpts = n_chunked * len(widths)
+    if n_excerpts > len(fresh):
+        log.warning("chunked: %d excerpts from %d documents not used by vanilla; documents repeat",
+                    n_excerpts, len(fresh))
+    # Consecutive excerpts walk the pool cyclically, so a sequence (len(widths) <= len(pool)) never
+    # repeats a document.
+    chunked = [
+        np.concatenate([docs[pool[(n * len(widths) + m) % len(pool)]][:w] for m, w in enumerate(widths)])
+        for n in range(n_chunked)
+    ]
+
+    def stack(rows: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, seq_len, dtype=torch.long)
+
+    return {"vanilla": stack(vanilla), "chunked": stack(chunked)}  # (n, L) each
+
+
+class JacobianRecorder:
+    """Profiles of every measured step in ``jacobian.npz``: ``<set>`` (n_seq, n_steps, L), ``steps``.
+
+    The file is rewritten atomically after every step, so a crash keeps every finished step.
+    Constructed on an existing file it continues that file (training resume); a step at or before
+    the last recorded one drops the recorded steps from it on, because a resumed run measures them
+    again. Stored as float32 (7 significant digits over many decades is enough for plots and metrics).
+    """
+
+    def __init__(self, path: str | os.PathLike, sets: Mapping[str, int], seq_len: int) -> None:
+        if "steps" in sets:
+            raise ValueError("'steps' is reserved for the step array; rename the set")
+        self.path = Path(path)
+        self.sets = dict(sets)
+        self.seq_len = seq_len
+        self._steps: list[int] = []
+        self._rows: dict[str, list[np.ndarray]] = {name: [] for name in self.sets}  # per step (n_seq, L)
+        if self.path.exists():
+            self._resume()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> JacobianRecorder:
+        """A recorder continuing ``path``, with sets and L read from the file."""
+        with np.load(path) as z:
+            sets = {k: z[k].shape[0] for k in z.files if k != "steps"}
+            seq_len = next(z[k].shape[2] for k in z.files if k != "steps")
+        return cls(path, sets, seq_len)
+
+    def _resume(self) -> None:
+        with np.load(self.path) as z:
+            arrays = {k: z[k] for k in z.files}
+        expected = {name: (n, len(arrays["steps"]), self.seq_len) for name, n in self.sets.items()}
+        found = {k: v.shape for k, v in arrays.items() if k != "steps"}
+        if found != expected:
+            raise ValueError(f"{self.path} holds {found}, this run expects {expected}")
+        self._steps = [int(s) for s in arrays["steps"]]
+        self._rows = {name: list(arrays[name].transpose(1, 0, 2)) for name in self.sets}
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.asarray(self._steps, dtype=np.int64)
+
+    def array(self, name: str) -> np.ndarray:
+        """Recorded profiles of one set, (n_seq, n_steps, L)."""
+        rows = self._rows[name]
+        if not rows:
+            return np.empty((self.sets[name], 0, self.seq_len), dtype=np.float32)
+        return np.stack(rows, axis=1)
+
+    def add(self, step: int, profiles: Mapping[str, np.ndarray]) -> None:
+        """Append one step's profiles ``{set: (n_seq, L)}`` and rewrite the file."""
+        if set(profiles) != set(self.sets):
+            raise ValueError(f"expected profiles for sets {sorted(self.sets)}, got {sorted(profiles)}")
+        for name, prof in profiles.items():
+            if np.shape(prof) != (self.sets[name], self.seq_len):
+                raise ValueError(f"set {name!r}: expected shape {(self.sets[name], self.seq_len)}, "
+                                 f"got {np.shape(prof)}")
+        keep = sum(s < step for s in self._steps)
+        if keep < len(self._steps):
+            log.info("jacobian: step %d already recorded; dropping %d recorded steps from it on",
+                     step, len(self._steps) - keep)
+        self._steps = self._steps[:keep] + [int(step)]
+        for name, prof in profiles.items():
+            self._rows[name] = self._rows[name][:keep] + [np.asarray(prof, dtype=np.float32)]
+        self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {name: self.array(name) for name in self.sets}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, steps=self.steps, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise

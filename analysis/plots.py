@@ -1,0 +1,151 @@
+"""PNG figures for a run: Jacobian profile evolution, fit to the prior, heatmap, accuracy by depth.
+
+Figures are built on ``matplotlib.figure.Figure`` (Agg canvas), not pyplot, so plotting from the
+training loop touches no global backend or figure state. Each function writes one PNG and returns
+its path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+
+from analysis.prior import fit_alpha, prior_profile
+
+MAX_LINES = 128  # evolution plots draw at most this many steps, evenly spaced, first and last included
+RHO_LABEL = r"$\rho(j) = \|\partial\, \mathrm{target} / \partial e_j\|$"
+X_LABEL = "relative position x = (j-1)/(L-1)"
+
+
+def _save(fig: Figure, out_png: str | os.PathLike) -> Path:
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def _rel_x(L: int) -> np.ndarray:
+    return np.arange(L) / max(L - 1, 1)  # (L,)
+
+
+def _load_set(npz_path: str | os.PathLike, set_name: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Steps (S,), the mean-over-sequences profiles (S, L) and the sequence count of one set."""
+    with np.load(npz_path) as z:
+        if set_name not in z.files:
+            held = [k for k in z.files if k != "steps"]
+            raise KeyError(f"{npz_path} has no set {set_name!r}; it holds {held}")
+        steps, profiles = z["steps"], z[set_name].astype(np.float64)  # (S,), (n_seq, S, L)
+    if len(steps) == 0:
+        raise ValueError(f"{npz_path} holds no measured step yet")
+    return steps, profiles.mean(axis=0), profiles.shape[0]  # (S,), (S, L), n_seq
+
+
+def _step_norm(steps: np.ndarray) -> Normalize:
+    return Normalize(vmin=float(steps.min()), vmax=float(max(steps.max(), steps.min() + 1)))
+
+
+def plot_evolution(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_name: str) -> Path:
+    """Mean profile per measured step, raw and anchored at x=1 (divided by rho(L)), coloured by step."""
+    steps, mean, n_seq = _load_set(npz_path, set_name)  # (S,), (S, L)
+    x = _rel_x(mean.shape[1])
+    shown = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), MAX_LINES)).round().astype(int))
+    norm, cmap = _step_norm(steps), colormaps["viridis"]
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    raw, anchored = fig.subplots(1, 2)
+    for i in shown:
+        colour = cmap(norm(steps[i]))
+        raw.plot(x, mean[i], color=colour, lw=0.8)
+        anchored.plot(x, mean[i] / mean[i, -1], color=colour, lw=0.8)
+    raw.set(yscale="log", xlabel=X_LABEL, ylabel=RHO_LABEL, title="raw")
+    anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1")
+    for ax in (raw, anchored):
+        ax.grid(True, which="major", alpha=0.3)
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=[raw, anchored], label="training step")
+    fig.suptitle(f"Jacobian profile evolution, {set_name}: mean of {n_seq} sequences, L = {mean.shape[1]}, "
+                 f"{len(steps)} steps")
+    return _save(fig, out_png)
+
+
+def plot_profile_vs_prior(profile: np.ndarray, H: int, out_png: str | os.PathLike, title: str = "") -> Path:
+    """A profile (L,) against its best-fitting Cesàro prior with a free scale, raw and anchored."""
+    profile = np.asarray(profile, dtype=np.float64)
+    fit = fit_alpha(profile, H)
+    prior = prior_profile(len(profile), H, fit.alpha) * 10.0**fit.log10_scale  # (L,)
+    x = _rel_x(len(profile))
+    prior_label = (f"prior, H = {H}, a = {fit.alpha:.3f} "
+                   f"(Spearman {fit.spearman:.3f}, RMSE {fit.rmse_log10:.3f} dex)")
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    raw, anchored = fig.subplots(1, 2)
+    raw.plot(x, profile, lw=1.0, label="measured")
+    raw.plot(x, prior, lw=1.0, ls="--", color="k", label=prior_label)
+    anchored.plot(x, profile / profile[-1], lw=1.0, label="measured")
+    anchored.plot(x, prior / prior[-1], lw=1.0, ls="--", color="k", label="prior")
+    raw.set(yscale="log", xlabel=X_LABEL, ylabel=RHO_LABEL, title="raw (prior scaled by the fit)")
+    anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1")
+    for ax in (raw, anchored):
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "Jacobian profile vs. Cesàro prior")
+    return _save(fig, out_png)
+
+
+def _edges(centres: np.ndarray) -> np.ndarray:
+    """Cell edges around (possibly uneven) centres, for pcolormesh."""
+    c = np.asarray(centres, dtype=np.float64)
+    if len(c) == 1:
+        return np.array([c[0] - 0.5, c[0] + 0.5])
+    mid = (c[1:] + c[:-1]) / 2
+    return np.concatenate([[2 * c[0] - mid[0]], mid, [2 * c[-1] - mid[-1]]])
+
+
+def plot_heatmap(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_name: str) -> Path:
+    """Step x position heatmap of log10 of the mean profile normalized to sum 1 at each step."""
+    steps, mean, n_seq = _load_set(npz_path, set_name)  # (S,), (S, L)
+    share = mean / mean.sum(axis=1, keepdims=True)  # (S, L)
+    with np.errstate(divide="ignore"):
+        log_share = np.log10(share)  # (S, L); exact zeros become -inf and are drawn blank
+    L = mean.shape[1]
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    mesh = ax.pcolormesh(_edges(_rel_x(L)), _edges(steps), np.ma.masked_invalid(log_share), cmap="magma")
+    ax.set(xlabel=X_LABEL, ylabel="training step",
+           title=f"log10 normalized Jacobian profile, {set_name}: mean of {n_seq} sequences, L = {L}")
+    fig.colorbar(mesh, ax=ax, label=r"$\log_{10}\,(\rho(j)\, /\, \Sigma_i\, \rho(i))$")
+    return _save(fig, out_png)
+
+
+def plot_depth_accuracy(
+    curves: Mapping[str, Sequence[float]],
+    out_png: str | os.PathLike,
+    title: str = "",
+    xlabel: str = "gold depth bin",
+) -> Path:
+    """Accuracy per gold-depth bin, one line per label (e.g. 'step 0', 'step 500'); bins split [0, 1]."""
+    if not curves:
+        raise ValueError("no curves to plot")
+    n_bins = {len(acc) for acc in curves.values()}
+    if len(n_bins) != 1:
+        raise ValueError(f"every curve needs the same number of bins, got {sorted(n_bins)}")
+    n = n_bins.pop()
+    x = np.arange(n)
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for label, acc in curves.items():
+        ax.plot(x, np.asarray(acc, dtype=np.float64), marker="o", label=label)
+    ax.set_xticks(x, [f"{100 * i / n:.0f}-{100 * (i + 1) / n:.0f}%" for i in range(n)],
+                  rotation=45 if n > 6 else 0)
+    ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(0.0, 1.02), title=title or "Accuracy by gold depth")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_png)

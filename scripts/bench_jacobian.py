@@ -1,0 +1,138 @@
+"""Cost of the per-step Jacobian profile relative to one training step, on CPU.
+
+    python scripts/bench_jacobian.py      # needs the project importable (pip install -e .)
+
+Model: random-init Qwen2 (hidden 128, 4 layers, 4 heads, 2 KV heads, MLP 256, vocab 1024), one
+sequence of L=512 tokens. Rows:
+
+- ``train_step``: forward + backward + AdamW step with the LM loss over all positions;
+- ``hutchinson_k8``: one ``jacobian_profile`` with 8 probes (the default logging cost);
+- ``exact``: the exact profile (d = 128 VJPs in batches of 64), for reference.
+
+Time: best of ``repeats`` runs after one warm-up, the three interleaved so that load from other
+processes hits them alike. Memory: CPU tensors bypass tracemalloc, so each operation runs once in a
+fresh spawned process and we read the kernel's peak resident set size (VmHWM, reset through
+/proc/self/clear_refs just before the operation) minus the resident size before it: the extra RAM
+the operation needs on top of the loaded model, allocator overhead included (Linux only; None elsewhere).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+import transformers
+
+from analysis.jacobian import jacobian_profile
+
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    hidden: int = 128
+    layers: int = 4
+    seq_len: int = 512
+    vocab: int = 1024
+    num_probes: int = 8
+    exact_chunk: int = 64
+
+
+def _build(setup: BenchSetup) -> tuple[transformers.PreTrainedModel, torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        hidden_size=setup.hidden, num_hidden_layers=setup.layers, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=2 * setup.hidden, vocab_size=setup.vocab,
+        max_position_embeddings=setup.seq_len,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, setup.vocab, (1, setup.seq_len))  # (1, L)
+    return model, ids
+
+
+def _operations(model: torch.nn.Module, ids: torch.Tensor, setup: BenchSetup) -> dict[str, Callable]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step() -> None:
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return {
+        "train_step": train_step,
+        f"hutchinson_k{setup.num_probes}": lambda: jacobian_profile(model, ids, num_probes=setup.num_probes),
+        "exact": lambda: jacobian_profile(model, ids, "exact", chunk=setup.exact_chunk),
+    }
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _peak_mb(name: str, setup: BenchSetup) -> float | None:
+    """Extra peak RSS of one run of ``name`` in this (fresh) process, in MiB; None without /proc."""
+    if not CLEAR_REFS.exists():
+        return None
+    model, ids = _build(setup)
+    op = _operations(model, ids, setup)[name]
+    gc.collect()
+    CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+    before = _status_kb("VmRSS")
+    op()
+    return (_status_kb("VmHWM") - before) / 1024
+
+
+def bench_jacobian(setup: BenchSetup = BenchSetup(), repeats: int = 7, exact_repeats: int = 2) -> list[dict]:
+    """Time and extra peak RSS of a hutchinson and an exact profile against one training step.
+
+    Rows: ``name``, ``ratio`` (best time over the training step's best), ``seconds``,
+    ``extra_peak_rss_mib`` (None without /proc) and the setup. The exact profile (~d/k times the
+    hutchinson cost) runs only in the first ``exact_repeats`` timed rounds.
+    """
+    model, ids = _build(setup)
+    ops = _operations(model, ids, setup)
+    best = {name: float("inf") for name in ops}
+    for rep in range(repeats + 1):  # round 0 is the warm-up
+        for name, op in ops.items():
+            if name == "exact" and rep > exact_repeats:
+                continue
+            t0 = time.perf_counter()
+            op()
+            if rep:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    peaks = {}
+    for name in ops:  # a fresh process each, so no allocator cache from an earlier operation hides the peak
+        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            peaks[name] = pool.submit(_peak_mb, name, setup).result()
+    n_params = sum(p.numel() for p in model.parameters())
+    return [
+        dict(
+            name=name, ratio=best[name] / best["train_step"], seconds=best[name],
+            extra_peak_rss_mib=peaks[name], params=n_params, threads=torch.get_num_threads(), **asdict(setup),
+        )
+        for name in ops
+    ]
+
+
+def main() -> None:
+    rows = bench_jacobian()
+    print(f"{'operation':<16}{'seconds':>10}{'x train':>10}{'peak MiB':>10}")
+    for r in rows:
+        peak = "n/a" if r["extra_peak_rss_mib"] is None else f"{r['extra_peak_rss_mib']:.1f}"
+        print(f"{r['name']:<16}{r['seconds']:>10.4f}{r['ratio']:>10.2f}{peak:>10}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
