@@ -30,7 +30,16 @@ class BatchStream:
     this rank; restoring it continues the exact same order after a resume.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, pad_id: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        dataset,
+        micro_batch_size: int,
+        pad_id: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        label_context: bool = False,
+    ):
         if len(dataset) < micro_batch_size * world_size:
             raise ValueError(
                 f"{len(dataset)} training samples cannot fill one global micro-batch of "
@@ -38,6 +47,7 @@ class BatchStream:
             )
         self.dataset, self.micro_batch_size, self.pad_id = dataset, micro_batch_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.label_context = label_context
         self.per_epoch = len(dataset) // (micro_batch_size * world_size)
         self.position = 0
 
@@ -60,5 +70,9 @@ class BatchStream:
     def _rows(self, indices: list[int]) -> list[dict[str, Any]]:
         if hasattr(self.dataset, "column_names"):  # a datasets.Dataset: one columnar read per batch
             cols = self.dataset.select_columns(["input_ids", "labels"])[indices]
-            return [{"input_ids": i, "labels": lab} for i, lab in zip(cols["input_ids"], cols["labels"])]
-        return [self.dataset[i] for i in indices]
+            rows = [{"input_ids": i, "labels": lab} for i, lab in zip(cols["input_ids"], cols["labels"])]
+        else:
+            rows = [self.dataset[i] for i in indices]
+        if self.label_context:  # language-model loss on every token, not only on the answer
+            rows = [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows]
+        return rows

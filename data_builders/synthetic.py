@@ -6,8 +6,10 @@ the model can only answer by finding the entity's segment in the context. Same s
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 _SYLLABLES = (
     "ka lo mir ven tor sa bel dra fin gor hul ix jun kes lun mor nax oru pel quin ras sil tam "
@@ -55,6 +57,11 @@ class Document:
 def _name(rng: random.Random) -> str:
     n_syll = rng.choice((2, 3))
     return "".join(rng.choice(_SYLLABLES) for _ in range(n_syll)).capitalize()
+
+
+def max_documents() -> int:
+    """Distinct entity names, hence documents, that `generate_documents` can produce."""
+    return len({"".join(p) for k in (2, 3) for p in itertools.product(_SYLLABLES, repeat=k)})
 
 
 def generate_documents(n: int, seed: int, prefix: str = "syn") -> list[Document]:
@@ -122,14 +129,22 @@ def _fact(attribute: str, value: str) -> str:
     return _TEMPLATES[attribute][0].split("{n}")[1].format(v=value).strip(" .")
 
 
+def _partner(candidates: Sequence[int], ok: Callable[[int], bool], rng: random.Random) -> int | None:
+    """A uniform draw among the `candidates` that pass `ok` (rejection sampling; None if 20 draws fail)."""
+    for _ in range(20):
+        b = rng.choice(candidates)
+        if ok(b):
+            return b
+    return None
+
+
 def _two_hop(docs, facts, by_value, rng) -> IntegrationQA | None:
     a = rng.randrange(len(docs))
     bridge, target = rng.sample(ATTRIBUTES, 2)
     value = facts[a][bridge]
-    partners = [b for b in by_value[bridge][value] if b != a and facts[b][target] != facts[a][target]]
-    if not partners:
+    b = _partner(by_value[bridge][value], lambda b: b != a and facts[b][target] != facts[a][target], rng)
+    if b is None:
         return None
-    b = rng.choice(partners)
     who = "the person who " + _BRIDGES[bridge].format(a=docs[a].entity)
     question = _TEMPLATES[target][1].format(n=who)
     return IntegrationQA(question, (facts[b][target],), (a, b), "two_hop", True, (_fact(bridge, value),))
@@ -139,13 +154,11 @@ def _comparison(docs, facts, by_value, rng) -> IntegrationQA | None:
     a = rng.randrange(len(docs))
     attribute = rng.choice(ATTRIBUTES)
     if rng.random() < 0.5:
-        partners = [b for b in by_value[attribute][facts[a][attribute]] if b != a]
+        b = _partner(by_value[attribute][facts[a][attribute]], lambda b: b != a, rng)
     else:
-        partners = [rng.randrange(len(docs)) for _ in range(8)]
-        partners = [b for b in partners if facts[b][attribute] != facts[a][attribute]]
-    if not partners:
+        b = _partner(range(len(docs)), lambda b: facts[b][attribute] != facts[a][attribute], rng)
+    if b is None:
         return None
-    b = rng.choice(partners)
     answer = "yes" if facts[a][attribute] == facts[b][attribute] else "no"
     question = _COMPARISONS[attribute].format(a=docs[a].entity, b=docs[b].entity)
     return IntegrationQA(question, (answer,), (a, b), "comparison", False)
@@ -164,8 +177,8 @@ def _count(docs, facts, by_value, rng) -> IntegrationQA | None:
         if facts[c][attribute] != value and c not in chosen:
             chosen.append(c)
     rng.shuffle(chosen)
-    names = dict(zip("abc", (docs[c].entity for c in chosen)))
-    return IntegrationQA(_COUNTS[attribute].format(v=value, **names), (str(k),), tuple(chosen), "count", False)
+    question = _COUNTS[attribute].format(v=value, **dict(zip("abc", (docs[c].entity for c in chosen))))
+    return IntegrationQA(question, (str(k),), tuple(chosen), "count", False)
 
 
 def integration_questions(docs: list[Document], n: int, seed: int) -> list[IntegrationQA]:

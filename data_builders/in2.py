@@ -1,0 +1,714 @@
+"""IN2 assembly: answer-bearing segments placed at every depth of a long context (An et al. 2024).
+
+Sources (data_builders.sources) give passages and questions; pools (data_builders.pools) tokenize
+every passage once into segments; a sample concatenates segment token ids, so no assembled context
+is ever re-tokenized. One sample, as token ids:
+
+    [chat prefix] context question-piece [chat suffix] answer eos      (labels: answer and eos only)
+    context = tail of a distractor | whole distractors | GOLD | whole distractors ... | head of a distractor
+
+Depth. Of the C context tokens, F are free (not gold). Each gold segment draws its number of free
+tokens before it, p_i, uniformly from {0, ..., F}, independently of the other golds; its depth is
+p_i / F. Sorting the p_i gives the layout, and each gap between golds is filled with whole
+distractor segments plus one partial segment (a segment's tail at the start of a gap, a segment's
+head at the end of the context), so every gold starts exactly at its drawn position. Depth is thus
+uniform at token resolution (1/F) instead of taking one value per slot, and the golds of an
+integration sample are placed independently. The cost: a context opens and closes mid-segment,
+like an excerpt. `depth` is the depth of the first gold the question names (`gold_spans[0]`);
+`depths` holds every gold's, in the order of `gold_spans`. short_qa samples have no free tokens
+(the question with its evidence only) and depth 0.
+
+Distractors never come from an evidence passage and never contain a normalized answer (nor a
+question's extra `forbid` strings). Same config and seed, same bytes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+from datasets import Dataset, DatasetDict, DatasetInfo, Features, List, Value, load_from_disk
+from datasets.fingerprint import Hasher
+from datasets.table import InMemoryTable
+from omegaconf import OmegaConf
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from data_builders.pools import Pool, build_pool, encode, pool_stats, tokenizer_digest
+from data_builders.sources import (
+    FieldMap,
+    SourceData,
+    SourceSplit,
+    check_paths,
+    file_identity,
+    load_source,
+    normalize,
+)
+from data_builders.tokenizer import default_cache_dir, encode_pieces, train_bpe_tokenizer
+
+QUESTION_TEMPLATE = "\n\n{instruction}Question: {question}\nAnswer:"
+CHAT_QUESTION_TEMPLATE = "\n\n{instruction}Question: {question}"  # the chat template opens the answer turn
+SEGMENT_SEPARATOR = "\n"
+TASKS = ("fine_grained", "integration", "short_qa")
+SOURCES = ("synthetic", "nq", "hf")
+BUILD_FILE = "build.json"
+HELDOUT_FILE = "heldout_docs.json"
+RECORD_FEATURES = Features(
+    {
+        "input_ids": List(Value("int32")),  # prompt + answer + eos
+        "labels": List(Value("int32")),  # -100 except the answer tokens and eos
+        "prompt_len": Value("int32"),  # tokens before the answer
+        "gold_spans": List(List(Value("int32"))),  # [start, end) of each gold segment, question order
+        "depth": Value("float64"),  # depth of gold_spans[0] in [0, 1]
+        "depths": List(Value("float64")),  # depth of every gold segment, same order
+        "context_len": Value("int32"),  # context tokens (between chat prefix and question)
+        "task": Value("string"),  # fine_grained | integration | short_qa
+        "answers": List(Value("string")),
+        "source": Value("string"),
+        "id": Value("string"),
+    }
+)
+_CODE = ("in2.py", "pools.py", "sources.py", "synthetic.py", "tokenizer.py")
+_BLOCK = 1000  # samples per Arrow record batch
+
+
+@dataclass
+class TaskMix:
+    """Share of each IN2 task among the samples (normalized to sum to 1)."""
+
+    fine_grained: float = 1.0  # one answer-bearing segment in a long context
+    integration: float = 0.0  # two or three segments, each placed independently
+    short_qa: float = 0.0  # the question with its evidence only (keeps short-context skills)
+
+
+@dataclass
+class DataConfig:
+    name: str = "in2_synthetic"
+    source: str = "synthetic"  # synthetic (embedded, no download) | nq | hf
+    path: Optional[str] = None  # data file of a file-based source (hub dataset name for hf)
+    context_len: int = 256  # token budget of a sample: context + question + answer (the largest, if drawn)
+    segment_len: int = 64  # longest segment in tokens; longer passages are cut at sentence ends
+    num_train: int = 20000  # training samples
+    num_eval: int = 200  # held-out samples (eval loss and accuracy by depth)
+    num_train_docs: int = 4000  # documents (evidence passages) in the training pool
+    num_eval_docs: int = 400  # held-out documents (eval samples, Jacobian sequences)
+    heldout_doc_len: int = 2048  # held-out documents are concatenated up to this length for the Jacobian
+    vocab_size: int = 1024  # BPE vocabulary when the model has no tokenizer of its own
+    seed: int = 0
+    prebuilt: Optional[str] = None  # folder written by scripts/build_dataset.py: load it instead of building
+    context_len_min: Optional[int] = None  # when set, budgets are uniform in [context_len_min, context_len]
+    context_lens: list[int] = field(default_factory=list)  # when set, each budget is drawn from these lengths
+    tasks: TaskMix = field(default_factory=TaskMix)  # task mix (the eval split leaves short_qa out)
+    fields: FieldMap = field(default_factory=FieldMap)  # record fields of an hf source
+    hf_config: Optional[str] = None  # configuration name of an hf hub dataset
+    hf_split: str = "train"  # split of an hf hub dataset
+    filler_path: Optional[str] = None  # extra distractor text: a .txt file, or a data file with filler_field
+    filler_field: str = "text"  # text column of a non-.txt filler_path
+    instruction: Optional[str] = None  # FILM-style instruction line between the context and the question
+    chat_template: bool = False  # wrap context + question in the tokenizer's chat template (user turn)
+    num_proc: Optional[int] = None  # tokenization processes; None = one per 20k passages, up to the CPUs
+    cache: bool = True  # reuse pools and finished builds under default_cache_dir()
+    format: str = "in2"  # in2 (this module) | lm_windows (data_builders.windows: LM windows of documents)
+    doc_len: int = 4096  # lm_windows: passages joined into documents of at least this many tokens
+    train_docs: list[int] = field(default_factory=lambda: [0, 50])  # lm_windows: [first, last) train docs
+    eval_docs: list[int] = field(default_factory=lambda: [50, 60])  # lm_windows: [first, last) held-out ones
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    eval: Dataset
+    heldout_docs: list[list[int]]  # token ids of long held-out documents (Jacobian sequences)
+    tokenizer: PreTrainedTokenizerBase
+    stats: dict[str, Any] = field(default_factory=dict)  # counts, skips, fingerprints (the dataset card)
+
+
+@dataclass
+class PromptFormat:
+    """Token pieces around a context: [prefix] context question [suffix] answer eos."""
+
+    prefix: np.ndarray  # (p,) int32
+    suffix: np.ndarray  # (s,) int32
+    separator: list[int]
+    eos: int
+    instruction: Optional[str] = None
+    chat: bool = False
+
+    @property
+    def eos_ids(self) -> np.ndarray:
+        return np.asarray([self.eos], np.int32)
+
+    @property
+    def overhead(self) -> int:
+        return len(self.prefix) + len(self.suffix) + 1
+
+    def question_text(self, question: str) -> str:
+        template = CHAT_QUESTION_TEMPLATE if self.chat else QUESTION_TEMPLATE
+        instruction = f"{self.instruction}\n" if self.instruction else ""
+        return template.format(instruction=instruction, question=question)
+
+    def answer_text(self, answer: str) -> str:
+        return answer if self.chat else " " + answer
+
+
+@dataclass(frozen=True, eq=False)  # identity hashing: items key the token cache, hashing fields is slow
+class Item:
+    """A question ready for assembly."""
+
+    question: str
+    answers: tuple[str, ...]
+    task: str  # fine_grained | integration
+    golds: tuple[int, ...]  # pool segments holding the evidence, in the order the question names them
+    exclude: frozenset[int]  # passages no distractor may come from (the evidence passages)
+    forbid: tuple[str, ...]  # normalized strings no distractor may contain
+
+
+@dataclass
+class Plan:
+    """One sample before its ids are gathered: pieces of pool units in context order."""
+
+    item: Item
+    task: str
+    q_ids: np.ndarray  # (q,) int32 question piece
+    a_ids: np.ndarray  # (a,) int32 answer piece (without eos)
+    segs: list[int]  # pool segment of each piece
+    lo: list[int]  # each piece is tokens lo:hi of its unit (segment + separator)
+    hi: list[int]
+    gold_pieces: list[int]  # piece index of each gold, in question order
+    depths: list[float]  # depth of each gold, in question order
+
+
+def as_data_config(cfg: Any) -> DataConfig:
+    """A typed DataConfig from a DataConfig, an OmegaConf node (e.g. `cfg.data`) or a plain dict."""
+    if isinstance(cfg, DataConfig):
+        return cfg
+    if OmegaConf.is_config(cfg):
+        obj = OmegaConf.to_object(cfg)
+        if isinstance(obj, DataConfig):
+            return obj
+        cfg = obj
+    values = dict(cfg)
+    for name, kind in (("tasks", TaskMix), ("fields", FieldMap)):
+        if isinstance(values.get(name), dict):
+            values[name] = kind(**values[name])
+    return DataConfig(**values)
+
+
+def check_config(cfg: DataConfig) -> None:
+    """Fail at start-up on settings that cannot give a sample, before anything is loaded."""
+    if cfg.source not in SOURCES:
+        raise ValueError(f"data.source={cfg.source!r} is not a known source (known: {', '.join(SOURCES)})")
+    shares = vars(cfg.tasks)
+    if any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
+        raise ValueError(f"data.tasks must be non-negative with a positive sum, got {shares}")
+    if cfg.context_lens and cfg.context_len_min is not None:
+        raise ValueError("set data.context_lens (a set) or data.context_len_min (a range), not both")
+    if cfg.context_lens and max(cfg.context_lens) > cfg.context_len:
+        largest = max(cfg.context_lens)
+        raise ValueError(f"data.context_lens has {largest}, more than data.context_len={cfg.context_len}")
+    if cfg.context_len_min is not None and not 0 < cfg.context_len_min <= cfg.context_len:
+        raise ValueError(f"data.context_len_min={cfg.context_len_min} must be in (0, {cfg.context_len}]")
+    smallest = min(cfg.context_lens) if cfg.context_lens else (cfg.context_len_min or cfg.context_len)
+    if not 0 < cfg.segment_len < smallest:
+        raise ValueError(
+            f"data.segment_len={cfg.segment_len} must be positive and smaller than the smallest context "
+            f"length ({smallest})"
+        )
+    check_paths(cfg.source, cfg.path, cfg.filler_path)
+
+
+def make_format(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> PromptFormat:
+    """Prompt pieces for `tokenizer`; with `cfg.chat_template`, the template's text around the user turn."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token; IN2 answers end with one")
+    separator = encode_pieces(tokenizer, [SEGMENT_SEPARATOR])[0]
+    prefix: list[int] = []
+    suffix: list[int] = []
+    if cfg.chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("data.chat_template=true, but the tokenizer has no chat template")
+        marker = "\ue000USER\ue000"  # a private-use marker no template contains
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+        )
+        before, after = text.split(marker)
+        prefix, suffix = encode_pieces(tokenizer, [before, after])
+    return PromptFormat(
+        np.asarray(prefix, np.int32), np.asarray(suffix, np.int32), separator, tokenizer.eos_token_id,
+        cfg.instruction, cfg.chat_template,
+    )
+
+
+def corpus_texts(split: SourceSplit, cfg: DataConfig) -> list[str]:
+    """Every string a training sample can contain, for training a tokenizer on the corpus."""
+    none = np.zeros(0, np.int32)
+    fmt = PromptFormat(none, none, [], 0, cfg.instruction, cfg.chat_template)
+    return list(split.passages) + [fmt.question_text(q.question) for q in split.questions]
+
+
+def resolve(split: SourceSplit, pool: Pool, skipped: dict[str, int]) -> list[Item]:
+    """Items of `split`, each evidence passage mapped to its gold segment; unusable questions go to `skipped`.
+
+    A passage that fits one segment is its gold; a longer one gives the segment holding the first answer
+    occurrence, unless the question needs whole passages (counted `evidence_longer_than_segment`) or the
+    answer was cut by the segmentation (`answer_cut_by_segmentation`).
+    """
+    norm = functools.lru_cache(maxsize=None)(normalize)  # answers repeat a lot
+    items = []
+    for q in split.questions:
+        answers = tuple(a for a in map(norm, q.answers) if a)
+        golds: list[int] = []
+        for e in q.evidence:
+            segs = pool.segments_of(e)
+            if len(segs) == 1:
+                golds.append(segs[0])
+                continue
+            hit = next((s for s in segs if any(a in pool.norm[s] for a in answers)), None)
+            if hit is None or q.whole or not q.extractive:
+                cut = q.extractive and not q.whole and any(a in normalize(split.passages[e]) for a in answers)
+                reason = "answer_cut_by_segmentation" if cut else "evidence_longer_than_segment"
+                skipped[reason] = skipped.get(reason, 0) + 1
+                break
+            golds.append(hit)
+        else:
+            if q.extractive and not any(a in pool.norm[g] for g in golds for a in answers):
+                skipped["answer_cut_by_segmentation"] = skipped.get("answer_cut_by_segmentation", 0) + 1
+                continue
+            forbid = (answers if q.extractive else ()) + tuple(norm(f) for f in q.forbid)
+            items.append(Item(q.question, q.answers, q.task, tuple(golds), frozenset(q.evidence),
+                              tuple(f for f in forbid if f)))
+    return items
+
+
+class _Pieces:
+    """Question and answer token ids of items, tokenized in batches on first use.
+
+    A large source has far more questions than a build draws, so only drawn ones are tokenized.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat):
+        self.tokenizer, self.fmt = tokenizer, fmt
+        self.cache: dict[Item, tuple[np.ndarray, np.ndarray]] = {}  # item -> (question ids, answer ids)
+
+    def prefetch(self, items: list[Item]) -> None:
+        todo = [it for it in dict.fromkeys(items) if it not in self.cache]
+        if not todo:
+            return
+        texts = [self.fmt.question_text(it.question) for it in todo]
+        texts += [self.fmt.answer_text(it.answers[0]) for it in todo]
+        ids = [np.asarray(x, np.int32) for x in encode(self.tokenizer, texts)]
+        for k, it in enumerate(todo):
+            self.cache[it] = (ids[k], ids[len(todo) + k])
+
+    def __call__(self, item: Item) -> tuple[np.ndarray, np.ndarray]:
+        self.prefetch([item])
+        return self.cache[item]
+
+
+class _Distractors:
+    """Answer-free distractor segments for one sample; segments repeat only once fresh ones run short."""
+
+    def __init__(self, pool: Pool, item: Item, rng: random.Random):
+        self.pool, self.item, self.random = pool, item, rng.random
+        self.rejected = 0  # draws in a row that held an answer or came from an evidence passage
+        self.stale = 0  # draws in a row that were already used
+        self.repeats = False  # set after 100 stale draws in a row: the fresh segments are (nearly) used up
+        self.used: set[int] = set()
+
+    def _rejects(self, s: int) -> bool:
+        if self.pool.passage[s] in self.item.exclude:
+            return True
+        text = self.pool.norm[s]
+        for f in self.item.forbid:
+            if f in text:
+                return True
+        return False
+
+    def draw(self) -> int:
+        n, used = len(self.pool), self.used
+        while True:
+            s = int(self.random() * n)  # random() is several times faster than randrange()
+            if self._rejects(s):
+                self.rejected += 1
+                if self.rejected > 20 * n + 1000:
+                    raise ValueError(
+                        f"no distractor segment is free of the answers to {self.item.question!r}: "
+                        "the pool is too small"
+                    )
+                continue
+            self.rejected = 0
+            if s in used and not self.repeats:
+                self.stale += 1
+                self.repeats = self.stale >= 100
+                continue
+            self.stale = 0
+            used.add(s)
+            return s
+
+
+def _fill(gap: int, draw: Callable[[], int], unit_len: list[int], plan: Plan, lead: bool) -> None:
+    """Append `gap` tokens of distractors to `plan`: whole units and one cut unit.
+
+    The cut unit gives its tail at the start of the gap (`lead`) or its head at the end, so the gap
+    closes exactly and the next gold starts at a unit boundary.
+    """
+    whole, cut = [], None
+    while gap > 0:
+        s = draw()
+        u = unit_len[s]
+        if u > gap:
+            cut = (s, u - gap, u) if lead else (s, 0, gap)
+            break
+        whole.append(s)
+        gap -= u
+    pieces = [(s, 0, unit_len[s]) for s in whole]
+    if cut:
+        pieces = [cut] + pieces if lead else pieces + [cut]
+    for s, lo, hi in pieces:
+        plan.segs.append(s)
+        plan.lo.append(lo)
+        plan.hi.append(hi)
+
+
+def plan_sample(
+    item: Item, pieces: tuple[np.ndarray, np.ndarray], task: str, budget: int, fmt: PromptFormat, pool: Pool,
+    rng: random.Random,
+) -> Optional[Plan]:
+    """Layout of one sample with a token `budget`; None when the question and golds alone exceed it."""
+    unit_len = pool.unit_len
+    gold_units = [unit_len[g] for g in item.golds]
+    k = len(gold_units)
+    plan = Plan(item, task, pieces[0], pieces[1], [], [], [], [0] * k, [0.0] * k)
+    if task == "short_qa":
+        free, p = 0, [0] * k
+        order = rng.sample(range(k), k)
+    else:
+        free = budget - fmt.overhead - len(plan.q_ids) - len(plan.a_ids) - sum(gold_units)
+        if free < 0:
+            return None
+        p = [rng.randint(0, free) for _ in range(k)]
+        order = sorted(range(k), key=lambda i: (p[i], i))
+    draw = _Distractors(pool, item, rng).draw
+    cursor = 0
+    for i in order:
+        _fill(p[i] - cursor, draw, unit_len, plan, lead=True)
+        plan.gold_pieces[i] = len(plan.segs)
+        plan.segs.append(item.golds[i])
+        plan.lo.append(0)
+        plan.hi.append(gold_units[i])
+        cursor = p[i]
+    _fill(free - cursor, draw, unit_len, plan, lead=False)
+    plan.depths = [p[i] / free if free else 0.0 for i in range(k)]
+    return plan
+
+
+def materialize(plan: Plan, pool: Pool, fmt: PromptFormat) -> tuple[np.ndarray, int, list[list[int]], int]:
+    """(input_ids, prompt_len, gold_spans, context_len) of a plan: slices of the unit array, concatenated."""
+    units, start = pool.units, pool.start_list
+    parts = [fmt.prefix]
+    where = []  # context position of each piece
+    pos = 0
+    for s, lo, hi in zip(plan.segs, plan.lo, plan.hi):
+        parts.append(units[start[s] + lo : start[s] + hi])
+        where.append(pos)
+        pos += hi - lo
+    parts += [plan.q_ids, fmt.suffix, plan.a_ids, fmt.eos_ids]
+    ids = np.concatenate(parts)  # (L,) int32
+    head = len(fmt.prefix)
+    spans = [[head + where[j], head + where[j] + pool.seg_len_list[plan.segs[j]]] for j in plan.gold_pieces]
+    return ids, len(ids) - len(plan.a_ids) - 1, spans, pos
+
+
+def task_counts(shares: dict[str, float], n: int) -> dict[str, int]:
+    """Samples per task: `n` split by `shares` with largest remainders (exact and deterministic)."""
+    total = sum(shares.values())
+    raw = {t: n * shares.get(t, 0.0) / total for t in TASKS}
+    counts = {t: int(v) for t, v in raw.items()}
+    for t in sorted(TASKS, key=lambda t: counts[t] - raw[t])[: n - sum(counts.values())]:
+        counts[t] += 1
+    return counts
+
+
+def _budget(cfg: DataConfig, rng: random.Random) -> int:
+    """A sample's token budget: from `context_lens`, uniform in [context_len_min, context_len], or fixed."""
+    if cfg.context_lens:
+        return rng.choice(cfg.context_lens)
+    if cfg.context_len_min is not None:
+        return rng.randint(cfg.context_len_min, cfg.context_len)
+    return cfg.context_len
+
+
+def iter_plans(
+    pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
+    shares: dict[str, float], seed: int, skipped: dict[str, int],
+) -> Iterator[Plan]:
+    """`n` plans, tasks mixed by `shares`; a question too long for its sample's budget is redrawn, counted."""
+    rng = random.Random(seed)
+    counts = task_counts(shares, n)
+    choices = {
+        "fine_grained": [it for it in items if it.task == "fine_grained"],
+        "integration": [it for it in items if it.task == "integration"],
+        "short_qa": items,
+    }
+    for t, c in counts.items():
+        if c and not choices[t]:
+            raise ValueError(f"data.tasks.{t} > 0, but the source gives no usable {t} questions")
+    tasks = [t for t in TASKS for _ in range(counts[t])]
+    rng.shuffle(tasks)
+    for start in range(0, n, _BLOCK):
+        block = [(t, rng.choice(choices[t]), _budget(cfg, rng)) for t in tasks[start : start + _BLOCK]]
+        pieces.prefetch([item for _, item, _ in block])
+        for task, item, budget in block:
+            for _ in range(100):
+                plan = plan_sample(item, pieces(item), task, budget, fmt, pool, rng)
+                if plan is not None:
+                    break
+                skipped["question_too_long_for_context"] = skipped.get("question_too_long_for_context", 0) + 1
+                item = rng.choice(choices[task])
+            else:
+                raise ValueError(f"100 {task} questions in a row do not fit a budget of {budget} tokens")
+            yield plan
+
+
+def _list_array(arrays: list[np.ndarray], dtype) -> pa.Array:
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    values = np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+    return pa.ListArray.from_arrays(offsets, pa.array(values))
+
+
+def _record_batch(rows: dict[str, list]) -> pa.RecordBatch:
+    schema = RECORD_FEATURES.arrow_schema
+    columns = []
+    for name in schema.names:
+        if name in ("input_ids", "labels"):
+            columns.append(_list_array(rows[name], np.int32))
+        else:
+            columns.append(pa.array(rows[name], type=schema.field(name).type))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def assemble(
+    pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
+    shares: dict[str, float], seed: int, split: str, skipped: dict[str, int],
+) -> pa.Table:
+    """`n` records (RECORD_FEATURES) as an Arrow table."""
+    batches, rows = [], {name: [] for name in RECORD_FEATURES}
+    bar = tqdm(total=n, desc=f"assemble {split}", unit="sample", disable=None)
+    for k, plan in enumerate(iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped)):
+        ids, prompt_len, spans, context_len = materialize(plan, pool, fmt)
+        labels = ids.copy()
+        labels[:prompt_len] = -100
+        record = {
+            "input_ids": ids, "labels": labels, "prompt_len": prompt_len, "gold_spans": spans,
+            "depth": plan.depths[0], "depths": plan.depths, "context_len": context_len, "task": plan.task,
+            "answers": list(plan.item.answers), "source": cfg.source, "id": f"{split}-{k}",
+        }
+        for name, value in record.items():
+            rows[name].append(value)
+        if len(rows["id"]) == _BLOCK or k == n - 1:
+            batches.append(_record_batch(rows))
+            bar.update(len(rows["id"]))
+            rows = {name: [] for name in RECORD_FEATURES}
+    bar.close()
+    return pa.Table.from_batches(batches, schema=RECORD_FEATURES.arrow_schema)
+
+
+def heldout_documents(pool: Pool, doc_len: int) -> list[list[int]]:
+    """Long held-out documents: consecutive units (segment + separator) joined up to `doc_len` tokens."""
+    docs, start = [], 0
+    for end in pool.offsets[1:].tolist():
+        if end - start >= doc_len:
+            docs.append(pool.units[start : start + doc_len].tolist())
+            start = end
+    return docs
+
+
+def _hash_array(h, array: pa.Array) -> None:
+    if pa.types.is_list(array.type):
+        h.update(array.value_lengths().to_numpy(zero_copy_only=False).tobytes())
+        _hash_array(h, array.flatten())
+    elif pa.types.is_string(array.type):
+        h.update("\0".join(array.to_pylist()).encode())
+    else:
+        h.update(array.to_numpy(zero_copy_only=False).tobytes())
+
+
+def dataset_digest(ds: Dataset) -> str:
+    """Hash of a dataset's content (column names, types and values), independent of its Arrow chunking."""
+    h = hashlib.sha256()
+    table = ds.data.table if ds._indices is None else ds.flatten_indices().data.table
+    for name in table.column_names:
+        column = table.column(name).combine_chunks()
+        h.update(f"{name}:{column.type}".encode())
+        _hash_array(h, column)
+    return h.hexdigest()[:16]
+
+
+def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> str:
+    """Fingerprint of a build: config, input files, tokenizer and the builder code itself."""
+    skip = ("cache", "num_proc", "prebuilt", "format", "doc_len", "train_docs", "eval_docs")
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    here = Path(__file__).resolve().parent
+    code = [(here / name).read_bytes() for name in _CODE]
+    return Hasher.hash([
+        settings, file_identity(cfg.path), file_identity(cfg.filler_path),
+        tokenizer_digest(tokenizer) if tokenizer is not None else "bpe", code,
+    ])
+
+
+def _dataset(table: pa.Table, fingerprint: str) -> Dataset:
+    return Dataset(InMemoryTable(table), info=DatasetInfo(features=RECORD_FEATURES), fingerprint=fingerprint)
+
+
+def _counts_of(values: Iterable[str]) -> dict[str, int]:
+    return dict(sorted(collections.Counter(values).items()))
+
+
+@dataclass
+class Prepared:
+    """Everything assembly needs, per split ("train", "eval"): pools, items, shares, seeds."""
+
+    cfg: DataConfig
+    source: SourceData
+    tokenizer: PreTrainedTokenizerBase
+    fmt: PromptFormat
+    pools: dict[str, Pool]
+    items: dict[str, list[Item]]
+    pieces: _Pieces
+    shares: dict[str, dict[str, float]]
+    seeds: dict[str, int]
+    skipped: dict[str, dict[str, int]]
+
+    def assemble(self, split: str, n: int) -> pa.Table:
+        return assemble(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
+                        self.shares[split], self.seeds[split], split, self.skipped[split])
+
+    def plans(self, split: str, n: int) -> Iterator[Plan]:
+        return iter_plans(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
+                          self.shares[split], self.seeds[split], self.skipped[split])
+
+
+def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> Prepared:
+    """Load the source, train a BPE when no tokenizer is given, build the pools and resolve the questions."""
+    cache_root = default_cache_dir()
+    data = load_source(cfg, cache_root / "hf")
+    if tokenizer is None:
+        tokenizer = train_bpe_tokenizer(corpus_texts(data.train, cfg), cfg.vocab_size)
+    if not tokenizer.is_fast:
+        raise ValueError("IN2 pools need a fast tokenizer (character offsets to cut at sentence ends)")
+    fmt = make_format(tokenizer, cfg)
+    pools = {
+        split: build_pool(part.passages, tokenizer, cfg.segment_len, fmt.separator,
+                          cache_root if cfg.cache else None, cfg.num_proc, desc=f"segment {split} passages")
+        for split, part in (("train", data.train), ("eval", data.heldout))
+    }
+    if len(pools["train"]) < 2 or len(pools["eval"]) < 2:
+        raise ValueError(f"the {cfg.source} source gives too few passages for a training and a held-out pool")
+    skipped: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
+    items = {
+        "train": resolve(data.train, pools["train"], skipped["train"]),
+        "eval": resolve(data.heldout, pools["eval"], skipped["eval"]),
+    }
+    shares = vars(cfg.tasks)
+    # Held-out samples score accuracy by depth, which short_qa (no distractors, depth 0) does not have.
+    eval_shares = {**shares, "short_qa": 0.0} if sum(shares.values()) > shares["short_qa"] else shares
+    return Prepared(
+        cfg, data, tokenizer, fmt, pools, items, _Pieces(tokenizer, fmt),
+        {"train": shares, "eval": eval_shares}, {"train": cfg.seed, "eval": cfg.seed + 1}, skipped,
+    )
+
+
+def _build(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase], key: str) -> DataBundle:
+    prep = prepare(cfg, tokenizer)
+    tables = {"train": prep.assemble("train", cfg.num_train), "eval": prep.assemble("eval", cfg.num_eval)}
+    splits = {name: _dataset(t, Hasher.hash([key, name])) for name, t in tables.items()}
+    stats = {
+        "fingerprint": key,
+        "source": prep.source.name,
+        "attribution": prep.source.attribution,
+        "config": dataclasses.asdict(cfg),
+        "tokenizer": tokenizer_digest(prep.tokenizer),
+        "skipped": {"source": prep.source.skipped, **prep.skipped},
+        "questions": {s: _counts_of(it.task for it in its) for s, its in prep.items.items()},
+        "tasks": {s: _counts_of(ds.data.column("task").to_pylist()) for s, ds in splits.items()},
+        "pool": {s: pool_stats(p) for s, p in prep.pools.items()},
+        "digest": {s: dataset_digest(ds) for s, ds in splits.items()},
+    }
+    heldout = heldout_documents(prep.pools["eval"], cfg.heldout_doc_len)
+    return DataBundle(splits["train"], splits["eval"], heldout, prep.tokenizer, stats)
+
+
+def save_built(bundle: DataBundle, folder: Path, replace: bool = False) -> None:
+    """Write a bundle as a prebuilt folder: save_to_disk splits, tokenizer/, heldout docs, build.json.
+
+    The folder appears at once (written aside, then renamed); an existing one is kept unless `replace`.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    DatasetDict({"train": bundle.train, "eval": bundle.eval}).save_to_disk(str(tmp))
+    bundle.tokenizer.save_pretrained(tmp / "tokenizer")
+    (tmp / HELDOUT_FILE).write_text(json.dumps(bundle.heldout_docs))
+    (tmp / BUILD_FILE).write_text(json.dumps(bundle.stats, indent=1, sort_keys=True))
+    if folder.exists() and replace:
+        shutil.rmtree(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # the folder exists: another process wrote the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_prebuilt(folder: str | Path, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
+    """A bundle from a prebuilt folder; a given tokenizer must have the vocabulary it was built with."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data.prebuilt: no such folder: {folder}")
+    for name in ("dataset_dict.json", "tokenizer", HELDOUT_FILE):
+        if not (folder / name).exists():
+            raise FileNotFoundError(f"data.prebuilt: {folder / name} is missing (not a built dataset folder)")
+    splits = load_from_disk(str(folder))
+    saved = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    if tokenizer is not None and tokenizer.get_vocab() != saved.get_vocab():
+        raise ValueError(f"data.prebuilt={folder} was built with another tokenizer than the model's")
+    stats = json.loads((folder / BUILD_FILE).read_text()) if (folder / BUILD_FILE).exists() else {}
+    heldout = json.loads((folder / HELDOUT_FILE).read_text())
+    return DataBundle(splits["train"], splits["eval"], heldout, tokenizer or saved, stats)
+
+
+def build_datasets(cfg: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
+    """Train and held-out IN2 splits; without a tokenizer, a BPE is trained on the training corpus.
+
+    With `cfg.prebuilt` the folder is loaded instead. With `cfg.cache` a finished build is stored
+    under default_cache_dir()/in2/<fingerprint> and an identical later call loads it.
+    """
+    cfg = as_data_config(cfg)
+    if cfg.prebuilt:
+        return load_prebuilt(cfg.prebuilt, tokenizer)
+    if cfg.format == "lm_windows":
+        from data_builders.windows import build_windows  # windows build on this module's sources
+
+        return build_windows(cfg, tokenizer)
+    if cfg.format != "in2":
+        raise ValueError(f"data.format={cfg.format!r} is not known (known: in2, lm_windows)")
+    check_config(cfg)
+    key = build_key(cfg, tokenizer)
+    folder = default_cache_dir() / "in2" / key
+    if cfg.cache and (folder / BUILD_FILE).exists():
+        return load_prebuilt(folder, tokenizer)
+    bundle = _build(cfg, tokenizer, key)
+    if not cfg.cache:
+        return bundle
+    save_built(bundle, folder)
+    return load_prebuilt(folder, bundle.tokenizer if tokenizer is None else tokenizer)

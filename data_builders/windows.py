@@ -1,0 +1,69 @@
+"""Language-modelling windows over long documents (the micro-training experiment's data).
+
+The source's passages, in order, are tokenized once and joined into documents of at least
+`data.doc_len` tokens. Training samples are random contiguous `data.context_len`-token windows of
+random documents in `data.train_docs` (a [first, last) range); held-out documents `data.eval_docs`
+give the eval-loss windows and the Jacobian sequences, so no measured token is ever trained on.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from data_builders.sources import load_source
+from data_builders.tokenizer import default_cache_dir, encode_pieces, train_bpe_tokenizer
+
+
+def join_documents(passages: list[list[int]], doc_len: int, separator: list[int]) -> list[np.ndarray]:
+    """Consecutive passages joined (with `separator`) until each document has >= doc_len tokens."""
+    docs, current = [], []
+    for ids in passages:
+        current += ids + separator
+        if len(current) >= doc_len:
+            docs.append(np.asarray(current, dtype=np.int64))
+            current = []
+    return docs
+
+
+def sample_windows(docs: list[np.ndarray], n: int, length: int, seed: int) -> list[dict[str, Any]]:
+    """`n` windows: a uniformly drawn document, then a uniformly drawn start inside it."""
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        doc = docs[rng.randrange(len(docs))]
+        start = rng.randrange(len(doc) - length + 1)
+        ids = doc[start : start + length].tolist()
+        rows.append({"input_ids": ids, "labels": ids, "id": f"window-{k}"})
+    return rows
+
+
+def build_windows(cfg, tokenizer: PreTrainedTokenizerBase | None):
+    """DataBundle of LM windows: train windows, held-out windows, held-out documents (Jacobian)."""
+    from data_builders.in2 import DataBundle
+
+    source = load_source(cfg, default_cache_dir())
+    texts = source.train.passages + source.heldout.passages
+    if tokenizer is None:
+        tokenizer = train_bpe_tokenizer(texts, cfg.vocab_size)
+    docs = join_documents(encode_pieces(tokenizer, texts), cfg.doc_len, encode_pieces(tokenizer, ["\n\n"])[0])
+    (t0, t1), (e0, e1) = cfg.train_docs, cfg.eval_docs
+    if max(t1, e1) > len(docs) or t0 >= t1 or e0 >= e1 or max(t0, e0) < min(t1, e1):
+        raise ValueError(
+            f"data.train_docs={list(cfg.train_docs)} and data.eval_docs={list(cfg.eval_docs)} must be disjoint, "
+            f"non-empty [first, last) ranges within the {len(docs)} documents of >= {cfg.doc_len} tokens "
+            f"that data.source={cfg.source} gives"
+        )
+    if cfg.doc_len < cfg.context_len:
+        raise ValueError(f"data.doc_len={cfg.doc_len} must be >= data.context_len={cfg.context_len} (the window)")
+    train_docs, eval_docs = docs[t0:t1], docs[e0:e1]
+    return DataBundle(
+        Dataset.from_list(sample_windows(train_docs, cfg.num_train, cfg.context_len, cfg.seed)),
+        Dataset.from_list(sample_windows(eval_docs, cfg.num_eval, cfg.context_len, cfg.seed + 1)),
+        [d.tolist() for d in eval_docs],
+        tokenizer,
+        {"documents": len(docs), "attribution": source.attribution},
+    )
