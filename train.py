@@ -141,10 +141,36 @@ class StopRequest:
             signal.signal(s, handler)
 
 
+def wandb_image(png: Path):
+    import wandb
+
+    return wandb.Image(str(png))
+
+
+def profile_charts(results: dict, n_layers: int, step: int) -> dict[str, Any]:
+    """wandb line charts of each set's mean profile (log10) with its fitted prior."""
+    import wandb
+
+    from analysis.prior import fit_alpha, prior_profile
+
+    charts = {}
+    for name, res in results.items():
+        rho = res.profile.mean(axis=0)
+        fit = fit_alpha(rho, n_layers)
+        prior = prior_profile(len(rho), n_layers, fit.alpha) * 10**fit.log10_scale
+        x = np.linspace(0.0, 1.0, len(rho)).tolist()
+        charts[f"jacobian/{name}/profile"] = wandb.plot.line_series(
+            xs=x, ys=[np.log10(np.maximum(rho, 1e-30)).tolist(), np.log10(prior).tolist()],
+            keys=["measured", f"prior fit (a={fit.alpha:.3f})"],
+            title=f"log10 Jacobian profile, {name}, step {step}", xname="relative position (j-1)/(L-1)",
+        )
+    return charts
+
+
 def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
     from analysis.jacobian import JacobianRecorder, build_eval_sequences, measure_sets
-    from analysis.plots import plot_depth_accuracy, plot_evolution
+    from analysis.plots import plot_depth_accuracy, plot_evolution, plot_heatmap
     from analysis.positional_eval import evaluate_in2, write_eval_json
     from analysis.topology import prefixed, topology_metrics
     from data_builders.collate import BatchStream
@@ -195,7 +221,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
                              tcfg.precision, tcfg.grad_accum, tcfg.grad_clip)
     model, device = engine.module, engine.device
     stream = BatchStream(bundle.train, tcfg.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
-                         info.world_size)
+                         info.world_size, label_context=cfg.data.label_context)
     if info.is_main_process:
         print(f"global batch = {tcfg.micro_batch_size} micro x {tcfg.grad_accum} accumulation x "
               f"{info.world_size} ranks = {tcfg.micro_batch_size * tcfg.grad_accum * info.world_size} samples")
@@ -232,12 +258,20 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
         ) if main else None
 
     def measure_jacobian(step: int) -> dict[str, float]:
+        # Every rank measures (ZeRO-3 gathers weights collectively); the main process records.
         results = measure_sets(model, {k: v.to(device) for k, v in jac_seqs.items()}, cfg.jacobian)
         metrics: dict[str, float] = {}
         for name, res in results.items():
             metrics.update(prefixed(topology_metrics(res.profile.mean(axis=0), n_layers), name))
         if recorder is not None:
             recorder.add(step, {k: r.profile for k, r in results.items()})
+            n_measured = len(recorder.steps)
+            if logger.wandb_run is not None:
+                logger.log_media(profile_charts(results, n_layers, step), step=step)
+                if n_measured % cfg.jacobian.plot_every == 0:
+                    logger.log_media({f"jacobian/{name}/heatmap": wandb_image(plot_heatmap(
+                        run_dir / "jacobian.npz", run_dir / "plots" / f"jacobian_heatmap_{name}.png", name))
+                        for name in results}, step=step)
         return metrics
 
     eval_records = bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval))))

@@ -116,6 +116,8 @@ class DataConfig:
     filler_field: str = "text"  # text column of a non-.txt filler_path
     instruction: Optional[str] = None  # FILM-style instruction line between the context and the question
     chat_template: bool = False  # wrap context + question in the tokenizer's chat template (user turn)
+    answer_lead: bool = False  # end the prompt with the fact's opening words (cloze; synthetic facts only)
+    label_context: bool = False  # train with LM loss on every token, not only the answer (random-init models)
     num_proc: Optional[int] = None  # tokenization processes; None = one per 20k passages, up to the CPUs
     cache: bool = True  # reuse pools and finished builds under default_cache_dir()
     format: str = "in2"  # in2 (this module) | lm_windows (data_builders.windows: LM windows of documents)
@@ -143,6 +145,7 @@ class PromptFormat:
     eos: int
     instruction: Optional[str] = None
     chat: bool = False
+    answer_lead: bool = False
 
     @property
     def eos_ids(self) -> np.ndarray:
@@ -152,10 +155,12 @@ class PromptFormat:
     def overhead(self) -> int:
         return len(self.prefix) + len(self.suffix) + 1
 
-    def question_text(self, question: str) -> str:
+    def question_text(self, question: str, lead: str = "") -> str:
         template = CHAT_QUESTION_TEMPLATE if self.chat else QUESTION_TEMPLATE
         instruction = f"{self.instruction}\n" if self.instruction else ""
-        return template.format(instruction=instruction, question=question)
+        text = template.format(instruction=instruction, question=question)
+        # Cloze-style: the prompt ends with the fact's opening words, so the answer completes them.
+        return f"{text} {lead}" if self.answer_lead and lead and not self.chat else text
 
     def answer_text(self, answer: str) -> str:
         return answer if self.chat else " " + answer
@@ -171,6 +176,7 @@ class Item:
     golds: tuple[int, ...]  # pool segments holding the evidence, in the order the question names them
     exclude: frozenset[int]  # passages no distractor may come from (the evidence passages)
     forbid: tuple[str, ...]  # normalized strings no distractor may contain
+    lead: str = ""  # words that open the answer (used with data.answer_lead)
 
 
 @dataclass
@@ -245,15 +251,15 @@ def make_format(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> PromptFo
         prefix, suffix = encode_pieces(tokenizer, [before, after])
     return PromptFormat(
         np.asarray(prefix, np.int32), np.asarray(suffix, np.int32), separator, tokenizer.eos_token_id,
-        cfg.instruction, cfg.chat_template,
+        cfg.instruction, cfg.chat_template, cfg.answer_lead,
     )
 
 
 def corpus_texts(split: SourceSplit, cfg: DataConfig) -> list[str]:
     """Every string a training sample can contain, for training a tokenizer on the corpus."""
     none = np.zeros(0, np.int32)
-    fmt = PromptFormat(none, none, [], 0, cfg.instruction, cfg.chat_template)
-    return list(split.passages) + [fmt.question_text(q.question) for q in split.questions]
+    fmt = PromptFormat(none, none, [], 0, cfg.instruction, cfg.chat_template, cfg.answer_lead)
+    return list(split.passages) + [fmt.question_text(q.question, q.lead) for q in split.questions]
 
 
 def resolve(split: SourceSplit, pool: Pool, skipped: dict[str, int]) -> list[Item]:
@@ -286,7 +292,7 @@ def resolve(split: SourceSplit, pool: Pool, skipped: dict[str, int]) -> list[Ite
                 continue
             forbid = (answers if q.extractive else ()) + tuple(norm(f) for f in q.forbid)
             items.append(Item(q.question, q.answers, q.task, tuple(golds), frozenset(q.evidence),
-                              tuple(f for f in forbid if f)))
+                              tuple(f for f in forbid if f), q.lead))
     return items
 
 
@@ -304,7 +310,7 @@ class _Pieces:
         todo = [it for it in dict.fromkeys(items) if it not in self.cache]
         if not todo:
             return
-        texts = [self.fmt.question_text(it.question) for it in todo]
+        texts = [self.fmt.question_text(it.question, it.lead) for it in todo]
         texts += [self.fmt.answer_text(it.answers[0]) for it in todo]
         ids = [np.asarray(x, np.int32) for x in encode(self.tokenizer, texts)]
         for k, it in enumerate(todo):

@@ -67,6 +67,7 @@ class Question:
     extractive: bool = True  # an answer string occurs in the evidence (false for yes/no and counts)
     forbid: tuple[str, ...] = ()  # strings no distractor may contain besides the answers (a unique lookup)
     whole: bool = False  # evidence passages may not be cut: the question needs all their sentences
+    lead: str = ""  # words that open the answer in the evidence (synthetic facts), for data.answer_lead
 
 
 @dataclass
@@ -290,7 +291,7 @@ def _split_records(
 
 def _synthetic_split(docs: list[Document], with_integration: bool, seed: int) -> SourceSplit:
     questions = [
-        Question(qa.question, qa.answers, (k,), "fine_grained") for k, d in enumerate(docs) for qa in d.qa
+        Question(qa.question, qa.answers, (k,), "fine_grained", lead=qa.lead) for k, d in enumerate(docs) for qa in d.qa
     ]
     if with_integration:
         questions += [

@@ -42,6 +42,7 @@ class QAItem:
     question: str
     answers: tuple[str, ...]
     attribute: str
+    lead: str = ""  # the fact's own words before the answer ("Kamir works as a"), for cloze-style prompts
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def generate_documents(n: int, seed: int, prefix: str = "syn") -> list[Document]
             value = rng.choice(_VALUES[attr])
             statement, question = _TEMPLATES[attr]
             sentences.append(statement.format(n=name, v=value))
-            qa.append(QAItem(question.format(n=name), (value,), attr))
+            lead = statement.split(" {v}")[0].format(n=name)
+            qa.append(QAItem(question.format(n=name), (value,), attr, lead))
         docs.append(Document(f"{prefix}-{seed}-{len(docs)}", name, " ".join(sentences), tuple(qa)))
     return docs
 

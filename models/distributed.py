@@ -195,8 +195,13 @@ class DeepSpeedEngine:
     def save(self, folder: Path, tokenizer) -> None:
         """DeepSpeed's own checkpoint (every rank's partitions, for exact resume) + a consolidated HF export."""
         self.engine.save_checkpoint(str(folder / "deepspeed"), tag="state")
-        # Under ZeRO-3 the weights are partitioned: gather a full state dict (a collective) first.
-        state = self.engine._zero3_consolidated_16bit_state_dict() if self.engine.zero_optimization_stage() == 3 else None
+        state = None
+        if self.engine.zero_optimization_stage() == 3:
+            # Partitioned weights: gather them (a collective). LoRA saves adapters only, so frozen
+            # base weights are not gathered into rank 0's memory at all.
+            state = self.engine._zero3_consolidated_16bit_state_dict(
+                exclude_frozen_parameters=hasattr(self.module, "peft_config")
+            )
         if self.info.is_main_process:
             self.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(folder)
@@ -220,5 +225,4 @@ def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
 
