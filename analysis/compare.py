@@ -1,0 +1,761 @@
+"""Compare runs and checkpoints: accuracy by gold position, Jacobian profiles, valley and prior metrics.
+
+    python -m analysis.compare outputs/in2/<runA> outputs/in2/<runB> --data-dir ../shared/data
+    python -m analysis.compare <run>/checkpoints/step-100 <run>/checkpoints/step-300 --probes kv,needle
+
+Each PATH is a run directory (its latest checkpoint, metrics.jsonl and jacobian.npz) or a checkpoint
+folder (`save_pretrained` with a tokenizer; one inside `<run>/checkpoints/` also finds its run's files).
+Only what is missing is computed:
+
+- probes: `<run>/eval/<probe>_step<N>.json` is reused when it asked exactly the items asked here
+  (same ids and answers), else the checkpoint answers them (greedy, batched, analysis.positional_eval);
+- Jacobian profiles: from `jacobian.npz` when it holds the checkpoint's step (with step 0 beside it),
+  else measured on held-out text (NQ long answers from --data-dir, else synthetic documents) joined
+  into documents of the checkpoint's own tokens, with the jacobian settings of the first PATH that
+  has a run config (`.hydra/config.yaml`), so measured and recorded profiles are of one kind.
+
+IN2 records are token ids, so the in2 probe needs one tokenizer for all PATHs; they come from the
+runs' own `eval/in2_step<N>.json` when those agree, else are rebuilt from the first run config's data
+section (`data_builders.in2.build_datasets`, cached). Writes `<out>/report.md` and its PNGs; nothing
+reads wandb unless --wandb is given.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets
+from analysis.metrics_log import read_metrics
+from analysis.positional_eval import EvalConfig, ProbeResult, build_probes, evaluate_probes
+from analysis.prior import fit_alpha, prior_profile
+from analysis.topology import METRIC_KEYS, topology_metrics
+from data_builders.probes import NQ_FILE, ProbeItem, in2_probe, nq_filler
+from data_builders.synthetic import generate_documents
+from data_builders.tokenizer import encode_pieces
+from models.build import ModelConfig, build_model
+from models.checkpoint import STEP_DIR, TRAINER_STATE, list_checkpoints
+from models.distributed import resolve_device
+
+PROBES = ("kv", "mdqa", "needle", "in2")
+# Greedy answer budgets: a UUID value is up to ~36 tokens, NQ answers are a few words, a needle code
+# is 5 digits, and IN2 answers get the training loop's eval.max_new_tokens default.
+NEW_TOKENS = {"kv": 48, "mdqa": 32, "needle": 16, "in2": EvalConfig.max_new_tokens}
+POSITION_AXIS = {
+    "kv": "gold key-value pair index",
+    "mdqa": "gold document index",
+    "needle": "needle depth",
+    "in2": "gold depth bin (lower edge)",
+}
+HELDOUT_SEED = 7919  # synthetic documents for measured profiles: other names than the default training data
+RUN_CONFIG = Path(".hydra") / "config.yaml"
+X_LABEL = "relative position x = (j-1)/(L-1)"
+
+
+class CompareError(Exception):
+    """A PATH cannot be compared; the message names it and says why."""
+
+
+@dataclass
+class Target:
+    """One PATH: the checkpoint it stands for and, when it has one, the run that wrote it."""
+
+    path: Path  # as given
+    label: str  # short unique name in tables and legends
+    checkpoint: Path
+    run_dir: Path | None
+    step: int | None  # training step of the checkpoint, when known
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.label)
+
+
+@dataclass
+class JacobianProfiles:
+    """Mean Jacobian profiles (L,) per evaluation set: the checkpoint's, and step 0's from its run."""
+
+    latest: dict[str, np.ndarray]
+    initial: dict[str, np.ndarray]  # empty when no step-0 record exists
+    source: str  # where `latest` comes from, for the report
+
+
+@dataclass
+class Entry:
+    """Everything the report shows for one PATH."""
+
+    target: Target
+    layers: int
+    vocab: int
+    results: dict[str, ProbeResult] = field(default_factory=dict)
+    profiles: JacobianProfiles | None = None
+    topology: dict[str, dict[str, float]] = field(default_factory=dict)  # set -> METRIC_KEYS -> value
+    notes: list[str] = field(default_factory=list)
+
+
+def _checkpoint_step(folder: Path) -> int | None:
+    if match := STEP_DIR.match(folder.name):
+        return int(match.group(1))
+    state = folder / TRAINER_STATE
+    return int(json.loads(state.read_text())["step"]) if state.is_file() else None
+
+
+def resolve_target(path: str | Path, label: str) -> Target:
+    """The checkpoint a PATH stands for: a run directory's latest, or the folder itself."""
+    given = Path(path)
+    try:
+        if not given.exists():
+            raise CompareError(f"{path}: no such file or directory")
+        if not given.is_dir():
+            raise CompareError(f"{path}: not a directory (expected a run directory or a checkpoint folder)")
+        checkpoints = list_checkpoints(given)
+        if checkpoints:
+            return Target(given, label, checkpoints[-1], given, _checkpoint_step(checkpoints[-1]))
+        if (given / "checkpoints").is_dir():
+            raise CompareError(f"{path}: run directory without a complete checkpoint under checkpoints/")
+        if not ((given / "config.json").is_file() or (given / "adapter_config.json").is_file()):
+            raise CompareError(f"{path}: neither a run directory (checkpoints/step-N) nor a checkpoint "
+                               "folder (config.json or adapter_config.json)")
+        inside_run = given.resolve().parent.name == "checkpoints" and STEP_DIR.match(given.name)
+        return Target(given, label, given, given.resolve().parent.parent if inside_run else None,
+                      _checkpoint_step(given))
+    except (OSError, ValueError, KeyError) as err:
+        raise CompareError(f"{path}: unreadable: {err}") from err
+
+
+def short_labels(paths: Sequence[str | Path]) -> list[str]:
+    """The fewest trailing path components that tell the PATHs apart ("runA", "step-1", ...)."""
+    parts = [Path(p).resolve().parts for p in paths]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{'/'.join(p[-1:])} #{i + 1}" for i, p in enumerate(parts)]  # one path given twice
+
+
+def reference_run(targets: Sequence[Target]) -> tuple[Target, DictConfig] | None:
+    """The first PATH whose run has a resolved Hydra config, and that config."""
+    for target in targets:
+        if target.run_dir is not None and (target.run_dir / RUN_CONFIG).is_file():
+            try:
+                return target, OmegaConf.load(target.run_dir / RUN_CONFIG)
+            except (OSError, OmegaConfBaseException) as err:
+                raise CompareError(f"{target.path}: unreadable {target.run_dir / RUN_CONFIG}: {err}") from err
+    return None
+
+
+def load_checkpoint_tokenizer(target: Target) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the checkpoint, with a pad token (eos when it has none)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target.checkpoint)
+    except (OSError, ValueError) as err:
+        raise CompareError(f"{target.path}: no readable tokenizer in {target.checkpoint}: {err}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_shared_vocab(targets: Sequence[Target], tokenizers: Sequence[PreTrainedTokenizerBase]) -> None:
+    """IN2 prompts are token ids: every PATH must read them with the first PATH's vocabulary."""
+    reference = tokenizers[0].get_vocab()
+    for target, tokenizer in zip(targets[1:], tokenizers[1:]):
+        if tokenizer.get_vocab() != reference:
+            raise CompareError(
+                f"incompatible tokenizers: {target.path} (vocab {len(tokenizer)}) and {targets[0].path} "
+                f"(vocab {len(tokenizers[0])}) differ, and the in2 probe needs shared token sequences; "
+                "leave in2 out (--probes kv,mdqa,needle) to compare them"
+            )
+
+
+def _weights_folder(target: Target) -> tuple[str, bool]:
+    """Folder (or hub id) of the full model weights, and whether the checkpoint holds LoRA adapters only."""
+    adapter = target.checkpoint / "adapter_config.json"
+    if not adapter.is_file():
+        return str(target.checkpoint), False
+    if target.run_dir is not None and (target.run_dir / "base_model").is_dir():
+        return str(target.run_dir / "base_model"), True  # a random-init base saved beside its adapters
+    base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise CompareError(f"{target.path}: LoRA adapters without a base model (no base_model_name_or_path, "
+                           "no base_model/ in a run directory)")
+    return base, True
+
+
+def count_layers(target: Target) -> int:
+    """H of the prior: decoder layers of the checkpoint's architecture."""
+    try:
+        return int(AutoConfig.from_pretrained(_weights_folder(target)[0]).num_hidden_layers)
+    except (OSError, ValueError, KeyError) as err:
+        raise CompareError(f"{target.path}: unreadable model config in {target.checkpoint}: {err}") from err
+
+
+def load_model(target: Target, vocab_size: int, device: str, dtype: str) -> PreTrainedModel:
+    """The checkpoint's model in eval mode on `device` (LoRA adapters merged into their base)."""
+    weights, adapters = _weights_folder(target)
+    try:
+        model = build_model(ModelConfig(pretrained=weights, dtype=dtype), vocab_size)
+        if adapters:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, target.checkpoint).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        raise CompareError(f"{target.path}: cannot load the model from {target.checkpoint}: {err}") from err
+    return model.to(resolve_device(device)).eval()
+
+
+def _asked(result: ProbeResult) -> frozenset[tuple[str, tuple[str, ...]]]:
+    """What makes two probe runs the same probe: the (id, answers) of every item asked."""
+    return frozenset((o["id"], tuple(o["answers"])) for o in result.outcomes)
+
+
+def _to_ask(items: Iterable[ProbeItem]) -> frozenset[tuple[str, tuple[str, ...]]]:
+    """`_asked` of the result these items would give."""
+    return frozenset((it.id, tuple(it.answers)) for it in items)
+
+
+def saved_result(target: Target, probe: str) -> tuple[ProbeResult, Path] | None:
+    """`<run>/eval/<probe>_step<N>.json` of the checkpoint's step, if the run wrote one."""
+    if target.run_dir is None or target.step is None:
+        return None
+    path = target.run_dir / "eval" / f"{probe}_step{target.step}.json"
+    if not path.is_file():
+        return None
+    try:
+        return ProbeResult.load_json(path), path
+    except (OSError, ValueError, KeyError) as err:
+        raise CompareError(f"{target.path}: unreadable {path}: {err}") from err
+
+
+def build_in2_items(
+    reference: tuple[Target, DictConfig], tokenizer: PreTrainedTokenizerBase, examples: int
+) -> list[ProbeItem]:
+    """The first `examples` x bins held-out IN2 records of the reference run, as probe items.
+
+    Rebuilt from the run config's data section with `build_datasets`, exactly as its training loop
+    built them (so the dataset cache is hit); `tokenizer` must be the vocabulary they were built with.
+    """
+    from data_builders.in2 import as_data_config, build_datasets
+
+    source, cfg = reference
+    try:
+        data_cfg = as_data_config(cfg.data)
+        bins = int(cfg.eval.bins)
+        # Like train.py: a model's own tokenizer is passed in, a trained BPE is rebuilt (cached) from data.
+        tok_source = cfg.model.get("tokenizer") or cfg.model.get("pretrained")
+        bundle = build_datasets(data_cfg, tokenizer if tok_source else None)
+    except (OmegaConfBaseException, TypeError, ValueError, OSError) as err:
+        raise CompareError(f"{source.path}: cannot rebuild the IN2 records of its run config: {err}") from err
+    if bundle.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise CompareError(f"incompatible tokenizers: the IN2 records of {source.path} were built with "
+                           "another vocabulary than the checkpoints'")
+    return in2_probe(bundle.eval.select(range(min(examples * bins, len(bundle.eval)))), bins=bins)
+
+
+def in2_items(
+    targets: Sequence[Target],
+    reference: tuple[Target, DictConfig] | None,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: int,
+) -> tuple[list[ProbeItem] | None, str]:
+    """IN2 items for every PATH (None: take each run's saved result as it is), and where they come from.
+
+    None when every PATH has a saved in2 result and all asked the same records (nothing to rebuild),
+    or when no run config exists to rebuild them from; else `build_in2_items` of the reference run.
+    """
+    saved = [saved_result(t, "in2") for t in targets]
+    if all(saved) and len({_asked(s[0]) for s in saved}) == 1:
+        return None, "the runs' own eval JSONs, which asked the same records"
+    if reference is None:
+        return None, "saved results only: no PATH has a run config (.hydra/config.yaml) to rebuild records"
+    items = build_in2_items(reference, tokenizer, examples)
+    return items, f"{len(items)} held-out records rebuilt from the run config of {reference[0].label}"
+
+
+class ProbeBank:
+    """Probe items built once: kv and mdqa are text for every PATH; needle lengths count each tokenizer's tokens."""
+
+    def __init__(self, cfg: EvalConfig, in2: list[ProbeItem] | None) -> None:
+        self.cfg = cfg
+        self._shared: dict[str, list[ProbeItem] | None] = {"in2": in2}
+
+    def items(self, probe: str, tokenizer: PreTrainedTokenizerBase) -> list[ProbeItem] | None:
+        """Items of `probe`; None when they cannot be built (mdqa without a data folder, in2 without records)."""
+        if probe in self._shared:
+            return self._shared[probe]
+        try:
+            built = build_probes(replace(self.cfg, probes=[probe]), tokenizer).get(probe)
+        except (OSError, ValueError, KeyError) as err:
+            raise CompareError(f"probe {probe}: cannot build its items: {err}") from err
+        if probe != "needle":
+            self._shared[probe] = built
+        return built
+
+
+def _synthetic_texts() -> Iterator[str]:
+    """Endless synthetic documents, in batches with successive seeds."""
+    for seed in itertools.count(HELDOUT_SEED):
+        yield from (doc.text for doc in generate_documents(1000, seed, prefix="compare"))
+
+
+def heldout_documents(
+    tokenizer: PreTrainedTokenizerBase, data_dir: str | Path | None, doc_len: int, n_docs: int
+) -> tuple[list[list[int]], str]:
+    """`n_docs` documents of `doc_len` tokens (consecutive passages joined by newlines) and their source."""
+    nq = Path(data_dir) / NQ_FILE if data_dir is not None else None
+    if nq is not None and nq.is_file():
+        texts, source = iter(nq_filler(nq)), "NQ long answers"
+    else:
+        texts, source = _synthetic_texts(), "synthetic documents"
+    separator = encode_pieces(tokenizer, ["\n"])[0]
+    docs: list[list[int]] = []
+    current: list[int] = []
+    while batch := list(itertools.islice(texts, 256)):
+        for ids in encode_pieces(tokenizer, batch):
+            current += ids + separator
+            if len(current) >= doc_len:
+                docs.append(current[:doc_len])
+                current = []
+                if len(docs) == n_docs:
+                    return docs, source
+    raise CompareError(f"{source} give {len(docs)} documents of {doc_len} tokens, {n_docs} are needed")
+
+
+def recorded_profiles(target: Target) -> JacobianProfiles | None:
+    """The checkpoint's step (and step 0) from its run's jacobian.npz, if that step was recorded."""
+    path = target.run_dir / "jacobian.npz" if target.run_dir is not None else None
+    if path is None or target.step is None or not path.is_file():
+        return None
+    try:
+        with np.load(path) as z:
+            steps = z["steps"]
+            arrays = {k: z[k].astype(np.float64) for k in z.files if k != "steps"}  # (n_seq, S, L) each
+    except (OSError, ValueError, KeyError) as err:
+        raise CompareError(f"{target.path}: unreadable {path}: {err}") from err
+    hits = np.flatnonzero(steps == target.step)
+    if not len(hits):
+        return None
+    arrays = {k: v for k, v in arrays.items() if v.shape[0] > 0}
+    if not arrays:
+        return None
+    initial = {k: v[:, 0].mean(0) for k, v in arrays.items()} if steps[0] == 0 and target.step > 0 else {}
+    L = next(iter(arrays.values())).shape[-1]
+    return JacobianProfiles({k: v[:, hits[0]].mean(0) for k, v in arrays.items()}, initial,
+                            f"jacobian.npz of its run, step {target.step}, L={L}")
+
+
+def measure_profiles(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: JacobianConfig,
+    data_dir: str | Path | None,
+) -> JacobianProfiles:
+    """Profiles measured now on held-out text in this checkpoint's tokens (no step-0 record)."""
+    n_docs = cfg.n_vanilla + cfg.n_chunked * math.ceil(cfg.seq_len / cfg.chunk_len)
+    docs, source = heldout_documents(tokenizer, data_dir, cfg.seq_len, n_docs)
+    seqs = build_eval_sequences(docs, cfg.seq_len, cfg.n_vanilla, cfg.n_chunked, cfg.chunk_len)
+    results = measure_sets(model, {k: v for k, v in seqs.items() if len(v)}, cfg)
+    return JacobianProfiles({k: r.profile.mean(0) for k, r in results.items()}, {},
+                            f"measured on {source}, L={cfg.seq_len}, {cfg.estimator}")
+
+
+def jacobian_settings(reference: tuple[Target, DictConfig] | None, seq_len: int | None) -> JacobianConfig:
+    """The reference run's jacobian section (the defaults without one), `seq_len` overriding its L."""
+    cfg = JacobianConfig()
+    if reference is not None:
+        source, run_cfg = reference
+        try:
+            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JacobianConfig), run_cfg.jacobian))
+        except OmegaConfBaseException as err:
+            raise CompareError(f"{source.path}: unreadable jacobian section in {RUN_CONFIG}: {err}") from err
+    if seq_len is not None:
+        cfg.seq_len = seq_len
+    return cfg
+
+
+def answer_probes(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Mapping[str, Sequence[ProbeItem]],
+    max_new_tokens: int | None,
+    batch_size: int,
+) -> dict[str, ProbeResult]:
+    """Greedy answers to every probe's items, scored; `max_new_tokens` None = each probe's `NEW_TOKENS`."""
+    results = {}
+    for probe, items in probes.items():
+        cfg = EvalConfig(max_new_tokens=max_new_tokens or NEW_TOKENS[probe], batch_size=batch_size)
+        results[probe] = evaluate_probes(model, tokenizer, {probe: items}, cfg)[1][probe]
+    return results
+
+
+def evaluate_target(
+    target: Target,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Sequence[str],
+    bank: ProbeBank,
+    jacobian: JacobianConfig,
+    data_dir: str | Path | None,
+    max_new_tokens: int | None,
+    device: str,
+    dtype: str,
+) -> Entry:
+    """Reuse what the PATH's run recorded and compute the rest (loading the model only then)."""
+    entry = Entry(target, count_layers(target), len(tokenizer))
+    pending: dict[str, list[ProbeItem]] = {}
+    for probe in probes:
+        try:
+            items = bank.items(probe, tokenizer)
+        except CompareError as err:  # needle items depend on this PATH's tokenizer
+            raise CompareError(f"{target.path}: {err}") from err
+        saved = saved_result(target, probe)
+        if saved is not None and (items is None or _asked(saved[0]) == _to_ask(items)):
+            entry.results[probe] = saved[0]
+            entry.notes.append(f"{probe}: reused {saved[1]}")
+        elif items:
+            pending[probe] = items
+            if saved is not None:
+                entry.notes.append(f"{probe}: not reusing {saved[1]}, which asked other items")
+        else:
+            entry.notes.append(f"{probe}: skipped (no items: mdqa needs --data-dir, in2 a run config)")
+    profiles = recorded_profiles(target)
+    model = None
+    if pending or profiles is None:
+        model = load_model(target, len(tokenizer), device, dtype)
+    entry.results.update(answer_probes(model, tokenizer, pending, max_new_tokens, bank.cfg.batch_size))
+    for probe, items in pending.items():
+        budget = max_new_tokens or NEW_TOKENS[probe]
+        entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to {budget} new tokens)")
+    if profiles is None:
+        profiles = measure_profiles(model, tokenizer, jacobian, data_dir)
+    entry.profiles = profiles
+    entry.notes.append(f"Jacobian: {profiles.source}" + ("" if profiles.initial else "; no step-0 profile"))
+    entry.topology = {name: topology_metrics(p, entry.layers) for name, p in profiles.latest.items()}
+    return entry
+
+
+def plot_position_accuracy(
+    results: Mapping[str, ProbeResult], out_png: str | Path, title: str = "", xlabel: str = "gold position"
+) -> Path:
+    """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed."""
+    labels: dict[int, str] = {}
+    for result in results.values():
+        labels.update(result.labels())
+    positions = sorted(p for p in labels if p >= 0)
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, result) in enumerate(results.items()):
+        acc, ci, colour = result.accuracy_by_position(), result.ci_by_position(), f"C{i % 10}"
+        shown = [p for p in positions if p in acc]
+        # A small sideways offset keeps overlapping intervals of different curves apart.
+        x = np.array([positions.index(p) for p in shown]) + 0.08 * (i - (len(results) - 1) / 2)
+        y = np.array([acc[p] for p in shown])
+        err = np.abs(np.array([ci[p] for p in shown]).reshape(-1, 2).T - y)  # (2, n): below, above
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colour, label=name)
+        if -1 in acc:
+            ax.axhline(acc[-1], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
+    ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
+    ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "Accuracy by gold position")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def plot_profiles(entries: Sequence[Entry], set_name: str, out_png: str | Path) -> Path:
+    """One set's profile of every PATH, its fitted prior (dashed) and step 0 (dotted); raw and anchored."""
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    raw, anchored = fig.subplots(1, 2)
+    for i, entry in enumerate(entries):
+        profile = entry.profiles.latest.get(set_name) if entry.profiles else None
+        if profile is None:
+            continue
+        label, x = entry.target.label, np.arange(len(profile)) / max(len(profile) - 1, 1)
+        fit = fit_alpha(profile, entry.layers)
+        prior = prior_profile(len(profile), entry.layers, fit.alpha) * 10.0**fit.log10_scale  # (L,)
+        step = f"step {entry.target.step}" if entry.target.step is not None else "checkpoint"
+        curves = [(f"{label} ({step})", profile, {"lw": 1.2}),
+                  (f"{label} prior, H={entry.layers}, a={fit.alpha:.3f}", prior, {"lw": 0.9, "ls": "--"})]
+        if set_name in entry.profiles.initial:
+            curves.append((f"{label} (step 0)", entry.profiles.initial[set_name], {"lw": 0.9, "ls": ":"}))
+        for text, curve, style in curves:
+            raw.plot(x, curve, color=f"C{i % 10}", label=text, **style)
+            anchored.plot(x, curve / curve[-1], color=f"C{i % 10}", label=text, **style)
+    raw.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j)$", title="raw (prior scaled by its fit)")
+    anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1")
+    for ax in (raw, anchored):
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Jacobian profiles, {set_name}: mean over sequences")
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def _fmt(value: float | None, base: float | None = None) -> str:
+    """A table cell: the value, and its delta against the first PATH's when one is given."""
+    if value is None:
+        return "–"
+    if base is None or not (math.isfinite(value) and math.isfinite(base)):
+        return f"{value:.3f}"
+    return f"{value:.3f} (Δ {value - base:+.3f})"
+
+
+def _row_cells(values: Sequence[float | None]) -> list[str]:
+    return [_fmt(v, None if i == 0 or values[0] is None else values[0]) for i, v in enumerate(values)]
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _last_logged(rows: Sequence[Mapping[str, Any]], key: str, step: int | None) -> str:
+    """The last value of `key` logged at or before `step` (any step when unknown), with its step if earlier."""
+    found = [r for r in rows if isinstance(r.get(key), (int, float)) and (step is None or r["step"] <= step)]
+    if not found:
+        return "–"
+    value, at = float(found[-1][key]), found[-1]["step"]
+    return _fmt(value) if at == step else f"{_fmt(value)} (step {at})"
+
+
+def _wandb_summary(target: Target) -> tuple[str, dict[str, Any]]:
+    """The newest wandb-summary.json of the run (online or synced runs write one; offline runs do not)."""
+    if target.run_dir is None:
+        return "none (not in a run directory)", {}
+    found = sorted(target.run_dir.glob("wandb/*run-*/files/wandb-summary.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        return "none (offline runs keep their history in run-*.wandb; metrics.jsonl has the same numbers)", {}
+    try:
+        return str(found[-1]), json.loads(found[-1].read_text())
+    except (OSError, ValueError) as err:
+        return f"{found[-1]} (unreadable: {err})", {}
+
+
+def _inputs_table(entries: Sequence[Entry]) -> list[str]:
+    rows = []
+    for e in entries:
+        run = e.target.run_dir
+        logged = read_metrics(run) if run is not None and (run / "metrics.jsonl").is_file() else []
+        losses = [_last_logged(logged, key, e.target.step) for key in ("train/loss", "eval/loss")]
+        rows.append([e.target.label, f"`{e.target.path}`", f"`{e.target.checkpoint}`", str(e.target.step),
+                     str(e.layers), str(e.vocab), *losses])
+    return _table(["PATH", "given", "checkpoint", "step", "layers", "vocab", "train/loss", "eval/loss"], rows)
+
+
+def _accuracy_table(entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
+    rows = []
+    for probe in probes:
+        results = [e.results.get(probe) for e in entries]
+        rows.append([probe, *_row_cells([r.mean if r else None for r in results])])
+        if any(r is not None and -1 in r.labels() for r in results):
+            closed = [r.accuracy_by_position().get(-1) if r else None for r in results]
+            rows.append([f"{probe} closed-book", *_row_cells(closed)])
+    return _table(["probe", *(e.target.label for e in entries)], rows)
+
+
+def _topology_table(entries: Sequence[Entry], set_name: str) -> list[str]:
+    sources = [e.profiles.source if e.profiles and set_name in e.profiles.latest else "–" for e in entries]
+    rows = [["source", *sources]]
+    rows += [[f"`{key}`", *_row_cells([e.topology.get(set_name, {}).get(key) for e in entries])]
+             for key in METRIC_KEYS]
+    return _table(["metric", *(e.target.label for e in entries)], rows)
+
+
+def _wandb_table(entries: Sequence[Entry]) -> list[str]:
+    rows = []
+    for e in entries:
+        where, summary = _wandb_summary(e.target)
+        values = [summary.get(k) for k in ("train/loss", "eval/loss")]
+        rows.append([e.target.label, where, *(_fmt(v if isinstance(v, (int, float)) else None) for v in values)])
+    return _table(["PATH", "summary", "train/loss", "eval/loss"], rows)
+
+
+def write_report(
+    out: Path,
+    entries: Sequence[Entry],
+    probes: Sequence[str],
+    notes: Sequence[str],
+    use_wandb: bool = False,
+) -> Path:
+    """`<out>/report.md` with its PNGs: inputs, probe accuracy, curves, profiles, metrics, provenance."""
+    first = entries[0].target.label
+    lines = ["# Checkpoint comparison", "", f"Deltas (Δ) are against the first PATH, `{first}`.", "",
+             "## Inputs", "", *_inputs_table(entries), "",
+             "## Probe accuracy", "", "Mean accuracy over the gold positions (closed-book left out).", "",
+             *_accuracy_table(entries, probes), "",
+             "## Accuracy by gold position", "",
+             "Error bars: 95% bootstrap intervals over queries; dashed: closed-book accuracy (mdqa).", ""]
+    for probe in probes:
+        results = {e.target.label: e.results[probe] for e in entries if probe in e.results}
+        lines += [f"### {probe}", ""]
+        if results:
+            png = plot_position_accuracy(results, out / f"accuracy_{probe}.png",
+                                         f"{probe}: accuracy by gold position", POSITION_AXIS[probe])
+            lines += [f"![{probe}]({png.name})", ""]
+        else:
+            lines += ["No PATH has results for this probe (see Provenance).", ""]
+
+    sets = list(dict.fromkeys(name for e in entries if e.profiles for name in e.profiles.latest))
+    lines += ["## Jacobian profiles", "",
+              "Solid: the checkpoint; dashed: its best-fitting Cesàro prior (free scale); dotted: step 0 of "
+              "its run. Anchored: divided by the last position.", ""]
+    for name in sets:
+        png = plot_profiles(entries, name, out / f"jacobian_{name}.png")
+        lines += [f"### {name}", "", f"![{name}]({png.name})", ""]
+    lines += ["## Valley and prior metrics", ""]
+    for name in sets:
+        lines += [f"### {name}", "", *_topology_table(entries, name), ""]
+
+    lines += ["## Provenance", "", *(f"- {note}" for note in notes)]
+    lines += [f"- `{e.target.label}`: {note}" for e in entries for note in e.notes]
+    if use_wandb:
+        lines += ["", "## wandb", "", "Optional: each run's wandb summary, when it has one.", "",
+                  *_wandb_table(entries)]
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return report
+
+
+def compare(
+    paths: Sequence[str | Path],
+    out: str | Path = "compare",
+    probes: Sequence[str] = PROBES,
+    examples: int = 20,
+    data_dir: str | Path | None = None,
+    *,
+    needle_lens: Sequence[int] = (256, 512, 1024),
+    max_new_tokens: int | None = None,
+    batch_size: int = 16,
+    seq_len: int | None = None,
+    device: str = "auto",
+    dtype: str = "float32",
+    use_wandb: bool = False,
+) -> Path:
+    """Evaluate what the PATHs lack and write `<out>/report.md` with its PNGs; returns the report's path.
+
+    `examples`: queries per probe, each asked at every gold position (in2: `examples` x bins records).
+    `max_new_tokens`: one greedy budget for every probe; None = `NEW_TOKENS`. `seq_len`: L of measured
+    Jacobian profiles; None = the reference run's `jacobian.seq_len` (256 without one). Every PATH's
+    probe results are also saved as `<out>/eval/<PATH label>_<probe>.json`.
+    Raises CompareError naming the PATH that cannot be read or compared.
+    """
+    if not paths:
+        raise CompareError("no PATH to compare")
+    unknown = [p for p in probes if p not in PROBES]
+    if unknown:
+        raise CompareError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
+    targets = [resolve_target(p, label) for p, label in zip(paths, short_labels(paths))]
+    tokenizers = [load_checkpoint_tokenizer(t) for t in targets]
+    reference = reference_run(targets)
+    notes = [f"probes: {', '.join(probes)}; queries per probe and position: {examples}; "
+             f"data folder: {data_dir or 'none (synthetic kv, filler and Jacobian text)'}"]
+    in2 = None
+    if "in2" in probes:
+        check_shared_vocab(targets, tokenizers)
+        in2, in2_source = in2_items(targets, reference, tokenizers[0], examples)
+        notes.append(f"in2 items: {in2_source}")
+    eval_cfg = EvalConfig(probe_examples=examples, data_dir=None if data_dir is None else str(data_dir),
+                          needle_lens=list(needle_lens), batch_size=batch_size)
+    bank = ProbeBank(eval_cfg, in2)
+    jacobian = jacobian_settings(reference, seq_len)
+    entries = [
+        evaluate_target(t, tok, probes, bank, jacobian, data_dir, max_new_tokens, device, dtype)
+        for t, tok in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path")
+    ]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for e in entries:
+        for probe, result in e.results.items():
+            result.save_json(out / "eval" / f"{e.target.slug}_{probe}.json")
+    return write_report(out, entries, probes, notes, use_wandb)
+
+
+def _probe_list(text: str) -> list[str]:
+    probes = [p for p in text.split(",") if p]
+    unknown = [p for p in probes if p not in PROBES]
+    if unknown or not probes:
+        raise argparse.ArgumentTypeError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
+    return probes
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_list(text: str) -> list[int]:
+    return [_positive(v) for v in text.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.compare",
+        description="Compare runs and checkpoints: accuracy by gold position (kv, mdqa, needle, in2), "
+                    "Jacobian profiles against the Cesàro prior, valley and prior metrics. Writes "
+                    "OUT/report.md and its PNGs; evaluates only what the runs did not record.",
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="a run directory (its latest checkpoint) or a checkpoint folder "
+                             "(save_pretrained + tokenizer)")
+    parser.add_argument("--out", default="compare", help="output folder (default: ./compare)")
+    parser.add_argument("--probes", type=_probe_list, default=list(PROBES),
+                        help="comma-separated probes (default: kv,mdqa,needle,in2; mdqa needs --data-dir, "
+                             "in2 one tokenizer for all PATHs)")
+    parser.add_argument("--examples", type=_positive, default=20,
+                        help="queries per probe, each asked at every gold position; in2: N x bins held-out "
+                             "records (default 20)")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with kv-retrieval-75_keys.jsonl.gz and nq-open-oracle.jsonl.gz "
+                             "(default: none: synthetic kv, needle filler and Jacobian text; no mdqa)")
+    parser.add_argument("--needle-lens", type=_positive_list, default=[256, 512, 1024],
+                        help="needle context lengths in tokens (default 256,512,1024)")
+    parser.add_argument("--max-new-tokens", type=_positive, default=None,
+                        help="greedy answer budget for every probe "
+                             "(default per probe: kv 48, mdqa 32, needle 16, in2 8)")
+    parser.add_argument("--batch-size", type=_positive, default=16, help="prompts per generate call (default 16)")
+    parser.add_argument("--seq-len", type=_positive, default=None,
+                        help="L of measured Jacobian profiles (default: the first run's jacobian.seq_len, "
+                             "else 256)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights dtype (default float32)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also read each run's wandb summary (optional; metrics.jsonl has the same numbers)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (1: a PATH cannot be compared; argparse errors exit with 2)."""
+    args = build_parser().parse_args(argv)
+    try:
+        report = compare(
+            args.paths, args.out, args.probes, args.examples, args.data_dir, needle_lens=args.needle_lens,
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
+            device=args.device, dtype=args.dtype, use_wandb=args.wandb,
+        )
+    except CompareError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Evaluate one checkpoint on the position-wise probes: eval JSONs, metrics and an accuracy curve per probe.
+
+    python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa,needle] examples=20 data_dir=../shared/data
+    python -m scripts.eval_checkpoint outputs/in2/<run> probes=[needle,in2] out=evals/run needle_lens=[128,256]
+
+(`python scripts/eval_checkpoint.py ...` works the same once the project is installed: pip install -e .;
+quote list values in zsh: 'probes=[kv,needle]')
+
+CKPT is a checkpoint folder (`save_pretrained` + tokenizer) or a run directory (its latest checkpoint).
+The key=value arguments after it are Hydra-style overrides of `EvalCheckpointConfig` (lists in
+brackets; an unknown key or a wrong type fails naming it). mdqa needs `data_dir`; in2 needs the run
+config (`.hydra/config.yaml`) of the checkpoint's run. With N the checkpoint's training step (0 for
+a folder without trainer_state.json), it writes
+
+- `<out>/eval/<probe>_step<N>.json`: per-query outcomes and accuracy by gold position;
+- `<out>/eval/metrics_step<N>.json`: the `eval/<probe>/acc@<position>` and `eval/<probe>/acc_mean` values;
+- `<out>/plots/<probe>_accuracy_step<N>.png`: accuracy by gold position with 95% bootstrap intervals;
+
+and prints a summary table. `out` defaults to the checkpoint's run directory (where
+`python -m analysis.compare` then reuses the JSONs; an existing file of the same probe and step is
+replaced), or `eval_<checkpoint folder name>/` under the current directory for a checkpoint outside a run.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from analysis.compare import (
+    POSITION_AXIS,
+    PROBES,
+    CompareError,
+    ProbeBank,
+    answer_probes,
+    build_in2_items,
+    load_checkpoint_tokenizer,
+    load_model,
+    plot_position_accuracy,
+    reference_run,
+    resolve_target,
+)
+from analysis.positional_eval import EvalConfig, ProbeResult, write_eval_json
+
+
+@dataclass
+class EvalCheckpointConfig:
+    probes: list[str] = field(default_factory=lambda: ["kv", "mdqa", "needle"])  # of kv, mdqa, needle, in2
+    examples: int = 20  # queries per probe, each asked at every gold position (in2: examples x bins records)
+    out: Optional[str] = None  # output folder; None = the checkpoint's run directory, else eval_<name>/
+    data_dir: Optional[str] = None  # folder of the kv / nq files; None = synthetic kv and filler, no mdqa
+    needle_lens: list[int] = field(default_factory=lambda: [256, 512, 1024])  # needle context lengths, tokens
+    max_new_tokens: Optional[int] = None  # greedy budget for every probe; None = analysis.compare.NEW_TOKENS
+    batch_size: int = 16  # prompts per generate call
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
+    """CKPT and the typed config from `CKPT key=value ...`; SystemExit(2) with a message on bad input."""
+    if not argv or argv[0].startswith("-"):
+        print(__doc__, file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(EvalCheckpointConfig), OmegaConf.from_dotlist(list(argv[1:])))
+    except OmegaConfBaseException as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+    cfg = OmegaConf.to_object(cfg)
+    unknown = [p for p in cfg.probes if p not in PROBES]
+    if unknown or not cfg.probes or cfg.examples < 1:
+        print(f"error: probes must be some of {', '.join(PROBES)} (got {cfg.probes}) and examples >= 1",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return argv[0], cfg
+
+
+def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Path, dict[str, ProbeResult]]:
+    """Answer the probes with the checkpoint and write JSONs, metrics and PNGs; the output folder and results."""
+    target = resolve_target(ckpt, Path(ckpt).name)
+    tokenizer = load_checkpoint_tokenizer(target)
+    in2 = None
+    if "in2" in cfg.probes:
+        reference = reference_run([target])
+        if reference is None:
+            raise CompareError(f"{ckpt}: in2 needs the run config (.hydra/config.yaml) of the checkpoint's run")
+        in2 = build_in2_items(reference, tokenizer, cfg.examples)
+    bank = ProbeBank(EvalConfig(probe_examples=cfg.examples, data_dir=cfg.data_dir, needle_lens=cfg.needle_lens,
+                                batch_size=cfg.batch_size), in2)
+    items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
+    for probe in [p for p, its in items.items() if not its]:
+        print(f"{probe}: skipped (mdqa needs data_dir)", file=sys.stderr)
+    model = load_model(target, len(tokenizer), cfg.device, cfg.dtype)
+    results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, cfg.max_new_tokens,
+                            cfg.batch_size)
+
+    step = 0 if target.step is None else target.step
+    out = Path(cfg.out) if cfg.out else target.run_dir or Path(f"eval_{target.checkpoint.name}")
+    metrics: dict[str, float] = {}
+    for probe, result in results.items():
+        write_eval_json(out, step, probe, result)
+        plot_position_accuracy({target.label: result}, out / "plots" / f"{probe}_accuracy_step{step}.png",
+                               f"{target.label}, step {step}: {probe} accuracy by gold position",
+                               POSITION_AXIS[probe])
+        metrics.update(result.to_metrics("eval"))
+    (out / "eval").mkdir(parents=True, exist_ok=True)
+    (out / "eval" / f"metrics_step{step}.json").write_text(json.dumps(metrics, indent=1), encoding="utf-8")
+    return out, results
+
+
+def summary_table(results: dict[str, ProbeResult]) -> str:
+    """Plain-text table: probe, items, mean accuracy, accuracy at each gold position."""
+    lines = [f"{'probe':<8} {'items':>5} {'mean':>6}  accuracy by position"]
+    for probe, result in results.items():
+        labels = result.labels()
+        by_position = "  ".join(f"{labels[p]}: {acc:.2f}" for p, acc in result.accuracy_by_position().items())
+        lines.append(f"{probe:<8} {len(result.outcomes):>5} {result.mean:>6.3f}  {by_position}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (1: the checkpoint cannot be evaluated; 2: bad arguments)."""
+    ckpt, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        out, results = evaluate_checkpoint(ckpt, cfg)
+    except CompareError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(summary_table(results))
+    print(f"wrote {out / 'eval'} and {out / 'plots'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""analysis.compare and scripts/eval_checkpoint on a tiny CPU run: report sections, PNGs, clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from analysis.compare import compare, main, plot_position_accuracy, short_labels
+from analysis.positional_eval import ProbeResult
+from analysis.topology import METRIC_KEYS
+from data_builders.tokenizer import train_bpe_tokenizer
+from scripts import eval_checkpoint
+from tests.conftest import ROOT, TINY
+
+JACOBIAN = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2"]
+FAST = {"needle_lens": [64], "device": "cpu"}  # one short needle length keeps generation to seconds
+
+
+def assert_png(path) -> None:
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] > 200 and im.size[1] > 150
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real Hydra run directory (.hydra/config.yaml included): 2 steps, checkpoints step-1 and step-2."""
+    run = tmp_path_factory.mktemp("runs") / "runA"
+    cmd = [sys.executable, "train.py", *TINY, *JACOBIAN, "trainer.max_steps=2", "trainer.save_every=1",
+           f"hydra.run.dir={run}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "eval" / "in2_step2.json").is_file()
+    return run
+
+
+def test_short_labels_tell_paths_apart():
+    assert short_labels(["/x/runA/checkpoints/step-1", "/x/runA"]) == ["step-1", "runA"]
+    assert short_labels(["/a/runA", "/b/runA"]) == ["a/runA", "b/runA"]
+
+
+def test_report_has_every_section(run_dir, tmp_path):
+    # A checkpoint outside any run (profiles measured), one inside the run (its npz), the run itself.
+    standalone = tmp_path / "standalone"
+    shutil.copytree(run_dir / "checkpoints" / "step-1", standalone)
+    paths = [standalone, run_dir / "checkpoints" / "step-1", run_dir]
+    report = compare(paths, tmp_path / "cmp", ["needle", "in2"], examples=2, use_wandb=True, **FAST)
+
+    text = report.read_text()
+    for heading in ["# Checkpoint comparison", "## Inputs", "## Probe accuracy", "## Accuracy by gold position",
+                    "### needle", "### in2", "## Jacobian profiles", "### vanilla", "### chunked",
+                    "## Valley and prior metrics", "## Provenance", "## wandb"]:
+        assert f"\n{heading}\n" in f"\n{text}", heading
+    for key in METRIC_KEYS:
+        assert f"`{key}`" in text
+    assert "Δ" in text
+    images = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert sorted(images) == ["accuracy_in2.png", "accuracy_needle.png", "jacobian_chunked.png",
+                              "jacobian_vanilla.png"]
+    for name in images:
+        assert_png(report.parent / name)
+    # Only what the run lacks is computed: its own in2 result is reused, its profiles read from the npz.
+    assert f"`runA`: in2: reused {run_dir / 'eval' / 'in2_step2.json'}" in text
+    assert "`standalone`: in2: evaluated now" in text and "`step-1`: in2: evaluated now" in text
+    assert "`standalone`: Jacobian: measured on synthetic documents, L=64" in text
+    assert "`step-1`: Jacobian: jacobian.npz of its run, step 1" in text
+    saved = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "standalone_in2.json")
+    reused = ProbeResult.load_json(run_dir / "eval" / "in2_step2.json")
+    assert {o["id"] for o in saved.outcomes} == {o["id"] for o in reused.outcomes}  # the same records
+
+
+def test_closed_book_line_and_intervals_plot(tmp_path):
+    rng = np.random.default_rng(0)
+
+    def result(p_correct: float) -> ProbeResult:
+        outcomes = [
+            {"id": f"mdqa-{q}@{label}", "query": f"mdqa-{q}", "position": pos, "label": label, "prediction": "",
+             "answers": ["x"], "correct": float(rng.random() < p_correct), "extra": {}}
+            for q in range(10) for pos, label in [(0, "0"), (4, "4"), (9, "9"), (-1, "closedbook")]
+        ]
+        return ProbeResult("mdqa", outcomes)
+
+    png = plot_position_accuracy({"A": result(0.3), "B": result(0.6)}, tmp_path / "mdqa.png", "mdqa")
+    assert_png(png)
+
+
+@pytest.mark.parametrize("make_bad", [lambda tmp: tmp / "missing", lambda tmp: tmp])
+def test_bad_path_fails_naming_it(run_dir, tmp_path, capsys, make_bad):
+    bad = make_bad(tmp_path)  # a path that does not exist; a folder that is neither run nor checkpoint
+    assert main([str(run_dir), str(bad), "--out", str(tmp_path / "cmp")]) == 1
+    assert str(bad) in capsys.readouterr().err
+    assert not (tmp_path / "cmp" / "report.md").exists()
+
+
+def test_cli_exit_code_on_missing_path(tmp_path):
+    missing = tmp_path / "no-such-run"
+    out = subprocess.run([sys.executable, "-m", "analysis.compare", str(missing)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and str(missing) in out.stderr
+
+
+def test_incompatible_tokenizers_fail_for_in2(run_dir, tmp_path, capsys):
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(run_dir / "checkpoints" / "step-2", other)
+    tokenizer = train_bpe_tokenizer(["a different corpus makes a different vocabulary"] * 10, 300, tmp_path)
+    tokenizer.save_pretrained(other)
+    assert main([str(run_dir), str(other), "--probes", "in2", "--out", str(tmp_path / "cmp")]) == 1
+    err = capsys.readouterr().err
+    assert "incompatible tokenizers" in err and str(other) in err
+
+
+def test_eval_checkpoint_writes_outputs(run_dir, tmp_path, capsys):
+    ckpt, out = run_dir / "checkpoints" / "step-2", tmp_path / "eval-out"
+    argv = [str(ckpt), "probes=[needle,in2]", "examples=1", "needle_lens=[64]", "device=cpu", f"out={out}"]
+    assert eval_checkpoint.main(argv) == 0
+    for probe in ("needle", "in2"):
+        result = ProbeResult.load_json(out / "eval" / f"{probe}_step2.json")
+        assert result.probe == probe and result.outcomes
+        assert_png(out / "plots" / f"{probe}_accuracy_step2.png")
+    metrics = json.loads((out / "eval" / "metrics_step2.json").read_text())
+    assert {"eval/needle/acc_mean", "eval/in2/acc_mean"} <= set(metrics)
+    printed = capsys.readouterr().out
+    assert "needle" in printed and "in2" in printed
+
+
+def test_eval_checkpoint_rejects_unknown_keys(run_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        eval_checkpoint.main([str(run_dir), "not_a_key=1"])
+    assert exc.value.code == 2 and "not_a_key" in capsys.readouterr().err
