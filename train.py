@@ -10,6 +10,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,7 +171,7 @@ def profile_charts(results: dict, n_layers: int, step: int) -> dict[str, Any]:
 def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
     from analysis.jacobian import JacobianRecorder, build_eval_sequences, measure_sets
-    from analysis.plots import plot_depth_accuracy, plot_evolution, plot_heatmap
+    from analysis.plots import plot_depth_accuracy, plot_evolution, plot_heatmap, plot_profile_vs_prior
     from analysis.positional_eval import evaluate_in2, write_eval_json
     from analysis.topology import prefixed, topology_metrics
     from data_builders.collate import BatchStream
@@ -282,9 +283,11 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             write_eval_json(run_dir, step, "in2", result)
         return metrics
 
+    # Accuracy by gold depth needs questions; language-model windows (micro100) have none.
+    has_questions = cfg.data.format == "in2"
     accuracy_curves: dict[str, list[float]] = {}
     if start_step == 0:
-        acc0 = depth_accuracy(0)
+        acc0 = depth_accuracy(0) if has_questions else {}
         accuracy_curves["step 0"] = [v for k, v in acc0.items() if "acc@" in k]
         logger.log({**acc0, "eval/loss": heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
                                                       tokenizer.pad_token_id, device)}, step=0)
@@ -342,17 +345,23 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     if jac_on and final % cfg.jacobian.every == 0:
         # One more profile after the last update: the paper's (n, steps + 1, L) arrays.
         logger.log(measure_jacobian(final), step=final)
-    acc = depth_accuracy(final)
+    acc = depth_accuracy(final) if has_questions else {}
     logger.log(acc, step=final)
     metrics.update(acc)
     save(final)
     if main:
-        accuracy_curves[f"step {final}"] = [v for k, v in acc.items() if "acc@" in k]
-        plot_depth_accuracy(accuracy_curves, run_dir / "plots" / "in2_accuracy_by_depth.png",
-                            title=f"{cfg.exp_name}: exact match by gold depth")
+        plots = run_dir / "plots"
+        if has_questions:
+            accuracy_curves[f"step {final}"] = [v for k, v in acc.items() if "acc@" in k]
+            plot_depth_accuracy(accuracy_curves, plots / "in2_accuracy_by_depth.png",
+                                title=f"{cfg.exp_name}: exact match by gold depth")
         if jac_on:
             for name in jac_seqs:
-                plot_evolution(run_dir / "jacobian.npz", run_dir / "plots" / f"jacobian_evolution_{name}.png", name)
+                plot_evolution(run_dir / "jacobian.npz", plots / f"jacobian_evolution_{name}.png", name)
+                if recorder.steps[0] == 0:
+                    plot_profile_vs_prior(recorder.array(name)[:, 0].mean(axis=0), n_layers,
+                                          plots / f"jacobian_step0_vs_prior_{name}.png",
+                                          title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}) and the prior")
     logger.close()
     return metrics
 
@@ -362,5 +371,14 @@ def main(cfg) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
+def _strip_launcher_args() -> None:
+    """`deepspeed` appends --local_rank=N, which Hydra would reject; LOCAL_RANK carries it too."""
+    for arg in list(sys.argv[1:]):
+        if arg.startswith("--local_rank"):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1] if "=" in arg else "0")
+            sys.argv.remove(arg)
+
+
 if __name__ == "__main__":
+    _strip_launcher_args()
     main()
