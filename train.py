@@ -172,7 +172,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
     from analysis.jacobian import JacobianRecorder, build_eval_sequences, measure_sets
     from analysis.plots import plot_depth_accuracy, plot_evolution, plot_heatmap, plot_profile_vs_prior
-    from analysis.positional_eval import evaluate_in2, write_eval_json
+    from analysis.compare import plot_position_accuracy
+    from analysis.positional_eval import build_probes, evaluate_in2, evaluate_probes, write_eval_json
     from analysis.topology import prefixed, topology_metrics
     from data_builders.collate import BatchStream
     from data_builders.in2 import build_datasets
@@ -283,6 +284,18 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             write_eval_json(run_dir, step, "in2", result)
         return metrics
 
+    # Position probes (kv, mdqa, needle) every eval.probe_every steps, on fixed queries.
+    probe_items = build_probes(cfg.eval, tokenizer) if cfg.eval.probes and cfg.eval.probe_every else {}
+
+    def run_probes(step: int) -> dict[str, float]:
+        probe_metrics, results = evaluate_probes(model, tokenizer, probe_items, cfg.eval)
+        if main:
+            for name, result in results.items():
+                write_eval_json(run_dir, step, name, result)
+                plot_position_accuracy({f"step {step}": result}, run_dir / "plots" / f"{name}_accuracy_step{step}.png",
+                                       title=f"{cfg.exp_name}: {name} accuracy by gold position, step {step}")
+        return probe_metrics
+
     # Accuracy by gold depth needs questions; language-model windows (micro100) have none.
     has_questions = cfg.data.format == "in2"
     accuracy_curves: dict[str, list[float]] = {}
@@ -329,6 +342,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             if cfg.eval.every and done % cfg.eval.every == 0:
                 metrics["eval/loss"] = heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
                                                     tokenizer.pad_token_id, device)
+            if probe_items and done % cfg.eval.probe_every == 0:
+                metrics.update(run_probes(done))
             logger.log(metrics, step=done)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
             if tcfg.save_every and done % tcfg.save_every == 0 and done < tcfg.max_steps:

@@ -103,3 +103,12 @@ def test_diff_attention_run_logs_lambda_and_restores(compose_cfg, tmp_path):
     ids = torch.tensor([tok("Which pet does Kamir keep?")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(restored(ids).logits, again(ids).logits)
+
+
+def test_position_probes_during_training(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, "trainer.max_steps=2", "eval.probes=[needle,kv]", "eval.probe_every=2",
+                      "eval.probe_examples=1", "eval.needle_lens=[64,96]")
+    metrics = run(cfg, tmp_path)
+    assert "eval/needle/acc_mean" in metrics and "eval/kv/acc@0" in metrics
+    assert (tmp_path / "eval" / "needle_step2.json").is_file()
+    assert (tmp_path / "plots" / "kv_accuracy_step2.png").stat().st_size > 0
