@@ -112,3 +112,8 @@ def test_position_probes_during_training(compose_cfg, tmp_path):
     assert "eval/needle/acc_mean" in metrics and "eval/kv/acc@0" in metrics
     assert (tmp_path / "eval" / "needle_step2.json").is_file()
     assert (tmp_path / "plots" / "kv_accuracy_step2.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
+def test_group_choice_on_the_command_line_wins_over_an_experiment(compose_cfg, exp):
+    assert compose_cfg(f"+exp={exp}", "jacobian=off").jacobian.every == 0
