@@ -48,6 +48,8 @@ class BatchStream:
         self.dataset, self.micro_batch_size, self.pad_id = dataset, micro_batch_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.label_context = label_context
+        # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
+        self._columns = dataset.select_columns(["input_ids", "labels"]) if hasattr(dataset, "column_names") else None
         self.per_epoch = len(dataset) // (micro_batch_size * world_size)
         self.position = 0
 
@@ -68,8 +70,8 @@ class BatchStream:
             yield collate(self._rows(chunk), self.pad_id)
 
     def _rows(self, indices: list[int]) -> list[dict[str, Any]]:
-        if hasattr(self.dataset, "column_names"):  # a datasets.Dataset: one columnar read per batch
-            cols = self.dataset.select_columns(["input_ids", "labels"])[indices]
+        if self._columns is not None:  # one columnar read per batch
+            cols = self._columns[indices]
             rows = [{"input_ids": i, "labels": lab} for i, lab in zip(cols["input_ids"], cols["labels"])]
         else:
             rows = [self.dataset[i] for i in indices]
