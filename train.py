@@ -29,6 +29,7 @@ from analysis.metrics_log import LoggerConfig, MetricsLogger, NullLogger
 from analysis.positional_eval import EvalConfig
 from data_builders.in2 import DataConfig
 from models.build import ModelConfig
+from models.distributed import dist_info
 from models.peft_setup import PeftConfig
 
 
@@ -50,6 +51,7 @@ class TrainerConfig:
     keep_last_n: int = 2  # checkpoints kept; 0 = all
     max_bad_steps: int = 10  # non-finite losses tolerated (skipped) before the run stops
     deepspeed: Optional[dict[str, Any]] = None  # DeepSpeed config block (trainer=zero2/zero3/...)
+    collective_timeout_s: float = 1800.0  # a collective (or joining the group) that takes longer fails
 
 
 @dataclass
@@ -213,7 +215,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     if tcfg.deepspeed:
         engine = DeepSpeedEngine(model, make_optimizer, make_scheduler, OmegaConf.to_container(tcfg.deepspeed)
                                  if OmegaConf.is_config(tcfg.deepspeed) else dict(tcfg.deepspeed),
-                                 tcfg.precision, tcfg.micro_batch_size, tcfg.grad_accum, tcfg.grad_clip)
+                                 tcfg.precision, tcfg.micro_batch_size, tcfg.grad_accum, tcfg.grad_clip,
+                                 tcfg.collective_timeout_s)
     elif info.world_size > 1:
         raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
     else:
@@ -383,7 +386,14 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg) -> None:
-    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except Exception as exc:
+        # With several ranks, say which one failed: the launcher interleaves their output.
+        info = dist_info()
+        if info.world_size > 1:
+            print(f"[rank {info.rank} of {info.world_size}] {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise
 
 
 def _strip_launcher_args() -> None:

@@ -10,6 +10,7 @@ import math
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,6 +48,24 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
             raise RuntimeError("trainer.device=cuda but no CUDA device is visible (use trainer=cpu)")
         return torch.device("cuda", local_rank)
     return torch.device(name)
+
+
+def init_distributed(timeout_s: float) -> None:
+    """Join the launcher's process group; a rank that cannot reach the others fails, naming itself.
+
+    The timeout also bounds every later collective (gloo and nccl honour it), so a hung rank ends
+    the run with an error instead of a silent hang.
+    """
+    import deepspeed
+
+    info = dist_info()
+    try:
+        deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise RuntimeError(
+            f"rank {info.rank} of {info.world_size}: could not join the process group within "
+            f"{timeout_s:.0f} s (trainer.collective_timeout_s): {exc}"
+        ) from exc
 
 
 class TorchEngine:
@@ -132,9 +151,11 @@ class DeepSpeedEngine:
         micro_batch_size: int,
         grad_accum: int,
         grad_clip: float,
+        collective_timeout_s: float,
     ):
         import deepspeed
 
+        init_distributed(collective_timeout_s)
         self.info = dist_info()
         config = dict(ds_config)
         config.update(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,3 +75,17 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert "stop requested" in out
     ckpt = resolve_checkpoint("latest", tmp_path / "run")
     AutoModelForCausalLM.from_pretrained(ckpt)
+
+
+def test_rank_that_cannot_reach_the_others_fails_naming_itself(tmp_path):
+    """Rank 0 of 2 waits for a rank that never comes: a timeout error naming the rank, not a hang."""
+    code = "from models.distributed import init_distributed; init_distributed(5)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+           "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode != 0
+    assert "rank 0 of 2: could not join the process group within 5 s" in out.stderr
