@@ -116,3 +116,16 @@ def test_jacobian_under_zero3_equals_single_process(tmp_path):
     sp = np.load(_single(tmp_path, "sp", *jac, steps=1) / "jacobian.npz")
     for name in ("vanilla", "chunked"):
         np.testing.assert_allclose(ds[name][:, 0], sp[name][:, 0], rtol=1e-5)
+
+
+def test_torchrun_launch_matches_single_process(tmp_path, reference):
+    run_dir = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), "train.py", *TINY, *STEPS, "trainer.max_steps=2", "trainer=zero2",
+           f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    got = _losses(run_dir)
+    # Steps 1-2 are warm-up, where the schedule does not depend on max_steps.
+    for step in (1, 2):
+        assert got[step] == pytest.approx(reference["none"][step], rel=1e-4)
