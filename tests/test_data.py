@@ -13,7 +13,7 @@ from analysis.scoring import normalize_answer
 from data_builders import pools
 from data_builders.in2 import DataConfig, TaskMix, build_datasets
 from data_builders.pools import build_pool, cut_points
-from data_builders.sources import FieldMap, file_source, load_filler, normalize, synthetic_source
+from data_builders.sources import FieldMap, file_source, load_filler, synthetic_source
 from data_builders.synthetic import generate_documents, integration_questions
 from data_builders.tokenizer import train_bpe_tokenizer
 from scripts.bench_data import bench_case
@@ -43,12 +43,6 @@ def qa_records(n: int) -> list[dict]:
         }
         for k in range(n)
     ]
-
-
-def test_normalize_is_the_scorers_normalization():
-    texts = ["The Röntgen-ray (1901)!", "a  cat, AN owl & the\tdog's  bowl", "“Quoted” — text…", "", "Élan."]
-    texts += [d.text for d in generate_documents(20, 0)]
-    assert [normalize(t) for t in texts] == [normalize_answer(t) for t in texts]
 
 
 def test_generate_documents_unchanged():
