@@ -46,6 +46,7 @@ from analysis.topology import METRIC_KEYS, topology_metrics
 from data_builders.probes import NQ_FILE, ProbeItem, in2_probe, nq_filler
 from data_builders.synthetic import generate_documents
 from data_builders.tokenizer import encode_pieces
+from data_builders.windows import join_documents
 from models.build import ModelConfig, build_model
 from models.checkpoint import STEP_DIR, TRAINER_STATE, list_checkpoints
 from models.distributed import resolve_device
@@ -320,16 +321,13 @@ def heldout_documents(
     else:
         texts, source = _synthetic_texts(), "synthetic documents"
     separator = encode_pieces(tokenizer, ["\n"])[0]
-    docs: list[list[int]] = []
-    current: list[int] = []
-    while batch := list(itertools.islice(texts, 256)):
-        for ids in encode_pieces(tokenizer, batch):
-            current += ids + separator
-            if len(current) >= doc_len:
-                docs.append(current[:doc_len])
-                current = []
-                if len(docs) == n_docs:
-                    return docs, source
+    # Tokenize in batches of 256 passages, only as many as the documents need.
+    passages = itertools.chain.from_iterable(
+        encode_pieces(tokenizer, batch) for batch in iter(lambda: list(itertools.islice(texts, 256)), [])
+    )
+    docs = [d[:doc_len] for d in itertools.islice(join_documents(passages, doc_len, separator), n_docs)]
+    if len(docs) == n_docs:
+        return docs, source
     raise CompareError(f"{source} give {len(docs)} documents of {doc_len} tokens, {n_docs} are needed")
 
 

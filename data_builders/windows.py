@@ -8,7 +8,7 @@ give the eval-loss windows and the Jacobian sequences, so no measured token is e
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 from datasets import Dataset
@@ -18,15 +18,14 @@ from data_builders.sources import load_source
 from data_builders.tokenizer import default_cache_dir, encode_pieces, train_bpe_tokenizer
 
 
-def join_documents(passages: list[list[int]], doc_len: int, separator: list[int]) -> list[np.ndarray]:
+def join_documents(passages: Iterable[list[int]], doc_len: int, separator: list[int]) -> Iterator[list[int]]:
     """Consecutive passages joined (with `separator`) until each document has >= doc_len tokens."""
-    docs, current = [], []
+    current: list[int] = []
     for ids in passages:
         current += ids + separator
         if len(current) >= doc_len:
-            docs.append(np.asarray(current, dtype=np.int64))
+            yield current
             current = []
-    return docs
 
 
 def sample_windows(docs: list[np.ndarray], n: int, length: int, seed: int) -> list[dict[str, Any]]:
@@ -49,7 +48,8 @@ def build_windows(cfg, tokenizer: PreTrainedTokenizerBase | None):
     texts = source.train.passages + source.heldout.passages
     if tokenizer is None:
         tokenizer = train_bpe_tokenizer(texts, cfg.vocab_size)
-    docs = join_documents(encode_pieces(tokenizer, texts), cfg.doc_len, encode_pieces(tokenizer, ["\n\n"])[0])
+    separator = encode_pieces(tokenizer, ["\n\n"])[0]
+    docs = [np.asarray(d, dtype=np.int64) for d in join_documents(encode_pieces(tokenizer, texts), cfg.doc_len, separator)]
     (t0, t1), (e0, e1) = cfg.train_docs, cfg.eval_docs
     if max(t1, e1) > len(docs) or t0 >= t1 or e0 >= e1 or max(t0, e0) < min(t1, e1):
         raise ValueError(
