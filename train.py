@@ -173,16 +173,26 @@ def profile_charts(results: dict, n_layers: int, step: int) -> dict[str, Any]:
 def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
     from analysis.jacobian import JacobianRecorder, build_eval_sequences, measure_sets
-    from analysis.plots import plot_depth_accuracy, plot_evolution, plot_heatmap, plot_profile_vs_prior
-    from analysis.compare import plot_position_accuracy
+    from analysis.plots import (
+        plot_depth_accuracy,
+        plot_evolution,
+        plot_heatmap,
+        plot_position_accuracy,
+        plot_profile_vs_prior,
+    )
     from analysis.positional_eval import build_probes, evaluate_in2, evaluate_probes, write_eval_json
     from analysis.topology import prefixed, topology_metrics
     from data_builders.collate import BatchStream
     from data_builders.in2 import build_datasets
     from data_builders.tokenizer import load_tokenizer
     from models.build import build_model
+    from models.checkpoint import (
+        atomic_checkpoint,
+        load_trainer_state,
+        resolve_checkpoint,
+        save_trainer_state,
+    )
     from models.diff_attention import diff_lambda_stats, set_diff_step
-    from models.checkpoint import atomic_checkpoint, load_trainer_state, resolve_checkpoint, save_trainer_state
     from models.distributed import DeepSpeedEngine, TorchEngine, all_mean, barrier, dist_info, resolve_device
     from models.peft_setup import apply_peft
 

@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 
 from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets
 from analysis.metrics_log import read_metrics
+from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import EvalConfig, ProbeResult, build_probes, evaluate_probes
 from analysis.prior import fit_alpha, prior_profile
 from analysis.topology import METRIC_KEYS, topology_metrics
@@ -441,36 +442,6 @@ def evaluate_target(
     entry.notes.append(f"Jacobian: {profiles.source}" + ("" if profiles.initial else "; no step-0 profile"))
     entry.topology = {name: topology_metrics(p, entry.layers) for name, p in profiles.latest.items()}
     return entry
-
-
-def plot_position_accuracy(
-    results: Mapping[str, ProbeResult], out_png: str | Path, title: str = "", xlabel: str = "gold position"
-) -> Path:
-    """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed."""
-    labels: dict[int, str] = {}
-    for result in results.values():
-        labels.update(result.labels())
-    positions = sorted(p for p in labels if p >= 0)
-    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
-    ax = fig.subplots()
-    for i, (name, result) in enumerate(results.items()):
-        acc, ci, colour = result.accuracy_by_position(), result.ci_by_position(), f"C{i % 10}"
-        shown = [p for p in positions if p in acc]
-        # A small sideways offset keeps overlapping intervals of different curves apart.
-        x = np.array([positions.index(p) for p in shown]) + 0.08 * (i - (len(results) - 1) / 2)
-        y = np.array([acc[p] for p in shown])
-        err = np.abs(np.array([ci[p] for p in shown]).reshape(-1, 2).T - y)  # (2, n): below, above
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colour, label=name)
-        if -1 in acc:
-            ax.axhline(acc[-1], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
-    ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
-    ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "Accuracy by gold position")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
 
 
 def plot_profiles(entries: Sequence[Entry], set_name: str, out_png: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""PNG figures for a run: Jacobian profile evolution, fit to the prior, heatmap, accuracy by depth.
+"""PNG figures for a run: Jacobian profile evolution, fit to the prior, heatmap, accuracy by depth/position.
 
 Figures are built on ``matplotlib.figure.Figure`` (Agg canvas), not pyplot, so plotting from the
 training loop touches no global backend or figure state. Each function writes one PNG and returns
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib import colormaps
@@ -18,6 +19,9 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 from analysis.prior import fit_alpha, prior_profile
+
+if TYPE_CHECKING:
+    from analysis.positional_eval import ProbeResult
 
 MAX_LINES = 128  # evolution plots draw at most this many steps, evenly spaced, first and last included
 RHO_LABEL = r"$\rho(j) = \|\partial\, \mathrm{target} / \partial e_j\|$"
@@ -146,6 +150,33 @@ def plot_depth_accuracy(
     ax.set_xticks(x, [f"{100 * i / n:.0f}-{100 * (i + 1) / n:.0f}%" for i in range(n)],
                   rotation=45 if n > 6 else 0)
     ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(0.0, 1.02), title=title or "Accuracy by gold depth")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_png)
+
+
+def plot_position_accuracy(
+    results: Mapping[str, "ProbeResult"], out_png: str | Path, title: str = "", xlabel: str = "gold position"
+) -> Path:
+    """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed."""
+    labels: dict[int, str] = {}
+    for result in results.values():
+        labels.update(result.labels())
+    positions = sorted(p for p in labels if p >= 0)
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, result) in enumerate(results.items()):
+        acc, ci, colour = result.accuracy_by_position(), result.ci_by_position(), f"C{i % 10}"
+        shown = [p for p in positions if p in acc]
+        # A small sideways offset keeps overlapping intervals of different curves apart.
+        x = np.array([positions.index(p) for p in shown]) + 0.08 * (i - (len(results) - 1) / 2)
+        y = np.array([acc[p] for p in shown])
+        err = np.abs(np.array([ci[p] for p in shown]).reshape(-1, 2).T - y)  # (2, n): below, above
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colour, label=name)
+        if -1 in acc:
+            ax.axhline(acc[-1], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
+    ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
+    ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "Accuracy by gold position")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out_png)

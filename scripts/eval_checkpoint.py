@@ -40,10 +40,10 @@ from analysis.compare import (
     build_in2_items,
     load_checkpoint_tokenizer,
     load_model,
-    plot_position_accuracy,
     reference_run,
     resolve_target,
 )
+from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import EvalConfig, ProbeResult, write_eval_json
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from analysis.compare import compare, main, plot_position_accuracy, short_labels
+from analysis.compare import compare, main, short_labels
+from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import ProbeResult
 from analysis.topology import METRIC_KEYS
 from data_builders.tokenizer import train_bpe_tokenizer
