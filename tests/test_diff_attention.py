@@ -395,3 +395,14 @@ def test_init_jacobian_profile():
     assert fitted_a(rho["v2"], n_layers) < fitted_a(rho["standard"], n_layers)
     # V1: the per-head RMSNorm amplifies the averaged values, so mixing grows and the middle gains mass
     assert last["v1"] < last["standard"] and middle["v1"] > middle["standard"], (last, middle)
+
+
+def test_bench_diff_rows():
+    """The benchmark builds every variant through the project's builder and reports ratios to standard."""
+    from scripts.bench_diff import VARIANTS, bench_diff
+
+    rows = bench_diff(seq_len=64, shapes=("qwen2_tiny",), repeats=1)
+    assert [row["name"] for row in rows] == [f"{name} qwen2_tiny L=64" for name, _, _ in VARIANTS]
+    assert rows[0]["ratio"] == 1.0 and rows[0]["mem_ratio"] == 1.0
+    assert all(row["ratio"] > 0 and row["mem_mb"] > 0 for row in rows)
+    assert rows[1]["params"] != rows[0]["params"]  # V1 adds λ and the per-head norm: the swap happened
