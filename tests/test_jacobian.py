@@ -57,6 +57,32 @@ def test_exact_matches_float64_full_jacobian(arch):
     np.testing.assert_allclose(got.profile, ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["mistral_window", "diff_v1", "diff_v2"])
+def test_exact_matches_full_forward_for_cached_attention_variants(variant):
+    """The profile's prefix-cache forward equals one full forward where the cache is least plain:
+    a sliding window shorter than the sequence (the cache crops keys), V1's double-width values."""
+    from models.diff_attention import convert_to_diff_attention
+
+    torch.manual_seed(0)
+    if variant == "mistral_window":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=V, sliding_window=5))
+    else:
+        model = tiny(hidden=32)
+        convert_to_diff_attention(model, version=variant.removeprefix("diff_"))
+    model = model.double().eval()
+    ids = ids_of(2, 12)
+
+    def last_hidden(e):
+        return model.model(inputs_embeds=e).last_hidden_state[0, -1]  # (d,)
+
+    ref = full_jacobian_norms(last_hidden, model, ids)
+    np.testing.assert_allclose(jacobian_profile(model, ids, "exact").profile, ref, rtol=1e-6)
+    if variant == "mistral_window":  # a window of 5 in 2 layers reaches back 8 positions, no further
+        assert (ref[:, :3] == 0).all() and (ref[:, 3:] > 0).all()
+
+
 def test_exact_pre_norm_matches_model_without_final_norm():
     model = tiny(hidden=32).double().eval()
     ids = ids_of(2, 10)
