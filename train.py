@@ -180,7 +180,13 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
         plot_position_accuracy,
         plot_profile_vs_prior,
     )
-    from analysis.positional_eval import build_probes, evaluate_in2, evaluate_probes, write_eval_json
+    from analysis.positional_eval import (
+        ProbeResult,
+        build_probes,
+        evaluate_in2,
+        evaluate_probes,
+        write_eval_json,
+    )
     from analysis.topology import prefixed, topology_metrics
     from data_builders.collate import BatchStream
     from data_builders.in2 import build_datasets
@@ -241,7 +247,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
         print(f"global batch = {tcfg.micro_batch_size} micro x {tcfg.grad_accum} accumulation x "
               f"{info.world_size} ranks = {tcfg.micro_batch_size * tcfg.grad_accum * info.world_size} samples")
 
-    start_step = 0
+    start_step, ckpt = 0, None
     if tcfg.resume_from:
         ckpt = resolve_checkpoint(tcfg.resume_from, run_dir)
         engine.load(ckpt)
@@ -312,11 +318,24 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     # Accuracy by gold depth needs questions; language-model windows (micro100) have none.
     has_questions = cfg.data.format == "in2"
     accuracy_curves: dict[str, list[float]] = {}
+
+    def depth_curve(metrics: dict[str, float]) -> list[float]:
+        return [v for k, v in metrics.items() if "acc@" in k]
+
     if start_step == 0:
         acc0 = depth_accuracy(0) if has_questions else {}
-        accuracy_curves["step 0"] = [v for k, v in acc0.items() if "acc@" in k]
+        accuracy_curves["step 0"] = depth_curve(acc0)
         logger.log({**acc0, "eval/loss": heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
                                                       tokenizer.pad_token_id, device)}, step=0)
+    elif has_questions and main:
+        # A resumed run keeps the start curve measured by the run that wrote the checkpoint, so its
+        # accuracy plot still compares start and end; copied here when resuming into a new directory.
+        step0 = ckpt.parents[1] / "eval" / "in2_step0.json"
+        if step0.is_file():
+            result = ProbeResult.load_json(step0)
+            accuracy_curves["step 0"] = depth_curve(result.to_metrics("eval"))
+            if not (run_dir / "eval" / step0.name).exists():
+                write_eval_json(run_dir, 0, "in2", result)
 
     stop = StopRequest()
     bad_steps, metrics = 0, {}
@@ -380,7 +399,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     if main:
         plots = run_dir / "plots"
         if has_questions:
-            accuracy_curves[f"step {final}"] = [v for k, v in acc.items() if "acc@" in k]
+            accuracy_curves[f"step {final}"] = depth_curve(acc)
             plot_depth_accuracy(accuracy_curves, plots / "in2_accuracy_by_depth.png",
                                 title=f"{cfg.exp_name}: exact match by gold depth")
         if jac_on:

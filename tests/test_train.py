@@ -117,3 +117,18 @@ def test_position_probes_during_training(compose_cfg, tmp_path):
 @pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
 def test_group_choice_on_the_command_line_wins_over_an_experiment(compose_cfg, exp):
     assert compose_cfg(f"+exp={exp}", "jacobian=off").jacobian.every == 0
+
+
+def test_resume_keeps_the_start_accuracy_curve(compose_cfg, tmp_path, monkeypatch):
+    """Resuming into a new run directory still plots (and keeps) the step-0 accuracy by depth."""
+    import analysis.plots
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    run(compose_cfg(*TINY, "trainer.max_steps=2"), first)
+    curves = {}
+    monkeypatch.setattr(analysis.plots, "plot_depth_accuracy", lambda c, path, **kw: curves.update(c))
+    run(compose_cfg(*TINY, "trainer.max_steps=3", f"trainer.resume_from={first / 'checkpoints' / 'step-2'}"), second)
+    assert list(curves) == ["step 0", "step 3"]
+    step0 = json.loads((first / "eval" / "in2_step0.json").read_text())
+    assert json.loads((second / "eval" / "in2_step0.json").read_text()) == step0
+    assert len(curves["step 0"]) == len(curves["step 3"]) > 0
