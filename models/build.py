@@ -64,5 +64,5 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
             lambda_warmup_steps=cfg.diff.lambda_warmup_steps,
         )
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -32,7 +32,7 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig):
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    if getattr(model.base_model.model, "is_gradient_checkpointing", False):
+    if getattr(model.base_model.model, "is_activation_checkpointing", False):
         # Frozen embeddings + non-reentrant checkpointing: inputs must require grad for adapters to learn.
         model.enable_input_require_grads()
     return model

@@ -132,3 +132,21 @@ def test_resume_keeps_the_start_accuracy_curve(compose_cfg, tmp_path, monkeypatc
     step0 = json.loads((first / "eval" / "in2_step0.json").read_text())
     assert json.loads((second / "eval" / "in2_step0.json").read_text()) == step0
     assert len(curves["step 0"]) == len(curves["step 3"]) > 0
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_gradient_checkpointing_gives_the_same_losses(compose_cfg, tmp_path, monkeypatch, peft):
+    """Recomputing activations in the backward changes memory, not the numbers (LoRA: frozen inputs)."""
+    import models.build
+
+    built = []
+    build_model = models.build.build_model
+    monkeypatch.setattr(models.build, "build_model", lambda *a, **kw: built.append(build_model(*a, **kw)) or built[-1])
+    args = (*TINY, "trainer.max_steps=3", "jacobian=off", f"peft={peft}")
+    run(compose_cfg(*args), tmp_path / "plain")
+    run(compose_cfg(*args, "model.gradient_checkpointing=true"), tmp_path / "checkpointed")
+    assert [m.is_activation_checkpointing for m in built] == [False, True]
+    plain, checkpointed = _losses(tmp_path / "plain"), _losses(tmp_path / "checkpointed")
+    assert list(plain) == [1, 2, 3]
+    assert checkpointed == pytest.approx(plain, rel=1e-5)
+    assert plain[3] != plain[1]  # the parameters moved: gradients reached them through the recomputation
