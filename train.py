@@ -241,8 +241,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
         engine = TorchEngine(model, optimizer, make_scheduler(optimizer), resolve_device(tcfg.device),
                              tcfg.precision, tcfg.grad_accum, tcfg.grad_clip)
     model, device = engine.module, engine.device
+    # A curriculum lives in the split's stored order: the build's own setting (a prebuilt folder's too).
+    curriculum = bundle.stats.get("config", {}).get("curriculum", 0.0)
     stream = BatchStream(bundle.train, tcfg.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
-                         info.world_size, label_context=cfg.data.label_context)
+                         info.world_size, label_context=cfg.data.label_context, ordered_first_epoch=curriculum > 0)
     if info.is_main_process:
         print(f"global batch = {tcfg.micro_batch_size} micro x {tcfg.grad_accum} accumulation x "
               f"{info.world_size} ranks = {tcfg.micro_batch_size * tcfg.grad_accum * info.world_size} samples")

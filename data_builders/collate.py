@@ -27,7 +27,8 @@ class BatchStream:
     size, w = world size) and rank r takes its r-th block of B samples. So ranks see distinct
     shards, and w ranks with accumulation a see exactly the samples, in the same micro-batch
     blocks, that one process sees with accumulation a*w. `position` counts micro-batches drawn by
-    this rank; restoring it continues the exact same order after a resume.
+    this rank; restoring it continues the exact same order after a resume. With `ordered_first_epoch`
+    epoch 0 reads the dataset in stored order (a curriculum's short-first order), later epochs shuffle.
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class BatchStream:
         rank: int = 0,
         world_size: int = 1,
         label_context: bool = False,
+        ordered_first_epoch: bool = False,
     ):
         if len(dataset) < micro_batch_size * world_size:
             raise ValueError(
@@ -47,13 +49,15 @@ class BatchStream:
             )
         self.dataset, self.micro_batch_size, self.pad_id = dataset, micro_batch_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.label_context = label_context
+        self.label_context, self.ordered_first_epoch = label_context, ordered_first_epoch
         # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
         self._columns = dataset.select_columns(["input_ids", "labels"]) if hasattr(dataset, "column_names") else None
         self.per_epoch = len(dataset) // (micro_batch_size * world_size)
         self.position = 0
 
     def _permutation(self, epoch: int) -> list[int]:
+        if epoch == 0 and self.ordered_first_epoch:
+            return list(range(len(self.dataset)))
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.dataset), generator=g).tolist()
 

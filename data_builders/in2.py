@@ -108,6 +108,9 @@ class DataConfig:
     prebuilt: Optional[str] = None  # folder written by scripts/build_dataset.py: load it instead of building
     context_len_min: Optional[int] = None  # when set, budgets are uniform in [context_len_min, context_len]
     context_lens: list[int] = field(default_factory=list)  # when set, each budget is drawn from these lengths
+    # Short contexts first: over the first `curriculum` share of the training split the largest budget
+    # grows from context_len_min to context_len, and training reads that share in order (eval unchanged).
+    curriculum: float = 0.0
     tasks: TaskMix = field(default_factory=TaskMix)  # task mix (the eval split leaves short_qa out)
     fields: FieldMap = field(default_factory=FieldMap)  # record fields of an hf source
     hf_config: Optional[str] = None  # configuration name of an hf hub dataset
@@ -224,6 +227,10 @@ def check_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.context_lens has {largest}, more than data.context_len={cfg.context_len}")
     if cfg.context_len_min is not None and not 0 < cfg.context_len_min <= cfg.context_len:
         raise ValueError(f"data.context_len_min={cfg.context_len_min} must be in (0, {cfg.context_len}]")
+    if not 0 <= cfg.curriculum <= 1:
+        raise ValueError(f"data.curriculum={cfg.curriculum} must be a share of the training split, in [0, 1]")
+    if cfg.curriculum and cfg.context_len_min is None:
+        raise ValueError("data.curriculum ramps budgets up from data.context_len_min: set it")
     smallest = min(cfg.context_lens) if cfg.context_lens else (cfg.context_len_min or cfg.context_len)
     if not 0 < cfg.segment_len < smallest:
         raise ValueError(
@@ -445,20 +452,26 @@ def task_counts(shares: dict[str, float], n: int) -> dict[str, int]:
     return counts
 
 
-def _budget(cfg: DataConfig, rng: random.Random) -> int:
-    """A sample's token budget: from `context_lens`, uniform in [context_len_min, context_len], or fixed."""
+def _budget(cfg: DataConfig, rng: random.Random, ramp: float = 1.0) -> int:
+    """A sample's token budget: from `context_lens`, uniform in [context_len_min, context_len], or fixed.
+
+    `ramp` in (0, 1] shrinks the range's upper end to context_len_min + ramp * (context_len - context_len_min).
+    """
     if cfg.context_lens:
         return rng.choice(cfg.context_lens)
     if cfg.context_len_min is not None:
-        return rng.randint(cfg.context_len_min, cfg.context_len)
+        return rng.randint(cfg.context_len_min, round(cfg.context_len_min + ramp * (cfg.context_len - cfg.context_len_min)))
     return cfg.context_len
 
 
 def iter_plans(
     pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
-    shares: dict[str, float], seed: int, skipped: dict[str, int],
+    shares: dict[str, float], seed: int, skipped: dict[str, int], ramp_samples: int = 0,
 ) -> Iterator[Plan]:
-    """`n` plans, tasks mixed by `shares`; a question too long for its sample's budget is redrawn, counted."""
+    """`n` plans, tasks mixed by `shares`; a question too long for its sample's budget is redrawn, counted.
+
+    Over the first `ramp_samples` plans the budgets' upper end grows linearly (the curriculum).
+    """
     rng = random.Random(seed)
     counts = task_counts(shares, n)
     choices = {
@@ -472,7 +485,8 @@ def iter_plans(
     tasks = [t for t in TASKS for _ in range(counts[t])]
     rng.shuffle(tasks)
     for start in range(0, n, _BLOCK):
-        block = [(t, rng.choice(choices[t]), _budget(cfg, rng)) for t in tasks[start : start + _BLOCK]]
+        block = [(t, rng.choice(choices[t]), _budget(cfg, rng, min(1.0, (i + 1) / ramp_samples) if ramp_samples else 1.0))
+                 for i, t in enumerate(tasks[start : start + _BLOCK], start)]
         pieces.prefetch([item for _, item, _ in block])
         for task, item, budget in block:
             for _ in range(100):
@@ -506,12 +520,12 @@ def _record_batch(rows: dict[str, list]) -> pa.RecordBatch:
 
 def assemble(
     pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
-    shares: dict[str, float], seed: int, split: str, skipped: dict[str, int],
+    shares: dict[str, float], seed: int, split: str, skipped: dict[str, int], ramp_samples: int = 0,
 ) -> pa.Table:
-    """`n` records (RECORD_FEATURES) as an Arrow table."""
+    """`n` records (RECORD_FEATURES) as an Arrow table; `ramp_samples` as in `iter_plans`."""
     batches, rows = [], {name: [] for name in RECORD_FEATURES}
     bar = tqdm(total=n, desc=f"assemble {split}", unit="sample", disable=None)
-    for k, plan in enumerate(iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped)):
+    for k, plan in enumerate(iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped, ramp_samples)):
         ids, prompt_len, spans, context_len = materialize(plan, pool, fmt)
         labels = ids.copy()
         labels[:prompt_len] = -100
@@ -596,13 +610,18 @@ class Prepared:
     seeds: dict[str, int]
     skipped: dict[str, dict[str, int]]
 
+    def ramp_samples(self, split: str, n: int) -> int:
+        """Samples over which budgets ramp up: the curriculum's share of the training split."""
+        return round(self.cfg.curriculum * n) if split == "train" else 0
+
     def assemble(self, split: str, n: int) -> pa.Table:
         return assemble(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
-                        self.shares[split], self.seeds[split], split, self.skipped[split])
+                        self.shares[split], self.seeds[split], split, self.skipped[split],
+                        self.ramp_samples(split, n))
 
     def plans(self, split: str, n: int) -> Iterator[Plan]:
         return iter_plans(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
-                          self.shares[split], self.seeds[split], self.skipped[split])
+                          self.shares[split], self.seeds[split], self.skipped[split], self.ramp_samples(split, n))
 
 
 def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> Prepared:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
+from data_builders.collate import BatchStream
 from data_builders.in2 import (
     DataConfig,
     TaskMix,
@@ -148,6 +150,10 @@ def test_bad_settings_fail_at_start_up(tmp_path):
         build_datasets(DataConfig(context_len=8192, context_len_min=1024, segment_len=2000))
     with pytest.raises(ValueError, match="data.tasks"):
         build_datasets(DataConfig(tasks=TaskMix(0, 0, 0)))
+    with pytest.raises(ValueError, match="data.curriculum ramps budgets up from data.context_len_min"):
+        build_datasets(DataConfig(curriculum=0.5))
+    with pytest.raises(ValueError, match=r"data.curriculum=1.5 must be a share"):
+        build_datasets(DataConfig(context_len_min=96, curriculum=1.5))
     with pytest.raises(ValueError, match="not a known source"):
         build_datasets(DataConfig(source="wiki"))
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "missing"))):
@@ -158,6 +164,26 @@ def test_bad_settings_fail_at_start_up(tmp_path):
                                   vocab_size=300, cache=False))
     with pytest.raises(ValueError, match="num_eval_docs=400"):
         build_datasets(DataConfig(source="hf", path=str(_qa_file(tmp_path)), fields=QA_FIELDS, cache=False))
+
+
+def test_curriculum_ramps_training_budgets_and_training_reads_them_in_order():
+    base = dict(context_len=256, context_len_min=96, num_train=400, num_eval=40, **SMALL)
+    plain = build_datasets(DataConfig(**base))
+    ramped = build_datasets(DataConfig(curriculum=0.5, **base))
+    lengths = np.array([len(ids) for ids in ramped.train["input_ids"]])  # a sample fills its budget
+    caps = np.round(96 + 160 * np.minimum(1.0, (np.arange(400) + 1) / 200))  # the ramp spans 0.5 x 400
+    assert (lengths <= caps).all() and lengths.min() >= 96
+    assert lengths[:50].mean() < 130 < 150 < lengths[200:].mean()
+    assert dataset_digest(ramped.eval) == dataset_digest(plain.eval)  # held-out questions unchanged
+
+    stream = BatchStream(ramped.train, 4, ramped.tokenizer.pad_token_id, seed=0, ordered_first_epoch=True)
+    batches = iter(stream)
+    for k in range(stream.per_epoch):  # epoch 0: stored order, so short contexts come first
+        batch = next(batches)
+        rows = [ramped.train[i]["input_ids"] for i in range(4 * k, 4 * k + 4)]
+        assert [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])] == rows
+    epoch1 = torch.cat([next(batches)["attention_mask"].sum(1) for _ in range(stream.per_epoch)])
+    assert sorted(epoch1.tolist()) == sorted(lengths.tolist()) and epoch1.tolist() != lengths.tolist()
 
 
 QA_FIELDS = FieldMap(question="query", answers="answers", evidence="passages", title="titles")
