@@ -253,6 +253,15 @@ def test_measure_sets_uses_the_same_probes_every_call():
     assert {k: v.profile.shape for k, v in a.items()} == {"vanilla": (2, 8), "chunked": (1, 8)}
     for name in seqs:
         np.testing.assert_array_equal(a[name].profile, b[name].profile)
+        assert a[name].stderr.shape == a[name].profile.shape
+
+
+def test_measure_sets_batches_sets_without_mixing_their_rows():
+    model = tiny()
+    seqs = {"vanilla": ids_of(2, 8, 1), "chunked": ids_of(1, 8, 2)}
+    got = measure_sets(model, seqs, JacobianConfig(estimator="exact", seq_len=8))
+    for name, ids in seqs.items():
+        np.testing.assert_allclose(got[name].profile, jacobian_profile(model, ids, "exact").profile, rtol=1e-5)
 
 
 def test_bad_arguments_raise():
