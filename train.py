@@ -202,6 +202,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     from models.distributed import DeepSpeedEngine, TorchEngine, all_mean, barrier, dist_info, resolve_device
     from models.peft_setup import apply_peft
 
+    for key in ("plot_every", "chart_every"):  # cadences of measured steps; checked before any work
+        if getattr(cfg.jacobian, key) < 1:
+            raise ValueError(f"jacobian.{key}={getattr(cfg.jacobian, key)} must be >= 1")
     tcfg = cfg.trainer
     seed_everything(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +293,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             recorder.add(step, {k: r.profile for k, r in results.items()})
             n_measured = len(recorder.steps)
             if logger.wandb_run is not None:
-                logger.log_media(profile_charts(results, n_layers, step), step=step)
+                if (n_measured - 1) % cfg.jacobian.chart_every == 0:  # step 0, then every chart_every
+                    logger.log_media(profile_charts(results, n_layers, step), step=step)
                 if n_measured % cfg.jacobian.plot_every == 0:
                     logger.log_media({f"jacobian/{name}/heatmap": wandb_image(plot_heatmap(
                         run_dir / "jacobian.npz", run_dir / "plots" / f"jacobian_heatmap_{name}.png", name))

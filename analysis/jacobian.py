@@ -49,6 +49,7 @@ class JacobianConfig:
     chunk_len: int = 300  # c; when L <= c a chunked sequence is a single excerpt
     exact_chunk: int = 64  # VJPs per batched backward (exact and hutchinson); bounds memory
     plot_every: int = 50  # redraw the evolution plots every N measured steps
+    chart_every: int = 1  # wandb line chart of the profile every N measured steps (~0.1 s each on CPU)
     seed: int = 0  # probe generator seed; the same probes at every step (common random numbers)
 
 

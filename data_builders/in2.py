@@ -109,7 +109,7 @@ class DataConfig:
     context_len_min: Optional[int] = None  # when set, budgets are uniform in [context_len_min, context_len]
     context_lens: list[int] = field(default_factory=list)  # when set, each budget is drawn from these lengths
     # Short contexts first: over the first `curriculum` share of the training split the largest budget
-    # grows from context_len_min to context_len, and training reads that share in order (eval unchanged).
+    # grows (quadratically) from context_len_min to context_len; training reads it in order (eval unchanged).
     curriculum: float = 0.0
     tasks: TaskMix = field(default_factory=TaskMix)  # task mix (the eval split leaves short_qa out)
     fields: FieldMap = field(default_factory=FieldMap)  # record fields of an hf source
@@ -455,12 +455,15 @@ def task_counts(shares: dict[str, float], n: int) -> dict[str, int]:
 def _budget(cfg: DataConfig, rng: random.Random, ramp: float = 1.0) -> int:
     """A sample's token budget: from `context_lens`, uniform in [context_len_min, context_len], or fixed.
 
-    `ramp` in (0, 1] shrinks the range's upper end to context_len_min + ramp * (context_len - context_len_min).
+    `ramp` in (0, 1] shrinks the range's upper end to context_len_min + ramp² (context_len - context_len_min):
+    squared, so that short contexts fill most of the ramp's first half (a random-init model learns to
+    copy on them; the longer ones then teach it to find the right fact among distractors).
     """
     if cfg.context_lens:
         return rng.choice(cfg.context_lens)
     if cfg.context_len_min is not None:
-        return rng.randint(cfg.context_len_min, round(cfg.context_len_min + ramp * (cfg.context_len - cfg.context_len_min)))
+        span = cfg.context_len - cfg.context_len_min
+        return rng.randint(cfg.context_len_min, round(cfg.context_len_min + ramp**2 * span))
     return cfg.context_len
 
 

@@ -171,9 +171,9 @@ def test_curriculum_ramps_training_budgets_and_training_reads_them_in_order():
     plain = build_datasets(DataConfig(**base))
     ramped = build_datasets(DataConfig(curriculum=0.5, **base))
     lengths = np.array([len(ids) for ids in ramped.train["input_ids"]])  # a sample fills its budget
-    caps = np.round(96 + 160 * np.minimum(1.0, (np.arange(400) + 1) / 200))  # the ramp spans 0.5 x 400
+    caps = np.round(96 + 160 * np.minimum(1.0, (np.arange(400) + 1) / 200) ** 2)  # the ramp spans 0.5 x 400
     assert (lengths <= caps).all() and lengths.min() >= 96
-    assert lengths[:50].mean() < 130 < 150 < lengths[200:].mean()
+    assert lengths[:100].mean() < 120 < 150 < lengths[200:].mean()
     assert dataset_digest(ramped.eval) == dataset_digest(plain.eval)  # held-out questions unchanged
 
     stream = BatchStream(ramped.train, 4, ramped.tokenizer.pad_token_id, seed=0, ordered_first_epoch=True)

@@ -150,3 +150,9 @@ def test_gradient_checkpointing_gives_the_same_losses(compose_cfg, tmp_path, mon
     assert list(plain) == [1, 2, 3]
     assert checkpointed == pytest.approx(plain, rel=1e-5)
     assert plain[3] != plain[1]  # the parameters moved: gradients reached them through the recomputation
+
+
+def test_bad_jacobian_cadence_fails_at_start_up_naming_the_key(compose_cfg, tmp_path):
+    with pytest.raises(ValueError, match="jacobian.chart_every=0 must be >= 1"):
+        run(compose_cfg(*TINY, "jacobian.chart_every=0"), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
