@@ -473,7 +473,7 @@ def iter_plans(
 ) -> Iterator[Plan]:
     """`n` plans, tasks mixed by `shares`; a question too long for its sample's budget is redrawn, counted.
 
-    Over the first `ramp_samples` plans the budgets' upper end grows linearly (the curriculum).
+    Over the first `ramp_samples` plans the budgets' upper end ramps up (the curriculum, see `_budget`).
     """
     rng = random.Random(seed)
     counts = task_counts(shares, n)
@@ -487,8 +487,12 @@ def iter_plans(
             raise ValueError(f"data.tasks.{t} > 0, but the source gives no usable {t} questions")
     tasks = [t for t in TASKS for _ in range(counts[t])]
     rng.shuffle(tasks)
+
+    def ramp(i: int) -> float:
+        return min(1.0, (i + 1) / ramp_samples) if ramp_samples else 1.0
+
     for start in range(0, n, _BLOCK):
-        block = [(t, rng.choice(choices[t]), _budget(cfg, rng, min(1.0, (i + 1) / ramp_samples) if ramp_samples else 1.0))
+        block = [(t, rng.choice(choices[t]), _budget(cfg, rng, ramp(i)))
                  for i, t in enumerate(tasks[start : start + _BLOCK], start)]
         pieces.prefetch([item for _, item, _ in block])
         for task, item, budget in block:
