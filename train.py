@@ -150,21 +150,22 @@ def wandb_image(png: Path):
     return wandb.Image(str(png))
 
 
-def profile_charts(results: dict, n_layers: int, step: int) -> dict[str, Any]:
-    """wandb line charts of each set's mean profile (log10) with its fitted prior."""
+def profile_charts(results: dict, metrics: dict[str, float], n_layers: int, step: int) -> dict[str, Any]:
+    """wandb line charts of each set's mean profile (log10) with the prior fitted in `metrics`."""
     import wandb
 
-    from analysis.prior import fit_alpha, prior_profile
+    from analysis.prior import log10_profile, prior_profile
 
     charts = {}
     for name, res in results.items():
         rho = res.profile.mean(axis=0)
-        fit = fit_alpha(rho, n_layers)
-        prior = prior_profile(len(rho), n_layers, fit.alpha) * 10**fit.log10_scale
+        alpha = metrics[f"prior/{name}/alpha"]  # topology_metrics already fitted it; only the scale is left
+        prior = prior_profile(len(rho), n_layers, alpha)
+        prior = prior * 10 ** float(np.mean(log10_profile(rho) - log10_profile(prior)))
         x = np.linspace(0.0, 1.0, len(rho)).tolist()
         charts[f"jacobian/{name}/profile"] = wandb.plot.line_series(
             xs=x, ys=[np.log10(np.maximum(rho, 1e-30)).tolist(), np.log10(prior).tolist()],
-            keys=["measured", f"prior fit (a={fit.alpha:.3f})"],
+            keys=["measured", f"prior fit (a={alpha:.3f})"],
             title=f"log10 Jacobian profile, {name}, step {step}", xname="relative position (j-1)/(L-1)",
         )
     return charts
@@ -294,7 +295,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             n_measured = len(recorder.steps)
             if logger.wandb_run is not None:
                 if (n_measured - 1) % cfg.jacobian.chart_every == 0:  # step 0, then every chart_every
-                    logger.log_media(profile_charts(results, n_layers, step), step=step)
+                    logger.log_media(profile_charts(results, metrics, n_layers, step), step=step)
                 if n_measured % cfg.jacobian.plot_every == 0:
                     logger.log_media({f"jacobian/{name}/heatmap": wandb_image(plot_heatmap(
                         run_dir / "jacobian.npz", run_dir / "plots" / f"jacobian_heatmap_{name}.png", name))
