@@ -156,3 +156,13 @@ def test_bad_jacobian_cadence_fails_at_start_up_naming_the_key(compose_cfg, tmp_
     with pytest.raises(ValueError, match="jacobian.chart_every=0 must be >= 1"):
         run(compose_cfg(*TINY, "jacobian.chart_every=0"), tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_offline_wandb_run_logs_profile_charts(compose_cfg, tmp_path):
+    """The wandb path (offline, no account): profile line charts and scalars reach the run files."""
+    run(compose_cfg(*TINY, "trainer.max_steps=2", "logger.mode=offline", "jacobian=hutchinson",
+                    "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2"), tmp_path)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    tables = list(runs[0].glob("files/media/table/jacobian/*/profile_*.table.json"))
+    assert {p.parent.name for p in tables} == {"vanilla", "chunked"}
