@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.diff_attention import convert_to_diff_attention
@@ -52,7 +53,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
             cfg.pretrained, dtype=dtype, trust_remote_code=cfg.trust_remote_code
         )
     else:
-        config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **cfg.init)
+        # Plain containers: HF configs type-check nested fields (rope_parameters) and reject a DictConfig.
+        init = OmegaConf.to_container(cfg.init, resolve=True) if OmegaConf.is_config(cfg.init) else dict(cfg.init)
+        config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **init)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     already_diff = getattr(model.config, "diff_attention", None) is not None
     if cfg.attention != "standard" and not already_diff:

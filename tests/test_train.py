@@ -56,6 +56,15 @@ def test_save_reload_identical_logits(compose_cfg, tmp_path):
         assert torch.equal(a(ids).logits, b(ids).logits)
 
 
+def test_nested_init_values_reach_the_model_config(compose_cfg):
+    """A dict under model.init (rope_parameters) arrives as a plain dict, which HF configs type-check."""
+    from models.build import build_model
+
+    cfg = compose_cfg("+model.init.rope_parameters={rope_type:default,rope_theta:500.0}")
+    model = build_model(cfg.model, 64)
+    assert model.config.rope_parameters["rope_theta"] == 500.0
+
+
 def test_resume_matches_uninterrupted_run(compose_cfg, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     run(compose_cfg(*TINY, "trainer.max_steps=4"), full)
