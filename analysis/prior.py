@@ -10,6 +10,7 @@ density, the exact discrete closed form (a cross-check), and least-squares fits 
 """
 
 import argparse
+import functools
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -308,7 +309,12 @@ def log10_profile(rho) -> np.ndarray:
         raise ValueError(f"profile must be a non-empty 1-D array, got shape {rho.shape}")
     if not np.all(np.isfinite(rho)) or np.any(rho < 0) or not np.any(rho > 0):
         raise ValueError("profile must be finite, >= 0 and have a positive entry")
-    return np.log10(np.maximum(rho, FLOOR_REL * rho.max()))
+    return _log10_floored(rho)
+
+
+def _log10_floored(rho: np.ndarray) -> np.ndarray:
+    """`log10_profile` of each row along the last axis, unchecked (rows of priors, valid by construction)."""
+    return np.log10(np.maximum(rho, FLOOR_REL * rho.max(axis=-1, keepdims=True)))
 
 
 def w1_distance(p, q) -> float:
@@ -380,6 +386,19 @@ def _quality(profile, log_rho: np.ndarray, prior: np.ndarray) -> dict:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _cesaro_last_rows(L: int, H: int) -> np.ndarray:
+    """Last rows of M^0 .. M^H (Cesàro M), (H+1, L) read-only: the terms of every constant-a prior."""
+    rows = np.empty((H + 1, L))
+    rows[0] = 0.0
+    rows[0, -1] = 1.0
+    step = _cesaro_step(L)
+    for k in range(H):
+        step(rows[k], rows[k + 1])
+    rows.flags.writeable = False
+    return rows
+
+
 def fit_alpha(profile, H) -> PriorFit:
     """Constant residual weight a whose prior best fits log10(profile) up to a free scale.
 
@@ -388,12 +407,21 @@ def fit_alpha(profile, H) -> PriorFit:
     """
     log_rho, H = _check_fit_input(profile, H)
     L = len(log_rho)
+    # N^H = sum_r C(H,r) (1-a)^(H-r) a^r M^r: with the last rows of M^0..M^H computed once per (L, H),
+    # each trial a costs one (H+1)-term combination instead of H passes over the sequence.
+    powers = _cesaro_last_rows(L, H)  # (H+1, L)
+    r = np.arange(H + 1)
+    binom = np.array([comb(H, k) for k in r], dtype=np.float64)
+
+    def priors(a: np.ndarray) -> np.ndarray:  # (n,) -> (n, L)
+        a = a[:, None]
+        return (binom * (1.0 - a) ** (H - r) * a**r) @ powers
 
     def loss(a):
-        return _misfit(log_rho, prior_profile(L, H, a))
+        return float(np.var(log_rho - _log10_floored(priors(np.array([a]))[0])))
 
     grid = np.linspace(0.0, 1.0, 33)
-    losses = [loss(a) for a in grid]
+    losses = np.var(log_rho - _log10_floored(priors(grid)), axis=-1)
     k = int(np.argmin(losses))
     res = minimize_scalar(
         loss, bounds=(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]), method="bounded",

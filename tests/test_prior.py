@@ -348,6 +348,32 @@ def test_fit_alpha_noise_free_and_zeros():
     assert log10_profile(p)[100] == pytest.approx(np.log10(FLOOR_REL * p.max()))
 
 
+@pytest.mark.parametrize("L, H", [(256, 4), (2048, 24), (4096, 80)])
+def test_fit_alpha_mixture_basis_matches_rollout(L, H):
+    """fit_alpha combines cached last rows of M^r; the reference is the rollout of N, one a at a time."""
+    from scipy.optimize import minimize_scalar
+
+    from analysis.prior import _cesaro_last_rows, _mixture_weights, _schedule
+
+    for a in (0.0, 0.013, 0.5, 0.97, 1.0):
+        combined = _mixture_weights(_schedule(H, a)) @ _cesaro_last_rows(L, H)
+        np.testing.assert_allclose(combined, prior_profile(L, H, a), rtol=1e-12, atol=1e-300)
+    rng = np.random.default_rng(L + H)
+    measured = prior_profile(L, H, 0.31) * np.exp(0.3 * rng.standard_normal(L))
+    measured[: L // 8] *= 40.0  # a primacy bump no constant a fits exactly
+
+    def reference_loss(a):
+        return np.var(log10_profile(measured) - log10_profile(prior_profile(L, H, a)))
+
+    grid = np.linspace(0.0, 1.0, 33)
+    k = int(np.argmin([reference_loss(a) for a in grid]))
+    ref = minimize_scalar(reference_loss, bounds=(grid[max(k - 1, 0)], grid[min(k + 1, 32)]),
+                          method="bounded", options={"xatol": 1e-10})
+    fit = fit_alpha(measured, H)
+    assert fit.alpha == pytest.approx(ref.x, abs=1e-8)
+    assert fit.rmse_log10 == pytest.approx(np.sqrt(ref.fun), rel=1e-9)
+
+
 def test_w1_and_spearman():
     L = 11
     first, second, last = np.eye(L)[0], np.eye(L)[1], np.eye(L)[-1]
