@@ -167,6 +167,23 @@ def test_bad_jacobian_cadence_fails_at_start_up_naming_the_key(compose_cfg, tmp_
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_profile_chart_draws_at_most_chart_points_with_both_ends():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from analysis.prior import prior_profile
+    from analysis.topology import prefixed, topology_metrics
+    from train import CHART_POINTS, profile_charts
+
+    rho = prior_profile(1000, 4, 0.3)
+    metrics = prefixed(topology_metrics(rho, 4), "vanilla")
+    table = profile_charts({"vanilla": SimpleNamespace(profile=rho[None])}, metrics, 4, 7)["jacobian/vanilla/profile"].table
+    measured = [(x, y) for x, key, y in table.data if key == "measured"]
+    assert len(measured) == CHART_POINTS < 1000
+    assert measured[0] == (0.0, pytest.approx(np.log10(rho[0]))) and measured[-1] == (1.0, pytest.approx(np.log10(rho[-1])))
+
+
 def test_offline_wandb_run_logs_profile_charts(compose_cfg, tmp_path):
     """The wandb path (offline, no account): profile line charts and scalars reach the run files."""
     run(compose_cfg(*TINY, "trainer.max_steps=2", "logger.mode=offline", "jacobian=hutchinson",
@@ -175,3 +192,5 @@ def test_offline_wandb_run_logs_profile_charts(compose_cfg, tmp_path):
     assert len(runs) == 1
     tables = list(runs[0].glob("files/media/table/jacobian/*/profile_*.table.json"))
     assert {p.parent.name for p in tables} == {"vanilla", "chunked"}
+    chart = json.loads(tables[0].read_text())
+    assert len(chart["data"]) == 2 * 64  # two curves over every position of L = 64 (<= CHART_POINTS)
