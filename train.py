@@ -395,6 +395,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             if stop.requested:
                 print(f"stop requested: saving step {done} and exiting")
                 save(done)
+                if jac_on and main:
+                    recorder.close()
                 return metrics
     finally:
         stop.restore()
@@ -415,6 +417,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             plot_depth_accuracy(accuracy_curves, plots / "in2_accuracy_by_depth.png",
                                 title=f"{cfg.exp_name}: exact match by gold depth")
         if jac_on:
+            recorder.close()  # jacobian.npz now holds every step on its own
             for name in jac_seqs:
                 plot_evolution(run_dir / "jacobian.npz", plots / f"jacobian_evolution_{name}.png", name)
                 if recorder.steps[0] == 0:

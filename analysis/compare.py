@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets
+from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.metrics_log import read_metrics
 from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import EvalConfig, ProbeResult, build_probes, evaluate_probes
@@ -338,9 +338,8 @@ def recorded_profiles(target: Target) -> JacobianProfiles | None:
     if path is None or target.step is None or not path.is_file():
         return None
     try:
-        with np.load(path) as z:
-            steps = z["steps"]
-            arrays = {k: z[k].astype(np.float64) for k in z.files if k != "steps"}  # (n_seq, S, L) each
+        steps, raw = read_jacobian(path)
+        arrays = {k: v.astype(np.float64) for k, v in raw.items()}  # (n_seq, S, L) each
     except (OSError, ValueError, KeyError) as err:
         raise CompareError(f"{target.path}: unreadable {path}: {err}") from err
     hits = np.flatnonzero(steps == target.step)

@@ -275,25 +275,69 @@ def build_eval_sequences(
     return {"vanilla": stack(vanilla), "chunked": stack(chunked)}  # (n, L) each
 
 
+def journal_path(npz_path: str | os.PathLike) -> Path:
+    """The append-only journal beside a ``jacobian.npz``: steps measured since its last rewrite."""
+    return Path(npz_path).with_suffix(".journal")
+
+
+def _record_dtype(sets: Mapping[str, int], seq_len: int) -> np.dtype:
+    """One journal record: the step, then each set's (n_seq, L) float32 profiles, sets in name order."""
+    return np.dtype([("step", "<i8")] + [(name, "<f4", (sets[name], seq_len)) for name in sorted(sets)])
+
+
+def read_jacobian(path: str | os.PathLike) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Steps (S,) and ``{set: (n_seq, S, L)}`` float32 of a run: ``jacobian.npz`` plus its journal.
+
+    Mid-run, or after a crash, the last steps are in the journal only; this is how every reader
+    (plots, compare, a resumed recorder) sees all of them. A torn last record is ignored.
+    """
+    with np.load(path) as z:
+        steps = z["steps"]
+        arrays = {k: z[k] for k in z.files if k != "steps"}
+    journal = journal_path(path)
+    if not arrays or not journal.is_file():
+        return steps, arrays
+    seq_len = next(iter(arrays.values())).shape[2]
+    dtype = _record_dtype({k: v.shape[0] for k, v in arrays.items()}, seq_len)
+    raw = journal.read_bytes()
+    records = np.frombuffer(raw, dtype, count=len(raw) // dtype.itemsize)
+    # Records at or before the npz's last step were folded into it just before a crash.
+    records = records[records["step"] > (steps[-1] if len(steps) else -1)]
+    if len(records):
+        steps = np.concatenate([steps, records["step"]])
+        arrays = {k: np.concatenate([v, records[k].transpose(1, 0, 2)], axis=1) for k, v in arrays.items()}
+    return steps, arrays
+
+
 class JacobianRecorder:
     """Profiles of every measured step in ``jacobian.npz``: ``<set>`` (n_seq, n_steps, L), ``steps``.
 
-    The file is rewritten atomically after every step, so a crash keeps every finished step.
-    Constructed on an existing file it continues that file (training resume); a step at or before
-    the last recorded one drops the recorded steps from it on, because a resumed run measures them
-    again. Stored as float32 (7 significant digits over many decades is enough for plots and metrics).
+    Each step is appended to ``jacobian.journal`` (one fixed-size record), and the journal is folded
+    into the npz (rewritten atomically, fsynced) every `fold_every` steps and by `close()`, which also
+    removes the journal. So a step costs O(1) however long the run, and a crash keeps every finished
+    step: `read_jacobian` reads the npz and the journal together (only a power loss can take the
+    journal's unfolded steps). Constructed on an existing file it continues that file (training
+    resume); a step at or before the last recorded one drops the recorded steps from it on, because
+    a resumed run measures them again. Stored as float32 (7 significant digits over many decades is
+    enough for plots and metrics).
     """
 
-    def __init__(self, path: str | os.PathLike, sets: Mapping[str, int], seq_len: int) -> None:
+    def __init__(self, path: str | os.PathLike, sets: Mapping[str, int], seq_len: int, fold_every: int = 100) -> None:
         if "steps" in sets:
             raise ValueError("'steps' is reserved for the step array; rename the set")
+        if fold_every < 1:
+            raise ValueError(f"fold_every={fold_every} must be >= 1")
         self.path = Path(path)
+        self.journal = journal_path(self.path)
         self.sets = dict(sets)
         self.seq_len = seq_len
+        self.fold_every = fold_every
+        self._record = _record_dtype(self.sets, seq_len)
         self._steps: list[int] = []
         self._rows: dict[str, list[np.ndarray]] = {name: [] for name in self.sets}  # per step (n_seq, L)
         if self.path.exists():
             self._resume()
+        self._fold()  # the npz now defines the journal's record layout, and the journal is empty
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> JacobianRecorder:
@@ -304,13 +348,12 @@ class JacobianRecorder:
         return cls(path, sets, seq_len)
 
     def _resume(self) -> None:
-        with np.load(self.path) as z:
-            arrays = {k: z[k] for k in z.files}
-        expected = {name: (n, len(arrays["steps"]), self.seq_len) for name, n in self.sets.items()}
-        found = {k: v.shape for k, v in arrays.items() if k != "steps"}
+        steps, arrays = read_jacobian(self.path)
+        expected = {name: (n, len(steps), self.seq_len) for name, n in self.sets.items()}
+        found = {k: v.shape for k, v in arrays.items()}
         if found != expected:
             raise ValueError(f"{self.path} holds {found}, this run expects {expected}")
-        self._steps = [int(s) for s in arrays["steps"]]
+        self._steps = [int(s) for s in steps]
         self._rows = {name: list(arrays[name].transpose(1, 0, 2)) for name in self.sets}
 
     @property
@@ -325,7 +368,7 @@ class JacobianRecorder:
         return np.stack(rows, axis=1)
 
     def add(self, step: int, profiles: Mapping[str, np.ndarray]) -> None:
-        """Append one step's profiles ``{set: (n_seq, L)}`` and rewrite the file."""
+        """Record one step's profiles ``{set: (n_seq, L)}``: a journal record, or a fold every `fold_every`."""
         if set(profiles) != set(self.sets):
             raise ValueError(f"expected profiles for sets {sorted(self.sets)}, got {sorted(profiles)}")
         for name, prof in profiles.items():
@@ -333,13 +376,32 @@ class JacobianRecorder:
                 raise ValueError(f"set {name!r}: expected shape {(self.sets[name], self.seq_len)}, "
                                  f"got {np.shape(prof)}")
         keep = sum(s < step for s in self._steps)
-        if keep < len(self._steps):
+        rewind = keep < len(self._steps)
+        if rewind:
             log.info("jacobian: step %d already recorded; dropping %d recorded steps from it on",
                      step, len(self._steps) - keep)
         self._steps = self._steps[:keep] + [int(step)]
         for name, prof in profiles.items():
             self._rows[name] = self._rows[name][:keep] + [np.asarray(prof, dtype=np.float32)]
+        if rewind or len(self._steps) - self._folded >= self.fold_every:
+            self._fold()  # a rewind drops steps the npz or journal may hold: rewrite from memory
+            return
+        record = np.zeros((), self._record)
+        record["step"] = step
+        for name, prof in profiles.items():
+            record[name] = prof
+        with open(self.journal, "ab") as f:
+            f.write(record.tobytes())
+
+    def close(self) -> None:
+        """Fold the journal into the npz and remove it (end of run)."""
+        self._fold()
+        self.journal.unlink(missing_ok=True)
+
+    def _fold(self) -> None:
         self._write()
+        self.journal.write_bytes(b"")  # after the npz replace: a crash in between leaves records read_jacobian skips
+        self._folded = len(self._steps)
 
     def _write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

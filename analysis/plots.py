@@ -18,6 +18,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from analysis.jacobian import read_jacobian
 from analysis.prior import fit_alpha, prior_profile
 
 if TYPE_CHECKING:
@@ -41,11 +42,10 @@ def _rel_x(L: int) -> np.ndarray:
 
 def _load_set(npz_path: str | os.PathLike, set_name: str) -> tuple[np.ndarray, np.ndarray, int]:
     """Steps (S,), the mean-over-sequences profiles (S, L) and the sequence count of one set."""
-    with np.load(npz_path) as z:
-        if set_name not in z.files:
-            held = [k for k in z.files if k != "steps"]
-            raise KeyError(f"{npz_path} has no set {set_name!r}; it holds {held}")
-        steps, profiles = z["steps"], z[set_name].astype(np.float64)  # (S,), (n_seq, S, L)
+    steps, arrays = read_jacobian(npz_path)
+    if set_name not in arrays:
+        raise KeyError(f"{npz_path} has no set {set_name!r}; it holds {sorted(arrays)}")
+    profiles = arrays[set_name].astype(np.float64)  # (n_seq, S, L)
     if len(steps) == 0:
         raise ValueError(f"{npz_path} holds no measured step yet")
     return steps, profiles.mean(axis=0), profiles.shape[0]  # (S,), (S, L), n_seq

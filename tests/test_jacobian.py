@@ -12,6 +12,8 @@ from torch import nn
 from analysis.jacobian import (
     JacobianConfig,
     JacobianRecorder,
+    journal_path,
+    read_jacobian,
     build_eval_sequences,
     jacobian_profile,
     measure_sets,
@@ -338,12 +340,42 @@ def test_recorder_writes_every_step(tmp_path):
     rec = JacobianRecorder(path, sets, L)
     for step in (0, 5, 10):
         rec.add(step, fake_profiles(step, sets, L))
+    steps, arrays = read_jacobian(path)  # mid-run: the npz and the journal together
+    assert sorted(arrays) == ["chunked", "vanilla"]
+    assert arrays["vanilla"].shape == (2, 3, L) and arrays["chunked"].shape == (3, 3, L)
+    np.testing.assert_array_equal(steps, [0, 5, 10])
+    np.testing.assert_allclose(arrays["chunked"][1, 2], 10.5 + np.arange(L))
+    rec.close()
     with np.load(path) as z:
-        assert sorted(z.files) == ["chunked", "steps", "vanilla"]
-        assert z["vanilla"].shape == (2, 3, L) and z["chunked"].shape == (3, 3, L)
         np.testing.assert_array_equal(z["steps"], [0, 5, 10])
-        np.testing.assert_allclose(z["chunked"][1, 2], 10.5 + np.arange(L))
-    assert [p.name for p in path.parent.iterdir()] == ["jacobian.npz"]  # no temp file left behind
+        np.testing.assert_array_equal(z["chunked"], arrays["chunked"])
+    assert [p.name for p in path.parent.iterdir()] == ["jacobian.npz"]  # no journal or temp file left behind
+
+
+def test_recorder_appends_a_journal_and_folds_it_every_fold_every_steps(tmp_path):
+    path = tmp_path / "jacobian.npz"
+    sets, L = {"vanilla": 1, "chunked": 2}, 5
+    rec = JacobianRecorder(path, sets, L, fold_every=3)
+    record_bytes = 8 + 4 * 3 * L  # the step, then 1 + 2 profiles of L float32
+    for step in range(4):
+        rec.add(step, fake_profiles(step, sets, L))
+        with np.load(path) as z:
+            folded = len(z["steps"])
+        assert folded == (3 if step >= 2 else 0)
+        assert journal_path(path).stat().st_size == (step + 1 - folded) * record_bytes
+    with open(journal_path(path), "ab") as f:  # a record torn by a crash mid-write is ignored
+        f.write(b"\x01" * (record_bytes // 2))
+    steps, arrays = read_jacobian(path)
+    np.testing.assert_array_equal(steps, [0, 1, 2, 3])
+    np.testing.assert_allclose(arrays["vanilla"][0, 3], 3.5 + np.arange(L))
+
+    # A crash between the npz rewrite and the journal's truncation leaves records the npz already holds.
+    stale = journal_path(path).read_bytes()[:record_bytes]  # step 3's record
+    rec2 = JacobianRecorder(tmp_path / "b.npz", sets, L, fold_every=1)
+    for step in range(4):
+        rec2.add(step, fake_profiles(step, sets, L))
+    journal_path(rec2.path).write_bytes(stale)
+    np.testing.assert_array_equal(read_jacobian(rec2.path)[0], [0, 1, 2, 3])
 
 
 def test_recorder_resumes_after_a_crash(tmp_path):
@@ -359,8 +391,7 @@ def test_recorder_resumes_after_a_crash(tmp_path):
     np.testing.assert_array_equal(resumed.steps, [0, 1])
     assert resumed.array("chunked").shape == (2, 2, L)
     resumed.add(2, fake_profiles(2, sets, L))
-    with np.load(path) as z:
-        np.testing.assert_array_equal(z["steps"], [0, 1, 2])
+    np.testing.assert_array_equal(read_jacobian(path)[0], [0, 1, 2])
 
     again = JacobianRecorder(path, sets, L)  # resumed from a checkpoint at step 1: step 2 is measured again
     again.add(2, fake_profiles(7, sets, L))
