@@ -359,7 +359,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     try:
         for step in bar:
             set_diff_step(model, step)
-            metrics = measure_jacobian(step) if jac_on and step % cfg.jacobian.every == 0 else {}
+            if jac_on and step % cfg.jacobian.every == 0:
+                # Logged at `step`, the updates its weights have seen: the row jacobian.npz and the charts use.
+                logger.log(measure_jacobian(step), step=step)
+            metrics = {}
             t0, tokens, losses = time.perf_counter(), 0, []
             for _ in range(tcfg.grad_accum):
                 batch = next(batches)

@@ -167,6 +167,25 @@ def test_bad_jacobian_cadence_fails_at_start_up_naming_the_key(compose_cfg, tmp_
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_jacobian_scalars_are_logged_at_the_step_jacobian_npz_records(compose_cfg, tmp_path):
+    """Step s means the weights after s updates, in metrics.jsonl as in jacobian.npz (once per step)."""
+    import numpy as np
+
+    from analysis.topology import prefixed, topology_metrics
+
+    run(compose_cfg(*TINY, "trainer.max_steps=2", "jacobian=hutchinson", "jacobian.seq_len=64",
+                    "jacobian.chunk_len=32", "jacobian.num_probes=2"), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["prior/vanilla/alpha"] for r in rows if "prior/vanilla/alpha" in r}
+    assert sorted(logged) == [0, 1, 2] and len([r for r in rows if "prior/vanilla/alpha" in r]) == 3
+    with np.load(tmp_path / "jacobian.npz") as z:
+        steps, vanilla = z["steps"], z["vanilla"].astype(np.float64)
+    n_layers = compose_cfg(*TINY).model.init.num_hidden_layers
+    for i, step in enumerate(steps):
+        expected = prefixed(topology_metrics(vanilla[:, i].mean(axis=0), n_layers), "vanilla")["prior/vanilla/alpha"]
+        assert logged[int(step)] == pytest.approx(expected, rel=1e-3, abs=1e-6)
+
+
 def test_profile_chart_draws_at_most_chart_points_with_both_ends():
     from types import SimpleNamespace
 
