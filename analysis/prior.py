@@ -309,12 +309,7 @@ def log10_profile(rho) -> np.ndarray:
         raise ValueError(f"profile must be a non-empty 1-D array, got shape {rho.shape}")
     if not np.all(np.isfinite(rho)) or np.any(rho < 0) or not np.any(rho > 0):
         raise ValueError("profile must be finite, >= 0 and have a positive entry")
-    return _log10_floored(rho)
-
-
-def _log10_floored(rho: np.ndarray) -> np.ndarray:
-    """`log10_profile` of each row along the last axis, unchecked (rows of priors, valid by construction)."""
-    return np.log10(np.maximum(rho, FLOOR_REL * rho.max(axis=-1, keepdims=True)))
+    return np.log10(np.maximum(rho, FLOOR_REL * rho.max()))
 
 
 def w1_distance(p, q) -> float:
@@ -407,21 +402,15 @@ def fit_alpha(profile, H) -> PriorFit:
     """
     log_rho, H = _check_fit_input(profile, H)
     L = len(log_rho)
-    # N^H = sum_r C(H,r) (1-a)^(H-r) a^r M^r: with the last rows of M^0..M^H computed once per (L, H),
+    # N^H = sum_r c_r M^r (`_mixture_weights`): with the last rows of M^0..M^H computed once per (L, H),
     # each trial a costs one (H+1)-term combination instead of H passes over the sequence.
     powers = _cesaro_last_rows(L, H)  # (H+1, L)
-    r = np.arange(H + 1)
-    binom = np.array([comb(H, k) for k in r], dtype=np.float64)
-
-    def priors(a: np.ndarray) -> np.ndarray:  # (n,) -> (n, L)
-        a = a[:, None]
-        return (binom * (1.0 - a) ** (H - r) * a**r) @ powers
 
     def loss(a):
-        return float(np.var(log_rho - _log10_floored(priors(np.array([a]))[0])))
+        return _misfit(log_rho, _mixture_weights(np.full(H, a)) @ powers)
 
     grid = np.linspace(0.0, 1.0, 33)
-    losses = np.var(log_rho - _log10_floored(priors(grid)), axis=-1)
+    losses = [loss(a) for a in grid]
     k = int(np.argmin(losses))
     res = minimize_scalar(
         loss, bounds=(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]), method="bounded",
