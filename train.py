@@ -362,7 +362,6 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
             if jac_on and step % cfg.jacobian.every == 0:
                 # Logged at `step`, the updates its weights have seen: the row jacobian.npz and the charts use.
                 logger.log(measure_jacobian(step), step=step)
-            metrics = {}
             t0, tokens, losses = time.perf_counter(), 0, []
             for _ in range(tcfg.grad_accum):
                 batch = next(batches)
@@ -379,12 +378,12 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
                         f"the last good checkpoint is intact under {run_dir / 'checkpoints'}"
                     )
             elapsed = time.perf_counter() - t0
-            metrics.update({
+            metrics = {
                 "train/loss": loss, "train/lr": engine.current_lr(), "train/grad_norm": grad_norm,
                 "train/tokens_per_s": tokens / elapsed, "train/tokens": tokens, "train/bad_steps": bad_steps,
                 "train/wall_s": time.perf_counter() - loop_start,
                 **diff_lambda_stats(model),
-            })
+            }
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0:
                 metrics["eval/loss"] = heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
