@@ -15,6 +15,7 @@ untouched), probes drawn from a dedicated generator (global RNG untouched).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -375,14 +376,17 @@ class JacobianRecorder:
             if np.shape(prof) != (self.sets[name], self.seq_len):
                 raise ValueError(f"set {name!r}: expected shape {(self.sets[name], self.seq_len)}, "
                                  f"got {np.shape(prof)}")
-        keep = sum(s < step for s in self._steps)
+        keep = bisect.bisect_left(self._steps, step)  # recorded steps increase
         rewind = keep < len(self._steps)
         if rewind:
             log.info("jacobian: step %d already recorded; dropping %d recorded steps from it on",
                      step, len(self._steps) - keep)
-        self._steps = self._steps[:keep] + [int(step)]
+            del self._steps[keep:]
+            for rows in self._rows.values():
+                del rows[keep:]
+        self._steps.append(int(step))
         for name, prof in profiles.items():
-            self._rows[name] = self._rows[name][:keep] + [np.asarray(prof, dtype=np.float32)]
+            self._rows[name].append(np.asarray(prof, dtype=np.float32))
         if rewind or len(self._steps) - self._folded >= self.fold_every:
             self._fold()  # a rewind drops steps the npz or journal may hold: rewrite from memory
             return
