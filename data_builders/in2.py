@@ -20,49 +20,32 @@ like an excerpt. `depth` is the depth of the first gold the question names (`gol
 
 Distractors never come from an evidence passage and never contain a normalized answer (nor a
 question's extra `forbid` strings). Same config and seed, same bytes.
+
+This module assembles Arrow tables; data_builders.build turns them into fingerprinted datasets and caches them.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-import hashlib
-import json
-import os
 import random
-import shutil
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
-from datasets import Dataset, DatasetDict, DatasetInfo, Features, List, Value, load_from_disk
-from datasets.fingerprint import Hasher
-from datasets.table import InMemoryTable
-from omegaconf import OmegaConf
+from datasets import Features, List, Value
 from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from data_builders.config import DataConfig, config_dict
 from data_builders.pools import Pool, build_pool, encode, pool_stats, tokenizer_digest
-from data_builders.sources import (
-    FieldMap,
-    SourceData,
-    SourceSplit,
-    check_paths,
-    file_identity,
-    load_source,
-    normalize,
-)
+from data_builders.sources import SourceData, SourceSplit, load_source, normalize
 from data_builders.tokenizer import default_cache_dir, encode_pieces, train_bpe_tokenizer
 
 QUESTION_TEMPLATE = "\n\n{instruction}Question: {question}\nAnswer:"
 CHAT_QUESTION_TEMPLATE = "\n\n{instruction}Question: {question}"  # the chat template opens the answer turn
 SEGMENT_SEPARATOR = "\n"
 TASKS = ("fine_grained", "integration", "short_qa")
-SOURCES = ("synthetic", "nq", "hf")
-BUILD_FILE = "build.json"
-HELDOUT_FILE = "heldout_docs.json"
 RECORD_FEATURES = Features(
     {
         "input_ids": List(Value("int32")),  # prompt + answer + eos
@@ -71,71 +54,14 @@ RECORD_FEATURES = Features(
         "gold_spans": List(List(Value("int32"))),  # [start, end) of each gold segment, question order
         "depth": Value("float64"),  # depth of gold_spans[0] in [0, 1]
         "depths": List(Value("float64")),  # depth of every gold segment, same order
-        "context_len": Value("int32"),  # context tokens (between chat prefix and question)
+        "context_tokens": Value("int32"),  # context tokens only (between chat prefix and question)
         "task": Value("string"),  # fine_grained | integration | short_qa
         "answers": List(Value("string")),
         "source": Value("string"),
         "id": Value("string"),
     }
 )
-_CODE = ("in2.py", "pools.py", "sources.py", "synthetic.py", "tokenizer.py")
 _BLOCK = 1000  # samples per Arrow record batch
-
-
-@dataclass
-class TaskMix:
-    """Share of each IN2 task among the samples (normalized to sum to 1)."""
-
-    fine_grained: float = 1.0  # one answer-bearing segment in a long context
-    integration: float = 0.0  # two or three segments, each placed independently
-    short_qa: float = 0.0  # the question with its evidence only (keeps short-context skills)
-
-
-@dataclass
-class DataConfig:
-    name: str = "in2_synthetic"
-    source: str = "synthetic"  # synthetic (embedded, no download) | nq | hf
-    path: Optional[str] = None  # data file of a file-based source (hub dataset name for hf)
-    context_len: int = 256  # token budget of a sample: context + question + answer (the largest, if drawn)
-    segment_len: int = 64  # longest segment in tokens; longer passages are cut at sentence ends
-    num_train: int = 20000  # training samples
-    num_eval: int = 200  # held-out samples (eval loss and accuracy by depth)
-    num_train_docs: int = 4000  # documents (evidence passages) in the training pool
-    num_eval_docs: int = 400  # held-out documents (eval samples, Jacobian sequences)
-    heldout_doc_len: int = 2048  # held-out documents are concatenated up to this length for the Jacobian
-    vocab_size: int = 1024  # BPE vocabulary when the model has no tokenizer of its own
-    seed: int = 0
-    prebuilt: Optional[str] = None  # folder written by scripts/build_dataset.py: load it instead of building
-    context_len_min: Optional[int] = None  # when set, budgets are uniform in [context_len_min, context_len]
-    context_lens: list[int] = field(default_factory=list)  # when set, each budget is drawn from these lengths
-    # Short contexts first: over the first `curriculum` share of the training split the largest budget
-    # grows (quadratically) from context_len_min to context_len; training reads it in order (eval unchanged).
-    curriculum: float = 0.0
-    tasks: TaskMix = field(default_factory=TaskMix)  # task mix (the eval split leaves short_qa out)
-    fields: FieldMap = field(default_factory=FieldMap)  # record fields of an hf source
-    hf_config: Optional[str] = None  # configuration name of an hf hub dataset
-    hf_split: str = "train"  # split of an hf hub dataset
-    filler_path: Optional[str] = None  # extra distractor text: a .txt file, or a data file with filler_field
-    filler_field: str = "text"  # text column of a non-.txt filler_path
-    instruction: Optional[str] = None  # FILM-style instruction line between the context and the question
-    chat_template: bool = False  # wrap context + question in the tokenizer's chat template (user turn)
-    answer_lead: bool = False  # end the prompt with the fact's opening words (cloze; synthetic facts only)
-    label_context: bool = False  # train with LM loss on every token, not only the answer (random-init models)
-    num_proc: Optional[int] = None  # tokenization processes; None = one per 20k passages, up to the CPUs
-    cache: bool = True  # reuse pools and finished builds under default_cache_dir()
-    format: str = "in2"  # in2 (this module) | lm_windows (data_builders.windows: LM windows of documents)
-    doc_len: int = 4096  # lm_windows: passages joined into documents of at least this many tokens
-    train_docs: list[int] = field(default_factory=lambda: [0, 50])  # lm_windows: [first, last) train docs
-    eval_docs: list[int] = field(default_factory=lambda: [50, 60])  # lm_windows: [first, last) held-out ones
-
-
-@dataclass
-class DataBundle:
-    train: Dataset
-    eval: Dataset
-    heldout_docs: list[list[int]]  # token ids of long held-out documents (Jacobian sequences)
-    tokenizer: PreTrainedTokenizerBase
-    stats: dict[str, Any] = field(default_factory=dict)  # counts, skips, fingerprints (the dataset card)
 
 
 @dataclass
@@ -179,7 +105,7 @@ class Item:
     golds: tuple[int, ...]  # pool segments holding the evidence, in the order the question names them
     exclude: frozenset[int]  # passages no distractor may come from (the evidence passages)
     forbid: tuple[str, ...]  # normalized strings no distractor may contain
-    lead: str = ""  # words that open the answer (used with data.answer_lead)
+    lead: str = ""  # words that open the answer (used with data.in2.answer_lead)
 
 
 @dataclass
@@ -197,59 +123,16 @@ class Plan:
     depths: list[float]  # depth of each gold, in question order
 
 
-def as_data_config(cfg: Any) -> DataConfig:
-    """A typed DataConfig from a DataConfig, an OmegaConf node (e.g. `cfg.data`) or a plain dict."""
-    if isinstance(cfg, DataConfig):
-        return cfg
-    if OmegaConf.is_config(cfg):
-        obj = OmegaConf.to_object(cfg)
-        if isinstance(obj, DataConfig):
-            return obj
-        cfg = obj
-    values = dict(cfg)
-    for name, kind in (("tasks", TaskMix), ("fields", FieldMap)):
-        if isinstance(values.get(name), dict):
-            values[name] = kind(**values[name])
-    return DataConfig(**values)
-
-
-def check_config(cfg: DataConfig) -> None:
-    """Fail at start-up on settings that cannot give a sample, before anything is loaded."""
-    if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r} is not a known source (known: {', '.join(SOURCES)})")
-    shares = vars(cfg.tasks)
-    if any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
-        raise ValueError(f"data.tasks must be non-negative with a positive sum, got {shares}")
-    if cfg.context_lens and cfg.context_len_min is not None:
-        raise ValueError("set data.context_lens (a set) or data.context_len_min (a range), not both")
-    if cfg.context_lens and max(cfg.context_lens) > cfg.context_len:
-        largest = max(cfg.context_lens)
-        raise ValueError(f"data.context_lens has {largest}, more than data.context_len={cfg.context_len}")
-    if cfg.context_len_min is not None and not 0 < cfg.context_len_min <= cfg.context_len:
-        raise ValueError(f"data.context_len_min={cfg.context_len_min} must be in (0, {cfg.context_len}]")
-    if not 0 <= cfg.curriculum <= 1:
-        raise ValueError(f"data.curriculum={cfg.curriculum} must be a share of the training split, in [0, 1]")
-    if cfg.curriculum and cfg.context_len_min is None:
-        raise ValueError("data.curriculum ramps budgets up from data.context_len_min: set it")
-    smallest = min(cfg.context_lens) if cfg.context_lens else (cfg.context_len_min or cfg.context_len)
-    if not 0 < cfg.segment_len < smallest:
-        raise ValueError(
-            f"data.segment_len={cfg.segment_len} must be positive and smaller than the smallest context "
-            f"length ({smallest})"
-        )
-    check_paths(cfg.source, cfg.path, cfg.filler_path)
-
-
 def make_format(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> PromptFormat:
-    """Prompt pieces for `tokenizer`; with `cfg.chat_template`, the template's text around the user turn."""
+    """Prompt pieces for `tokenizer`; with `cfg.in2.chat_template`, the template's text around the user turn."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token; IN2 answers end with one")
     separator = encode_pieces(tokenizer, [SEGMENT_SEPARATOR])[0]
     prefix: list[int] = []
     suffix: list[int] = []
-    if cfg.chat_template:
+    if cfg.in2.chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("data.chat_template=true, but the tokenizer has no chat template")
+            raise ValueError("data.in2.chat_template=true, but the tokenizer has no chat template")
         marker = "\ue000USER\ue000"  # a private-use marker no template contains
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
@@ -258,14 +141,14 @@ def make_format(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> PromptFo
         prefix, suffix = encode_pieces(tokenizer, [before, after])
     return PromptFormat(
         np.asarray(prefix, np.int32), np.asarray(suffix, np.int32), separator, tokenizer.eos_token_id,
-        cfg.instruction, cfg.chat_template, cfg.answer_lead,
+        cfg.in2.instruction, cfg.in2.chat_template, cfg.in2.answer_lead,
     )
 
 
 def corpus_texts(split: SourceSplit, cfg: DataConfig) -> list[str]:
     """Every string a training sample can contain, for training a tokenizer on the corpus."""
     none = np.zeros(0, np.int32)
-    fmt = PromptFormat(none, none, [], 0, cfg.instruction, cfg.chat_template, cfg.answer_lead)
+    fmt = PromptFormat(none, none, [], 0, cfg.in2.instruction, cfg.in2.chat_template, cfg.in2.answer_lead)
     return list(split.passages) + [fmt.question_text(q.question, q.lead) for q in split.questions]
 
 
@@ -426,7 +309,7 @@ def plan_sample(
 
 
 def materialize(plan: Plan, pool: Pool, fmt: PromptFormat) -> tuple[np.ndarray, int, list[list[int]], int]:
-    """(input_ids, prompt_len, gold_spans, context_len) of a plan: slices of the unit array, concatenated."""
+    """(input_ids, prompt_len, gold_spans, context_tokens) of a plan: slices of the unit array, concatenated."""
     units, start = pool.units, pool.start_list
     parts = [fmt.prefix]
     where = []  # context position of each piece
@@ -453,17 +336,17 @@ def task_counts(shares: dict[str, float], n: int) -> dict[str, int]:
 
 
 def _budget(cfg: DataConfig, rng: random.Random, ramp: float = 1.0) -> int:
-    """A sample's token budget: from `context_lens`, uniform in [context_len_min, context_len], or fixed.
+    """A sample's token budget: from `in2.context_lens`, uniform in [in2.context_len_min, context_len], or fixed.
 
     `ramp` in (0, 1] shrinks the range's upper end to context_len_min + ramp² (context_len - context_len_min):
     squared, so that short contexts fill most of the ramp's first half (a random-init model learns to
     copy on them; the longer ones then teach it to find the right fact among distractors).
     """
-    if cfg.context_lens:
-        return rng.choice(cfg.context_lens)
-    if cfg.context_len_min is not None:
-        span = cfg.context_len - cfg.context_len_min
-        return rng.randint(cfg.context_len_min, round(cfg.context_len_min + ramp**2 * span))
+    lens, low = cfg.in2.context_lens, cfg.in2.context_len_min
+    if lens:
+        return rng.choice(lens)
+    if low is not None:
+        return rng.randint(low, round(low + ramp**2 * (cfg.context_len - low)))
     return cfg.context_len
 
 
@@ -484,7 +367,7 @@ def iter_plans(
     }
     for t, c in counts.items():
         if c and not choices[t]:
-            raise ValueError(f"data.tasks.{t} > 0, but the source gives no usable {t} questions")
+            raise ValueError(f"data.in2.tasks.{t} > 0, but the source gives no usable {t} questions")
     tasks = [t for t in TASKS for _ in range(counts[t])]
     rng.shuffle(tasks)
 
@@ -533,12 +416,12 @@ def assemble(
     batches, rows = [], {name: [] for name in RECORD_FEATURES}
     bar = tqdm(total=n, desc=f"assemble {split}", unit="sample", disable=None)
     for k, plan in enumerate(iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped, ramp_samples)):
-        ids, prompt_len, spans, context_len = materialize(plan, pool, fmt)
+        ids, prompt_len, spans, context_tokens = materialize(plan, pool, fmt)
         labels = ids.copy()
         labels[:prompt_len] = -100
         record = {
             "input_ids": ids, "labels": labels, "prompt_len": prompt_len, "gold_spans": spans,
-            "depth": plan.depths[0], "depths": plan.depths, "context_len": context_len, "task": plan.task,
+            "depth": plan.depths[0], "depths": plan.depths, "context_tokens": context_tokens, "task": plan.task,
             "answers": list(plan.item.answers), "source": cfg.source, "id": f"{split}-{k}",
         }
         for name, value in record.items():
@@ -559,43 +442,6 @@ def heldout_documents(pool: Pool, doc_len: int) -> list[list[int]]:
             docs.append(pool.units[start : start + doc_len].tolist())
             start = end
     return docs
-
-
-def _hash_array(h, array: pa.Array) -> None:
-    if pa.types.is_list(array.type):
-        h.update(array.value_lengths().to_numpy(zero_copy_only=False).tobytes())
-        _hash_array(h, array.flatten())
-    elif pa.types.is_string(array.type):
-        h.update("\0".join(array.to_pylist()).encode())
-    else:
-        h.update(array.to_numpy(zero_copy_only=False).tobytes())
-
-
-def dataset_digest(ds: Dataset) -> str:
-    """Hash of a dataset's content (column names, types and values), independent of its Arrow chunking."""
-    h = hashlib.sha256()
-    table = ds.data.table if ds._indices is None else ds.flatten_indices().data.table
-    for name in table.column_names:
-        column = table.column(name).combine_chunks()
-        h.update(f"{name}:{column.type}".encode())
-        _hash_array(h, column)
-    return h.hexdigest()[:16]
-
-
-def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> str:
-    """Fingerprint of a build: config, input files, tokenizer and the builder code itself."""
-    skip = ("cache", "num_proc", "prebuilt", "format", "doc_len", "train_docs", "eval_docs")
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
-    here = Path(__file__).resolve().parent
-    code = [(here / name).read_bytes() for name in _CODE]
-    return Hasher.hash([
-        settings, file_identity(cfg.path), file_identity(cfg.filler_path),
-        tokenizer_digest(tokenizer) if tokenizer is not None else "bpe", code,
-    ])
-
-
-def _dataset(table: pa.Table, fingerprint: str) -> Dataset:
-    return Dataset(InMemoryTable(table), info=DatasetInfo(features=RECORD_FEATURES), fingerprint=fingerprint)
 
 
 def _counts_of(values: Iterable[str]) -> dict[str, int]:
@@ -619,7 +465,7 @@ class Prepared:
 
     def ramp_samples(self, split: str, n: int) -> int:
         """Samples over which budgets ramp up: the curriculum's share of the training split."""
-        return round(self.cfg.curriculum * n) if split == "train" else 0
+        return round(self.cfg.in2.curriculum * n) if split == "train" else 0
 
     def assemble(self, split: str, n: int) -> pa.Table:
         return assemble(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
@@ -634,14 +480,14 @@ class Prepared:
 def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> Prepared:
     """Load the source, train a BPE when no tokenizer is given, build the pools and resolve the questions."""
     cache_root = default_cache_dir()
-    data = load_source(cfg, cache_root / "hf")
+    data = load_source(cfg, cache_root / "hf", with_integration=cfg.in2.tasks.integration > 0)
     if tokenizer is None:
         tokenizer = train_bpe_tokenizer(corpus_texts(data.train, cfg), cfg.vocab_size)
     if not tokenizer.is_fast:
         raise ValueError("IN2 pools need a fast tokenizer (character offsets to cut at sentence ends)")
     fmt = make_format(tokenizer, cfg)
     pools = {
-        split: build_pool(part.passages, tokenizer, cfg.segment_len, fmt.separator,
+        split: build_pool(part.passages, tokenizer, cfg.in2.segment_len, fmt.separator,
                           cache_root if cfg.cache else None, cfg.num_proc, desc=f"segment {split} passages")
         for split, part in (("train", data.train), ("eval", data.heldout))
     }
@@ -652,7 +498,7 @@ def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None
         "train": resolve(data.train, pools["train"], skipped["train"]),
         "eval": resolve(data.heldout, pools["eval"], skipped["eval"]),
     }
-    shares = vars(cfg.tasks)
+    shares = vars(cfg.in2.tasks)
     # Held-out samples score accuracy by depth, which short_qa (no distractors, depth 0) does not have.
     eval_shares = {**shares, "short_qa": 0.0} if sum(shares.values()) > shares["short_qa"] else shares
     return Prepared(
@@ -661,86 +507,24 @@ def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None
     )
 
 
-def _build(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase], key: str) -> DataBundle:
+def build_in2(
+    cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None
+) -> tuple[dict[str, pa.Table], list[list[int]], PreTrainedTokenizerBase, dict[str, Any]]:
+    """Train and held-out records (RECORD_FEATURES), long held-out documents, the tokenizer, build stats.
+
+    Without a tokenizer, a BPE is trained on the training corpus. The stats are the dataset card's counts.
+    """
     prep = prepare(cfg, tokenizer)
     tables = {"train": prep.assemble("train", cfg.num_train), "eval": prep.assemble("eval", cfg.num_eval)}
-    splits = {name: _dataset(t, Hasher.hash([key, name])) for name, t in tables.items()}
     stats = {
-        "fingerprint": key,
         "source": prep.source.name,
         "attribution": prep.source.attribution,
-        "config": dataclasses.asdict(cfg),
+        "config": config_dict(cfg),
         "tokenizer": tokenizer_digest(prep.tokenizer),
         "skipped": {"source": prep.source.skipped, **prep.skipped},
         "questions": {s: _counts_of(it.task for it in its) for s, its in prep.items.items()},
-        "tasks": {s: _counts_of(ds.data.column("task").to_pylist()) for s, ds in splits.items()},
+        "tasks": {s: _counts_of(t.column("task").to_pylist()) for s, t in tables.items()},
         "pool": {s: pool_stats(p) for s, p in prep.pools.items()},
-        "digest": {s: dataset_digest(ds) for s, ds in splits.items()},
     }
-    heldout = heldout_documents(prep.pools["eval"], cfg.heldout_doc_len)
-    return DataBundle(splits["train"], splits["eval"], heldout, prep.tokenizer, stats)
-
-
-def save_built(bundle: DataBundle, folder: Path, replace: bool = False) -> None:
-    """Write a bundle as a prebuilt folder: save_to_disk splits, tokenizer/, heldout docs, build.json.
-
-    The folder appears at once (written aside, then renamed); an existing one is kept unless `replace`.
-    """
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    DatasetDict({"train": bundle.train, "eval": bundle.eval}).save_to_disk(str(tmp))
-    bundle.tokenizer.save_pretrained(tmp / "tokenizer")
-    (tmp / HELDOUT_FILE).write_text(json.dumps(bundle.heldout_docs))
-    (tmp / BUILD_FILE).write_text(json.dumps(bundle.stats, indent=1, sort_keys=True))
-    if folder.exists() and replace:
-        shutil.rmtree(folder)
-    try:
-        tmp.rename(folder)
-    except OSError:  # the folder exists: another process wrote the same build first
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_prebuilt(folder: str | Path, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
-    """A bundle from a prebuilt folder; a given tokenizer must have the vocabulary it was built with."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"data.prebuilt: no such folder: {folder}")
-    for name in ("dataset_dict.json", "tokenizer", HELDOUT_FILE):
-        if not (folder / name).exists():
-            raise FileNotFoundError(f"data.prebuilt: {folder / name} is missing (not a built dataset folder)")
-    splits = load_from_disk(str(folder))
-    saved = AutoTokenizer.from_pretrained(folder / "tokenizer")
-    if tokenizer is not None and tokenizer.get_vocab() != saved.get_vocab():
-        raise ValueError(f"data.prebuilt={folder} was built with another tokenizer than the model's")
-    stats = json.loads((folder / BUILD_FILE).read_text()) if (folder / BUILD_FILE).exists() else {}
-    heldout = json.loads((folder / HELDOUT_FILE).read_text())
-    return DataBundle(splits["train"], splits["eval"], heldout, tokenizer or saved, stats)
-
-
-def build_datasets(cfg: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
-    """Train and held-out IN2 splits; without a tokenizer, a BPE is trained on the training corpus.
-
-    With `cfg.prebuilt` the folder is loaded instead. With `cfg.cache` a finished build is stored
-    under default_cache_dir()/in2/<fingerprint> and an identical later call loads it.
-    """
-    cfg = as_data_config(cfg)
-    if cfg.prebuilt:
-        return load_prebuilt(cfg.prebuilt, tokenizer)
-    if cfg.format == "lm_windows":
-        from data_builders.windows import build_windows  # windows build on this module's sources
-
-        return build_windows(cfg, tokenizer)
-    if cfg.format != "in2":
-        raise ValueError(f"data.format={cfg.format!r} is not known (known: in2, lm_windows)")
-    check_config(cfg)
-    key = build_key(cfg, tokenizer)
-    folder = default_cache_dir() / "in2" / key
-    if cfg.cache and (folder / BUILD_FILE).exists():
-        return load_prebuilt(folder, tokenizer)
-    bundle = _build(cfg, tokenizer, key)
-    if not cfg.cache:
-        return bundle
-    save_built(bundle, folder)
-    return load_prebuilt(folder, bundle.tokenizer if tokenizer is None else tokenizer)
+    heldout = heldout_documents(prep.pools["eval"], cfg.in2.heldout_doc_len)
+    return tables, heldout, prep.tokenizer, stats

@@ -21,7 +21,7 @@ from datasets import Dataset, Features, List, Value
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
-from data_builders.sources import normalize
+from data_builders.text import normalize_answer as normalize
 
 POOL_FEATURES = Features(
     {

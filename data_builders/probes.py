@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from analysis.scoring import normalize_answer
+from data_builders.text import normalize_answer
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 KV_FILE = "kv-retrieval-75_keys.jsonl.gz"
@@ -352,7 +352,7 @@ def in2_probe(records: Iterable[Mapping[str, Any]], bins: int = 10) -> list[Prob
                 position=b,
                 n_positions=bins,
                 probe="in2",
-                extra={k: rec[k] for k in ("depth", "context_len", "task", "source") if k in rec},
+                extra={k: rec[k] for k in ("depth", "context_tokens", "task", "source") if k in rec},
                 label=bin_label(b, bins),
             )
         )

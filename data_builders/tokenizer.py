@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from data_builders.files import atomic_dir
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -45,13 +46,10 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int, cache_dir: Path | Non
     )
     tok.train_from_iterator(texts, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
-    # Write to a temporary folder and rename, so concurrent runs never read a half-written file.
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    wrapped.save_pretrained(tmp)
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process won the race; its tokenizer is identical
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Concurrent runs never read a half-written folder; when two train the same one, the first stands
+    # (training is deterministic, so both are identical).
+    with atomic_dir(folder) as tmp:
+        wrapped.save_pretrained(tmp)
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from data_builders.in2 import DataConfig, Plan, Prepared, prepare
+from data_builders.config import DataConfig, DataSource, In2Config
+from data_builders.in2 import Plan, Prepared, prepare
 from data_builders.probes import NQ_FILE
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -74,15 +75,16 @@ def bench_case(name: str, cfg: DataConfig, n: int) -> dict:
 def bench_data(scale: float = 1.0) -> list[dict]:
     """Rows for the CPU default (256 tokens), 8K and 32K synthetic contexts, and NQ at 4K-8K when present."""
     base = DataConfig(cache=False)
+    seg128 = In2Config(segment_len=128)
     cases = [
         ("synthetic 256 (CPU default)", base, 4000),
-        ("synthetic 8K", replace(base, context_len=8192, segment_len=128), 200),
-        ("synthetic 32K", replace(base, context_len=32768, segment_len=128, num_train_docs=8000), 50),
+        ("synthetic 8K", replace(base, context_len=8192, in2=seg128), 200),
+        ("synthetic 32K", replace(base, context_len=32768, in2=seg128, num_train_docs=8000), 50),
     ]
     nq = SHARED_DATA / NQ_FILE
     if nq.exists():
-        nq_cfg = replace(base, source="nq", path=str(nq), context_len=8192, context_len_min=4096,
-                         segment_len=128)
+        nq_cfg = replace(base, source=DataSource.nq, path=str(nq), context_len=8192,
+                         in2=In2Config(segment_len=128, context_len_min=4096))
         cases.append(("nq 4K-8K", nq_cfg, 200))
     return [bench_case(name, cfg, max(1, int(n * scale))) for name, cfg, n in cases]
 

@@ -19,23 +19,15 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import matplotlib
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import train  # noqa: F401  (registers the structured config schemas)
-from data_builders.in2 import BUILD_FILE, TASKS, DataBundle, build_datasets, save_built
+from data_builders.build import BUILD_FILE, DataBundle, build_datasets, save_built
+from data_builders.in2 import TASKS
 from data_builders.tokenizer import load_tokenizer
+from train import as_train_config, compose_config
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-def compose_config(overrides: Sequence[str]):
-    """The training config `python train.py <overrides>` would see."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 def _histograms(bundle: DataBundle, plots: Path) -> None:
@@ -114,7 +106,8 @@ uniformly and independently per gold (see `data_builders/in2.py`).
 
 `input_ids` (prompt + answer + eos), `labels` (-100 except answer and eos), `prompt_len`,
 `gold_spans` ([start, end) token spans of the gold segments, in question order), `depth` (of the
-first gold), `depths` (of every gold), `context_len`, `task`, `answers`, `source`, `id`.
+first gold), `depths` (of every gold), `context_tokens` (the context's tokens, between the chat
+prefix and the question), `task`, `answers`, `source`, `id`.
 End of the first held-out prompt, decoded:
 
 ```
@@ -138,7 +131,7 @@ def build(overrides: Sequence[str], out: Path) -> DataBundle:
     """Compose the config, build (or load from cache) and write the folder `out` with its card."""
     if out.exists() and any(out.iterdir()) and not (out / BUILD_FILE).exists():
         raise FileExistsError(f"{out} exists and is not a dataset folder; choose another out=")
-    cfg = compose_config(overrides)
+    cfg = as_train_config(compose_config(list(overrides)))  # typed: a typo fails naming the key
     tok_source = cfg.model.tokenizer or cfg.model.pretrained
     tokenizer = load_tokenizer(tok_source, cfg.model.trust_remote_code) if tok_source else None
     bundle = build_datasets(cfg.data, tokenizer)

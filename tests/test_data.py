@@ -4,17 +4,28 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from analysis.scoring import normalize_answer
 from data_builders import pools
-from data_builders.in2 import DataConfig, TaskMix, build_datasets
+from data_builders.build import build_datasets
+from data_builders.config import (
+    DataConfig,
+    DataFormat,
+    DataSource,
+    FieldMap,
+    In2Config,
+    TaskMix,
+    WindowsConfig,
+    validate_data,
+)
 from data_builders.pools import build_pool, cut_points
-from data_builders.sources import FieldMap, file_source, load_filler, synthetic_source
+from data_builders.sources import file_source, load_filler, synthetic_source
 from data_builders.synthetic import generate_documents, integration_questions
+from data_builders.text import normalize_answer
 from data_builders.tokenizer import train_bpe_tokenizer
 from scripts.bench_data import bench_case
 
@@ -119,12 +130,45 @@ def test_nq_source_uses_oracle_passage_and_splits_by_passage(tmp_path):
 def test_missing_data_file_fails_naming_the_path(tmp_path):
     missing = tmp_path / "nope" / "nq-open-oracle.jsonl.gz"
     for cfg in (
-        DataConfig(source="nq", path=str(missing)),
-        DataConfig(source="hf", path=str(missing)),
+        DataConfig(source=DataSource.nq, path=str(missing)),
+        DataConfig(source=DataSource.hf, path=str(missing)),
         DataConfig(filler_path=str(missing)),
     ):
         with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
             build_datasets(cfg)
+
+
+def nq_records(n: int) -> list[dict]:
+    """Records in the lost-in-the-middle NQ format: the oracle passage is ctxs[0]."""
+    return [
+        {
+            "question": f"who keeps the lighthouse on island {k}",
+            "answers": [f"keeper{k}z"],
+            "ctxs": [{"title": f"Island {k}", "text": f"The lighthouse of island {k} is kept by keeper{k}z."}],
+        }
+        for k in range(n)
+    ]
+
+
+def test_malformed_jsonl_line_fails_naming_file_and_line(tmp_path):
+    """A truncated record stops the build with one message naming the file and its 1-based line."""
+    lines = [json.dumps(r) for r in nq_records(200)]
+    lines[137] = lines[137][: len(lines[137]) // 2]  # line 138, cut mid-record
+    plain = tmp_path / "data.jsonl"
+    plain.write_text("\n".join(lines) + "\n")
+    packed = tmp_path / "packed.jsonl.gz"
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    nq_fields = FieldMap(question="question", answers="answers", evidence="ctxs.0.text")
+    for run, path in (
+        (lambda: build_datasets(DataConfig(source=DataSource.nq, path=str(plain), cache=False)), plain),
+        (lambda: file_source("hf", str(packed), nq_fields, 100, 10, 0, tmp_path / "hf"), packed),
+    ):
+        with pytest.raises(ValueError) as err:
+            run()
+        message = str(err.value)  # the message alone says where: no chained traceback needed
+        assert message.startswith(f"{path}: line 138 is not valid JSON: "), message
+        assert err.value.__suppress_context__ and err.value.__cause__ is None
 
 
 def test_record_missing_a_mapped_field_names_field_file_and_line(tmp_path):
@@ -206,9 +250,29 @@ def test_pool_is_cached_by_fingerprint(tmp_path, monkeypatch):
         build_pool(passages, tok, 25, [198], tmp_path)  # another segment length: another pool
 
 
+def test_lm_windows_split_documents_and_check_their_ranges():
+    cfg = DataConfig(format=DataFormat.lm_windows, context_len=64, num_train=6, num_eval=3, num_train_docs=200,
+                     num_eval_docs=40, vocab_size=300, windows=WindowsConfig(doc_len=128, train_docs=[0, 5],
+                                                                             eval_docs=[5, 7]))
+    bundle = build_datasets(cfg)
+    assert len(bundle.train) == 6 and len(bundle.eval) == 3 and len(bundle.heldout_docs) == 2
+    assert all(len(ids) == 64 for ids in [*bundle.train["input_ids"], *bundle.eval["input_ids"]])
+    assert all(len(d) >= 128 for d in bundle.heldout_docs)
+    assert bundle.stats["config"]["format"] == "lm_windows" and bundle.stats["documents"] >= 7
+    for change, message in (
+        (dict(doc_len=32), r"data\.windows\.doc_len=32 must be >= data\.context_len=64"),
+        (dict(train_docs=[0, 6]), r"data\.windows\.train_docs=\[0, 6\] and .*=\[5, 7\] overlap"),
+        (dict(eval_docs=[7, 7]), r"data\.windows\.eval_docs=\[7, 7\] must be a non-empty"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            validate_data(replace(cfg, windows=replace(cfg.windows, **change)))
+    with pytest.raises(ValueError, match=r"data\.windows\.train_docs=\[0, 5\] and .* within the \d+ documents"):
+        build_datasets(replace(cfg, windows=WindowsConfig(doc_len=128, train_docs=[0, 5], eval_docs=[5, 10_000])))
+
+
 def test_bench_data_rows():
-    cfg = DataConfig(context_len=2048, segment_len=64, num_train_docs=300, num_eval_docs=60, cache=False,
-                     tasks=TaskMix(0.8, 0.2, 0.0))
+    cfg = DataConfig(context_len=2048, num_train_docs=300, num_eval_docs=60, cache=False,
+                     in2=In2Config(segment_len=64, tasks=TaskMix(0.8, 0.2, 0.0)))
     row = bench_case("smoke", cfg, 20)
     assert row["tokens"] == 20 * 2048 and row["ours_tok_s"] > 0 and row["baseline_tok_s_per_core"] > 0
     assert row["ratio"] > 2  # gathering ids beats re-tokenizing (about 20x at this length)

@@ -1,29 +1,23 @@
-"""IN2 assembly (data_builders.in2): record invariants, uniform and independent depths, determinism,
-start-up failures, prebuilt folders, NQ and IN2-length builds, and the build_dataset CLI."""
+"""IN2 assembly (data_builders.in2, through data_builders.build): record invariants, uniform and independent
+depths, determinism, start-up failures, prebuilt folders, NQ and IN2-length builds, and the build_dataset CLI."""
 from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 from scipy import stats
 
+from data_builders import build
+from data_builders.build import build_datasets, dataset_digest, load_prebuilt, save_built
 from data_builders.collate import BatchStream
-from data_builders.in2 import (
-    DataConfig,
-    TaskMix,
-    as_data_config,
-    build_datasets,
-    dataset_digest,
-    load_prebuilt,
-    save_built,
-)
-from data_builders.sources import FieldMap, file_source, normalize, synthetic_source
+from data_builders.config import DataConfig, DataSource, FieldMap, In2Config, TaskMix, as_data_config
+from data_builders.sources import file_source, normalize, synthetic_source
 from data_builders.tokenizer import default_cache_dir, train_bpe_tokenizer
 from scripts.build_dataset import main as build_main
 
@@ -31,7 +25,7 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 NQ = SHARED_DATA / "nq-open-oracle.jsonl.gz"
 needs_nq = pytest.mark.skipif(not NQ.exists(), reason="needs ../shared/data/nq-open-oracle.jsonl.gz")
 SMALL = dict(num_train_docs=1000, num_eval_docs=200, cache=False)
-RECORD_KEYS = {"input_ids", "labels", "prompt_len", "gold_spans", "depth", "depths", "context_len", "task",
+RECORD_KEYS = {"input_ids", "labels", "prompt_len", "gold_spans", "depth", "depths", "context_tokens", "task",
                "answers", "source", "id"}
 
 
@@ -53,14 +47,14 @@ def check_records(records, tokenizer, gold_texts=None, all_extractive: bool = Fa
         assert all(0.0 <= d <= 1.0 for d in r["depths"])
         ordered = sorted(spans)
         assert all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))  # golds never overlap
-        assert head <= ordered[0][0] and ordered[-1][1] <= head + r["context_len"] <= p
+        assert head <= ordered[0][0] and ordered[-1][1] <= head + r["context_tokens"] <= p
         golds = [tokenizer.decode(ids[s:e]) for s, e in spans]
         if gold_texts is not None:
             assert all(normalize(g) in gold_texts(r) for g in golds), golds
         if all_extractive or extractive(r):
             answers = [a for a in map(normalize, r["answers"]) if a]
             assert any(a in normalize(g) for g in golds for a in answers)
-            bounds = [head] + [x for s in ordered for x in s] + [head + r["context_len"]]
+            bounds = [head] + [x for s in ordered for x in s] + [head + r["context_tokens"]]
             for lo, hi in zip(bounds[::2], bounds[1::2]):
                 text = normalize(tokenizer.decode(ids[lo:hi]))
                 assert not any(a in text for a in answers), (r["id"], r["answers"])
@@ -68,7 +62,7 @@ def check_records(records, tokenizer, gold_texts=None, all_extractive: bool = Fa
 
 def synthetic_texts(cfg: DataConfig):
     """gold_texts callback: a synthetic gold segment is a whole document of the source."""
-    data = synthetic_source(cfg.num_train_docs, cfg.num_eval_docs, cfg.seed, cfg.tasks.integration > 0)
+    data = synthetic_source(cfg.num_train_docs, cfg.num_eval_docs, cfg.seed, cfg.in2.tasks.integration > 0)
     docs = {normalize(p) for p in data.train.passages + data.heldout.passages}
     return lambda record: docs
 
@@ -83,7 +77,8 @@ def default_build():
 @pytest.fixture(scope="module")
 def mixed_build():
     """All three tasks at 1K tokens: enough integration samples to test their placement."""
-    cfg = DataConfig(context_len=1024, num_train=4000, num_eval=60, tasks=TaskMix(0.3, 0.6, 0.1), **SMALL)
+    cfg = DataConfig(context_len=1024, num_train=4000, num_eval=60, in2=In2Config(tasks=TaskMix(0.3, 0.6, 0.1)),
+                     **SMALL)
     return cfg, build_datasets(cfg)
 
 
@@ -95,7 +90,7 @@ def test_default_build_is_fine_grained_with_valid_records(default_build):
     gold_texts = synthetic_texts(cfg)
     check_records(bundle.train.select(range(1500)), bundle.tokenizer, gold_texts)
     check_records(bundle.eval, bundle.tokenizer, gold_texts)
-    assert bundle.heldout_docs and all(len(d) == cfg.heldout_doc_len for d in bundle.heldout_docs)
+    assert bundle.heldout_docs and all(len(d) == cfg.in2.heldout_doc_len for d in bundle.heldout_docs)
     assert bundle.stats["tasks"]["train"] == {"fine_grained": 10_000}
 
 
@@ -126,12 +121,12 @@ def test_mixed_tasks_and_independent_integration_golds(mixed_build):
 
     short = bundle.train.filter(lambda r: r["task"] == "short_qa")
     for r in short.select(range(20)):  # the question with its evidence only
-        assert r["depth"] == 0.0 and r["context_len"] == sum(e - s + 1 for s, e in r["gold_spans"])
+        assert r["depth"] == 0.0 and r["context_tokens"] == sum(e - s + 1 for s, e in r["gold_spans"])
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
     cfg = DataConfig(context_len=512, num_train=300, num_eval=20, num_train_docs=300, num_eval_docs=60,
-                     tasks=TaskMix(0.5, 0.4, 0.1), cache=False)
+                     in2=In2Config(tasks=TaskMix(0.5, 0.4, 0.1)), cache=False)
     a, b, c = build_datasets(cfg), build_datasets(cfg), build_datasets(replace(cfg, seed=1))
     assert dataset_digest(a.train) == dataset_digest(b.train) and a.train._fingerprint == b.train._fingerprint
     assert a.stats["fingerprint"] == b.stats["fingerprint"] != c.stats["fingerprint"]
@@ -144,32 +139,43 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
 
 
 def test_bad_settings_fail_at_start_up(tmp_path):
-    with pytest.raises(ValueError, match="segment_len=300 must be positive and smaller than the smallest"):
-        build_datasets(DataConfig(segment_len=300))
+    with pytest.raises(ValueError, match=r"data\.in2\.segment_len=300 must be positive and smaller than the smallest"):
+        build_datasets(DataConfig(in2=In2Config(segment_len=300)))
     with pytest.raises(ValueError, match=r"smallest context length \(1024\)"):
-        build_datasets(DataConfig(context_len=8192, context_len_min=1024, segment_len=2000))
-    with pytest.raises(ValueError, match="data.tasks"):
-        build_datasets(DataConfig(tasks=TaskMix(0, 0, 0)))
-    with pytest.raises(ValueError, match="data.curriculum ramps budgets up from data.context_len_min"):
-        build_datasets(DataConfig(curriculum=0.5))
-    with pytest.raises(ValueError, match=r"data.curriculum=1.5 must be a share"):
-        build_datasets(DataConfig(context_len_min=96, curriculum=1.5))
-    with pytest.raises(ValueError, match="not a known source"):
+        build_datasets(DataConfig(context_len=8192, in2=In2Config(context_len_min=1024, segment_len=2000)))
+    with pytest.raises(ValueError, match=r"data\.in2\.tasks must be non-negative"):
+        build_datasets(DataConfig(in2=In2Config(tasks=TaskMix(0, 0, 0))))
+    with pytest.raises(ValueError, match=r"data\.in2\.curriculum ramps budgets up from data\.in2\.context_len_min"):
+        build_datasets(DataConfig(in2=In2Config(curriculum=0.5)))
+    with pytest.raises(ValueError, match=r"data\.in2\.curriculum=1.5 must be a share"):
+        build_datasets(DataConfig(in2=In2Config(context_len_min=96, curriculum=1.5)))
+    with pytest.raises(ValueError, match=r"data\.source='wiki' is not known \(known: synthetic, nq, hf\)"):
         build_datasets(DataConfig(source="wiki"))
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "missing"))):
         build_datasets(DataConfig(prebuilt=str(tmp_path / "missing")))
-    with pytest.raises(ValueError, match="no usable integration questions"):
-        build_datasets(DataConfig(source="hf", path=str(_qa_file(tmp_path)), fields=QA_FIELDS,
-                                  num_eval_docs=10, num_train=20, num_eval=4, tasks=TaskMix(0, 1, 0),
+    with pytest.raises(ValueError, match=r"data\.in2\.tasks\.integration > 0, but .* no usable integration questions"):
+        build_datasets(DataConfig(source=DataSource.hf, path=str(_qa_file(tmp_path)), fields=QA_FIELDS,
+                                  num_eval_docs=10, num_train=20, num_eval=4, in2=In2Config(tasks=TaskMix(0, 1, 0)),
                                   vocab_size=300, cache=False))
     with pytest.raises(ValueError, match="num_eval_docs=400"):
-        build_datasets(DataConfig(source="hf", path=str(_qa_file(tmp_path)), fields=QA_FIELDS, cache=False))
+        build_datasets(DataConfig(source=DataSource.hf, path=str(_qa_file(tmp_path)), fields=QA_FIELDS, cache=False))
+
+
+def test_choice_typos_fail_at_composition(compose_cfg):
+    """data.source and data.format are enums: Hydra rejects a typo before any code runs."""
+    for override, expected in (
+        ("data.source=wiki", "Invalid value 'wiki', expected one of [synthetic, nq, hf]"),
+        ("data.format=lm", "Invalid value 'lm', expected one of [in2, lm_windows]"),
+    ):
+        with pytest.raises(ConfigCompositionException, match=re.escape(f"Error merging override {override}")) as err:
+            compose_cfg(override)
+        assert expected in str(err.value.__cause__)  # Hydra prints it under its own line
 
 
 def test_curriculum_ramps_training_budgets_and_training_reads_them_in_order():
-    base = dict(context_len=256, context_len_min=96, num_train=400, num_eval=40, **SMALL)
-    plain = build_datasets(DataConfig(**base))
-    ramped = build_datasets(DataConfig(curriculum=0.5, **base))
+    base = dict(context_len=256, num_train=400, num_eval=40, **SMALL)
+    plain = build_datasets(DataConfig(in2=In2Config(context_len_min=96), **base))
+    ramped = build_datasets(DataConfig(in2=In2Config(context_len_min=96, curriculum=0.5), **base))
     lengths = np.array([len(ids) for ids in ramped.train["input_ids"]])  # a sample fills its budget
     caps = np.round(96 + 160 * np.minimum(1.0, (np.arange(400) + 1) / 200) ** 2)  # the ramp spans 0.5 x 400
     assert (lengths <= caps).all() and lengths.min() >= 96
@@ -210,9 +216,9 @@ def _qa_file(tmp_path: Path, n: int = 60, pairs: bool = False) -> Path:
 
 def test_hf_source_with_field_mapping_and_integration(tmp_path):
     path = _qa_file(tmp_path, 80, pairs=True)
-    cfg = DataConfig(source="hf", path=str(path), fields=QA_FIELDS, context_len=400,
-                     segment_len=48, num_train=200, num_eval=20, num_eval_docs=20, vocab_size=400,
-                     tasks=TaskMix(0.5, 0.4, 0.1), cache=False)
+    cfg = DataConfig(source=DataSource.hf, path=str(path), fields=QA_FIELDS, context_len=400,
+                     num_train=200, num_eval=20, num_eval_docs=20, vocab_size=400, cache=False,
+                     in2=In2Config(segment_len=48, tasks=TaskMix(0.5, 0.4, 0.1)))
     bundle = build_datasets(cfg)
     assert bundle.stats["skipped"]["source"]["answer_not_in_evidence"] == 1
     assert bundle.stats["tasks"]["train"] == {"fine_grained": 100, "integration": 80, "short_qa": 20}
@@ -236,15 +242,15 @@ def _passages(path: str) -> list[str]:
 
 def test_chat_template_wraps_the_prompt(tmp_path):
     cfg = DataConfig(num_train=50, num_eval=10, num_train_docs=300, num_eval_docs=60, cache=False,
-                     instruction="Answer briefly.")
+                     in2=In2Config(instruction="Answer briefly.", chat_template=True))
     tok = train_bpe_tokenizer([d for d in synthetic_source(300, 60, 0, False).train.passages], 500)
-    with pytest.raises(ValueError, match="no chat template"):
-        build_datasets(replace(cfg, chat_template=True), tok)
+    with pytest.raises(ValueError, match=r"data\.in2\.chat_template=true, but the tokenizer has no chat template"):
+        build_datasets(cfg, tok)
     tok.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    bundle = build_datasets(replace(cfg, chat_template=True), tok)
+    bundle = build_datasets(cfg, tok)
     r = bundle.train[0]
     prompt = tok.decode(r["input_ids"][: r["prompt_len"]])
     assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
@@ -255,12 +261,16 @@ def test_chat_template_wraps_the_prompt(tmp_path):
     check_records(bundle.train, tok, head=head)
 
 
-def test_cache_and_prebuilt_round_trip(tmp_path):
+def test_cache_and_prebuilt_round_trip(tmp_path, monkeypatch):
     cfg = DataConfig(num_train=400, num_eval=20, num_train_docs=300, num_eval_docs=60)
     first = build_datasets(cfg)
-    start = time.perf_counter()
+
+    def rebuild(*args, **kwargs):
+        raise AssertionError("an identical build was assembled again instead of read from the cache")
+
+    monkeypatch.setattr(build, "build_in2", rebuild)
     again = build_datasets(cfg)
-    assert time.perf_counter() - start < 5 and again.train.cache_files  # read back from the cache folder
+    assert again.train.cache_files  # read back from the cache folder
     assert dataset_digest(again.train) == dataset_digest(first.train) == first.stats["digest"]["train"]
 
     save_built(first, tmp_path / "built")
@@ -278,10 +288,10 @@ def test_cache_and_prebuilt_round_trip(tmp_path):
 def test_nq_builds_at_4k_and_8k_with_a_card(tmp_path):
     """NQ oracle passages at 4K and 8K tokens with a tiny BPE, through the CLI: records, card, attribution."""
     out = tmp_path / "nq"
-    build_main(["data=in2_nq", f"data.path={NQ}", "data.context_len=8192", "data.context_len_min=null",
-                "data.context_lens=[4096,8192]", "data.num_train=24", "data.num_eval=8",
+    build_main(["data=in2_nq", f"data.path={NQ}", "data.context_len=8192", "data.in2.context_len_min=null",
+                "data.in2.context_lens=[4096,8192]", "data.num_train=24", "data.num_eval=8",
                 "data.vocab_size=512",
-                "data.tasks.fine_grained=0.8", "data.tasks.short_qa=0.2", "data.cache=false", f"out={out}"])
+                "data.in2.tasks.fine_grained=0.8", "data.in2.tasks.short_qa=0.2", "data.cache=false", f"out={out}"])
     bundle = load_prebuilt(out)
     assert {len(ids) for ids in bundle.eval["input_ids"]} <= {4096, 8192}
     train = bundle.train
@@ -306,8 +316,8 @@ def _nq_passages() -> list[str]:
 @needs_nq
 @pytest.mark.slow
 def test_nq_depth_uniform_over_many_samples():
-    cfg = DataConfig(source="nq", path=str(NQ), context_len=8192, context_lens=[4096, 8192], segment_len=128,
-                     num_train=3000, num_eval=100, vocab_size=1024, cache=False)
+    cfg = DataConfig(source=DataSource.nq, path=str(NQ), context_len=8192, num_train=3000, num_eval=100,
+                     vocab_size=1024, cache=False, in2=In2Config(context_lens=[4096, 8192], segment_len=128))
     bundle = build_datasets(cfg)
     depth = np.asarray(bundle.train["depth"])
     assert stats.kstest(depth, "uniform").pvalue > 0.01
@@ -321,7 +331,7 @@ def test_in2_film_preset_lengths(compose_cfg):
                            "data.num_train_docs=3000", "data.num_eval_docs=1000", "data.vocab_size=512",
                            "data.cache=false")
     cfg = as_data_config(composed.data)
-    assert (cfg.context_len_min, cfg.context_len, cfg.segment_len) == (4096, 32768, 128)
+    assert (cfg.in2.context_len_min, cfg.context_len, cfg.in2.segment_len) == (4096, 32768, 128)
     bundle = build_datasets(cfg)
     lengths = [len(ids) for ids, t in zip(bundle.train["input_ids"], bundle.train["task"]) if t != "short_qa"]
     assert all(4096 <= n <= 32768 for n in lengths) and max(lengths) > 8192
@@ -340,9 +350,9 @@ def test_every_data_preset_composes(compose_cfg):
 def test_build_dataset_cli_writes_a_card(tmp_path, compose_cfg):
     out = tmp_path / "built"
     path = _qa_file(tmp_path)
-    build_main(["data=hf_example", f"data.path={path}", "data.context_len=512", "data.context_len_min=256",
-                "data.segment_len=48", "data.num_train=40", "data.num_eval=8", "data.num_eval_docs=10",
-                "data.vocab_size=400", "data.tasks.integration=0", f"out={out}"])
+    build_main(["data=hf_example", f"data.path={path}", "data.context_len=512", "data.in2.context_len_min=256",
+                "data.in2.segment_len=48", "data.num_train=40", "data.num_eval=8", "data.num_eval_docs=10",
+                "data.vocab_size=400", "data.in2.tasks.integration=0", f"out={out}"])
     card = (out / "README.md").read_text()
     assert "| source | answer_not_in_evidence | 1 |" in card and "fingerprint" in card
     assert all((out / "plots" / name).stat().st_size > 0 for name in ("lengths.png", "depths.png"))

@@ -163,7 +163,7 @@ def test_in2_probe_bins_by_depth():
             "prompt_len": 4,
             "gold_spans": [[0, 2]],
             "depth": d,
-            "context_len": 3,
+            "context_tokens": 3,
             "task": "fine_grained",
             "answers": ["x"],
             "source": "synthetic",
@@ -175,5 +175,5 @@ def test_in2_probe_bins_by_depth():
     assert [it.position for it in items] == [0, 0, 1, 3, 5, 9, 9]
     assert [it.label for it in items] == ["0.0", "0.0", "0.1", "0.3", "0.5", "0.9", "0.9"]
     assert all(it.prompt == [5, 6, 7, 8] and it.n_positions == 10 and it.probe == "in2" for it in items)
-    assert items[3].extra == {"depth": 0.34, "context_len": 3, "task": "fine_grained", "source": "synthetic"}
+    assert items[3].extra == {"depth": 0.34, "context_tokens": 3, "task": "fine_grained", "source": "synthetic"}
     assert [it.label for it in in2_probe(records[:2], bins=20)] == ["0.0", "0.05"]

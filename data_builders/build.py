@@ -1,0 +1,140 @@
+"""The data entry point: `build_datasets(cfg.data, tokenizer)` -> DataBundle, whatever the format.
+
+It validates the config, then loads a prebuilt folder (`data.prebuilt`), or builds the format's
+splits: IN2 samples (data_builders.in2) or language-model windows (data_builders.windows). A
+finished IN2 build is cached under default_cache_dir()/in2/<fingerprint>, in the prebuilt-folder
+format that scripts/build_dataset.py writes: save_to_disk splits, tokenizer/, HELDOUT_FILE, BUILD_FILE.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+from datasets import Dataset, DatasetDict, DatasetInfo, load_from_disk
+from datasets.fingerprint import Hasher
+from datasets.table import InMemoryTable
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from data_builders.config import DataConfig, DataFormat, as_data_config, config_dict, validate_data
+from data_builders.files import atomic_dir
+from data_builders.in2 import RECORD_FEATURES, build_in2
+from data_builders.pools import tokenizer_digest
+from data_builders.sources import file_identity
+from data_builders.tokenizer import default_cache_dir
+from data_builders.windows import build_windows
+
+BUILD_FILE = "build.json"
+HELDOUT_FILE = "heldout_docs.json"
+# The code an IN2 build's bytes depend on: a change in any of these files gives a new fingerprint.
+_CODE = ("in2.py", "pools.py", "sources.py", "synthetic.py", "text.py", "tokenizer.py")
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    eval: Dataset
+    heldout_docs: list[list[int]]  # token ids of long held-out documents (Jacobian sequences)
+    tokenizer: PreTrainedTokenizerBase
+    stats: dict[str, Any] = field(default_factory=dict)  # counts, skips, fingerprints (the dataset card)
+
+
+def _hash_array(h, array: pa.Array) -> None:
+    if pa.types.is_list(array.type):
+        h.update(array.value_lengths().to_numpy(zero_copy_only=False).tobytes())
+        _hash_array(h, array.flatten())
+    elif pa.types.is_string(array.type):
+        h.update("\0".join(array.to_pylist()).encode())
+    else:
+        h.update(array.to_numpy(zero_copy_only=False).tobytes())
+
+
+def dataset_digest(ds: Dataset) -> str:
+    """Hash of a dataset's content (column names, types and values), independent of its Arrow chunking."""
+    h = hashlib.sha256()
+    table = ds.data.table if ds._indices is None else ds.flatten_indices().data.table
+    for name in table.column_names:
+        column = table.column(name).combine_chunks()
+        h.update(f"{name}:{column.type}".encode())
+        _hash_array(h, column)
+    return h.hexdigest()[:16]
+
+
+def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> str:
+    """Fingerprint of an IN2 build: config, input files, tokenizer and the builder code itself."""
+    skip = ("cache", "num_proc", "prebuilt", "format", "windows")  # no effect on an IN2 build's bytes
+    settings = {k: v for k, v in config_dict(cfg).items() if k not in skip}
+    here = Path(__file__).resolve().parent
+    code = [(here / name).read_bytes() for name in _CODE]
+    return Hasher.hash([
+        settings, file_identity(cfg.path), file_identity(cfg.filler_path),
+        tokenizer_digest(tokenizer) if tokenizer is not None else "bpe", code,
+    ])
+
+
+def _build_in2(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase], key: str) -> DataBundle:
+    tables, heldout, tokenizer, stats = build_in2(cfg, tokenizer)
+    splits = {
+        name: Dataset(InMemoryTable(table), info=DatasetInfo(features=RECORD_FEATURES),
+                      fingerprint=Hasher.hash([key, name]))
+        for name, table in tables.items()
+    }
+    stats = {"fingerprint": key, **stats, "digest": {s: dataset_digest(ds) for s, ds in splits.items()}}
+    return DataBundle(splits["train"], splits["eval"], heldout, tokenizer, stats)
+
+
+def save_built(bundle: DataBundle, folder: Path, replace: bool = False) -> None:
+    """Write a bundle as a prebuilt folder: save_to_disk splits, tokenizer/, heldout docs, build.json.
+
+    The folder appears whole or not at all (data_builders.files.atomic_dir); an existing one is kept
+    unless `replace`, so a concurrent writer's identical build stands.
+    """
+    with atomic_dir(Path(folder), replace=replace) as tmp:
+        DatasetDict({"train": bundle.train, "eval": bundle.eval}).save_to_disk(str(tmp))
+        bundle.tokenizer.save_pretrained(tmp / "tokenizer")
+        (tmp / HELDOUT_FILE).write_text(json.dumps(bundle.heldout_docs))
+        (tmp / BUILD_FILE).write_text(json.dumps(bundle.stats, indent=1, sort_keys=True))
+
+
+def load_prebuilt(folder: str | Path, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
+    """A bundle from a prebuilt folder; a given tokenizer must have the vocabulary it was built with."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data.prebuilt: no such folder: {folder}")
+    for name in ("dataset_dict.json", "tokenizer", HELDOUT_FILE):
+        if not (folder / name).exists():
+            raise FileNotFoundError(f"data.prebuilt: {folder / name} is missing (not a built dataset folder)")
+    splits = load_from_disk(str(folder))
+    saved = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    if tokenizer is not None and tokenizer.get_vocab() != saved.get_vocab():
+        raise ValueError(f"data.prebuilt={folder} was built with another tokenizer than the model's")
+    stats = json.loads((folder / BUILD_FILE).read_text()) if (folder / BUILD_FILE).exists() else {}
+    heldout = json.loads((folder / HELDOUT_FILE).read_text())
+    return DataBundle(splits["train"], splits["eval"], heldout, tokenizer or saved, stats)
+
+
+def build_datasets(cfg: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
+    """Train and held-out splits of `cfg` (a DataConfig, or the `data` node of a composed config).
+
+    Without a tokenizer, a BPE is trained on the training corpus. With `cfg.prebuilt` the folder is
+    loaded instead. With `cfg.cache` a finished IN2 build is stored under default_cache_dir()/in2/<fingerprint>
+    and an identical later call loads it.
+    """
+    cfg = as_data_config(cfg)
+    validate_data(cfg)
+    if cfg.prebuilt:
+        return load_prebuilt(cfg.prebuilt, tokenizer)
+    if cfg.format == DataFormat.lm_windows:
+        return DataBundle(*build_windows(cfg, tokenizer))
+    key = build_key(cfg, tokenizer)
+    folder = default_cache_dir() / "in2" / key
+    if cfg.cache and (folder / BUILD_FILE).exists():
+        return load_prebuilt(folder, tokenizer)
+    bundle = _build_in2(cfg, tokenizer, key)
+    if not cfg.cache:
+        return bundle
+    save_built(bundle, folder)
+    return load_prebuilt(folder, bundle.tokenizer if tokenizer is None else tokenizer)

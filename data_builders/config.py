@@ -1,0 +1,203 @@
+"""The `data` config section: typed, nested by format, checked once by `validate_data` before any work.
+
+Keys both formats read sit at the top (`data.context_len`, `data.source`, ...); keys of one format
+live in its own section: `data.in2.*` (In2Config, IN2 assembly) and `data.windows.*` (WindowsConfig,
+language-model windows). `data.context_len` is a sample's whole token budget in both: for IN2,
+context + question + answer (with the chat template's pieces and eos); for lm_windows, the window.
+A default is written once, here; the presets in conf/data/ hold only what differs from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+# Data files a `datasets` builder reads, by suffix (after any compression suffix is dropped).
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
+
+
+class DataSource(StrEnum):
+    synthetic = "synthetic"  # embedded invented-entity documents (data_builders.synthetic), no download
+    nq = "nq"  # NaturalQuestions-Open in the lost-in-the-middle JSON-lines format (data.path)
+    hf = "hf"  # any `datasets`-readable file, or a hub dataset name, read through data.fields
+
+
+class DataFormat(StrEnum):
+    in2 = "in2"  # IN2 question samples (data_builders.in2)
+    lm_windows = "lm_windows"  # language-model windows of long documents (data_builders.windows)
+
+
+@dataclass
+class TaskMix:
+    """Share of each IN2 task among the samples (normalized to sum to 1)."""
+
+    fine_grained: float = 1.0  # one answer-bearing segment in a long context
+    integration: float = 0.0  # two or three segments, each placed independently
+    short_qa: float = 0.0  # the question with its evidence only (keeps short-context skills)
+
+
+@dataclass
+class FieldMap:
+    """Where each item lives in a record of an `hf` source; dotted paths reach nested fields (ctxs.0.text)."""
+
+    question: str = "question"
+    answers: str = "answers"  # a string or a list of strings
+    evidence: str = "evidence"  # a passage, or a list of passages (two or more: an integration question)
+    title: Optional[str] = None  # title(s) written on the line before the evidence passage(s)
+    filler: Optional[str] = None  # distractor passage(s) carried by each record
+
+
+@dataclass
+class In2Config:
+    """`data.in2.*`: what only IN2 assembly (and the loss on its samples) reads."""
+
+    segment_len: int = 64  # longest segment in tokens; longer passages are cut at sentence ends
+    context_len_min: Optional[int] = None  # when set, budgets are uniform in [context_len_min, data.context_len]
+    context_lens: list[int] = field(default_factory=list)  # when set, each budget is drawn from these lengths
+    # Short contexts first: over the first `curriculum` share of the training split the largest budget
+    # grows (quadratically) from context_len_min to data.context_len; training reads it in order (eval unchanged).
+    curriculum: float = 0.0
+    tasks: TaskMix = field(default_factory=TaskMix)  # task mix (the eval split leaves short_qa out)
+    instruction: Optional[str] = None  # FILM-style instruction line between the context and the question
+    chat_template: bool = False  # wrap context + question in the tokenizer's chat template (user turn)
+    # Cloze prompts (synthetic facts only, no chat template): the prompt ends with the fact's opening words
+    # ("Answer: Kamir works as a"), so retrieval is an in-context copy a random-init model, which cannot
+    # read yet, learns in minutes. Models that read want plain "Answer:" prompts, as in IN2 and the probes;
+    # the model's recipe (conf/recipe/) sets it.
+    answer_lead: bool = False
+    label_context: bool = False  # train with LM loss on every token, not only the answer (random-init models)
+    heldout_doc_len: int = 2048  # held-out documents are concatenated up to this length for the Jacobian
+
+
+@dataclass
+class WindowsConfig:
+    """`data.windows.*`: documents and their split for language-model windows (data.format=lm_windows)."""
+
+    doc_len: int = 4096  # passages joined into documents of at least this many tokens
+    train_docs: list[int] = field(default_factory=lambda: [0, 50])  # [first, last) documents windows train on
+    eval_docs: list[int] = field(default_factory=lambda: [50, 60])  # [first, last) held-out ones (eval, Jacobian)
+
+
+@dataclass
+class DataConfig:
+    """`data.*`: the source, sizes and caching both formats share; each format's own keys in its section."""
+
+    name: str = "in2_synthetic"
+    source: DataSource = DataSource.synthetic
+    format: DataFormat = DataFormat.in2
+    path: Optional[str] = None  # data file of a file-based source (hub dataset name for hf)
+    context_len: int = 256  # a sample's total token budget (in2: context + question + answer, the largest if drawn)
+    num_train: int = 20000  # training samples
+    num_eval: int = 200  # held-out samples (eval loss, and accuracy by depth for in2)
+    num_train_docs: int = 4000  # source documents (evidence passages) in the training part
+    num_eval_docs: int = 400  # held-out source documents (eval samples, Jacobian sequences)
+    vocab_size: int = 1024  # BPE vocabulary when the model has no tokenizer of its own
+    seed: int = 0
+    prebuilt: Optional[str] = None  # folder written by scripts/build_dataset.py: load it instead of building
+    cache: bool = True  # reuse pools and finished builds under default_cache_dir()
+    num_proc: Optional[int] = None  # tokenization processes; None = one per 20k passages, up to the CPUs
+    fields: FieldMap = field(default_factory=FieldMap)  # record fields of an hf source
+    hf_config: Optional[str] = None  # configuration name of an hf hub dataset
+    hf_split: str = "train"  # split of an hf hub dataset
+    filler_path: Optional[str] = None  # extra distractor text: a .txt file, or a data file with filler_field
+    filler_field: str = "text"  # text column of a non-.txt filler_path
+    in2: In2Config = field(default_factory=In2Config)
+    windows: WindowsConfig = field(default_factory=WindowsConfig)
+
+
+def as_data_config(cfg: Any) -> DataConfig:
+    """A typed DataConfig from a DataConfig, an OmegaConf node (e.g. `cfg.data`) or a plain dict."""
+    if isinstance(cfg, DataConfig):
+        return cfg
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), cfg))
+
+
+def config_dict(cfg: DataConfig) -> dict[str, Any]:
+    """The config as plain nested dicts (choices as their strings), for fingerprints and build.json."""
+
+    def plain(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        return {k: v.value if isinstance(v, Enum) else v for k, v in items}
+
+    return dataclasses.asdict(cfg, dict_factory=plain)
+
+
+def is_file_path(path: str) -> bool:
+    """A path with a data-file suffix (possibly compressed), as opposed to a hub dataset name."""
+    suffixes = [s for s in Path(path).suffixes if s not in COMPRESSION_SUFFIXES]
+    return bool(suffixes) and suffixes[-1] in FILE_FORMATS
+
+
+def check_paths(source: str, path: Optional[str], filler_path: Optional[str]) -> None:
+    """Fail at start-up, naming the key and the path, when a configured data file does not exist."""
+    if source in (DataSource.nq, DataSource.hf) and not path:
+        raise ValueError(f"data.source={source} needs data.path (a data file, or a hub dataset name for hf)")
+    local = [("data.path", path)] if source == DataSource.nq or (source == DataSource.hf and is_file_path(path)) else []
+    for key, p in local + ([("data.filler_path", filler_path)] if filler_path else []):
+        if not Path(p).exists():
+            raise FileNotFoundError(f"{key}: data file not found: {p}")
+
+
+def _choice(key: str, value: Any, kind: type[StrEnum]) -> None:
+    # Composed configs are checked by OmegaConf already; a DataConfig built in Python is not.
+    if value not in [m.value for m in kind]:
+        raise ValueError(f"{key}={value!r} is not known (known: {', '.join(m.value for m in kind)})")
+
+
+def _validate_in2(cfg: DataConfig) -> None:
+    c = cfg.in2
+    shares = vars(c.tasks)
+    if any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
+        raise ValueError(f"data.in2.tasks must be non-negative with a positive sum, got {shares}")
+    if c.context_lens and c.context_len_min is not None:
+        raise ValueError("set data.in2.context_lens (a set) or data.in2.context_len_min (a range), not both")
+    if c.context_lens and max(c.context_lens) > cfg.context_len:
+        raise ValueError(f"data.in2.context_lens has {max(c.context_lens)}, more than data.context_len={cfg.context_len}")
+    if c.context_len_min is not None and not 0 < c.context_len_min <= cfg.context_len:
+        raise ValueError(f"data.in2.context_len_min={c.context_len_min} must be in (0, data.context_len={cfg.context_len}]")
+    if not 0 <= c.curriculum <= 1:
+        raise ValueError(f"data.in2.curriculum={c.curriculum} must be a share of the training split, in [0, 1]")
+    if c.curriculum and c.context_len_min is None:
+        raise ValueError("data.in2.curriculum ramps budgets up from data.in2.context_len_min: set it")
+    smallest = min(c.context_lens) if c.context_lens else (c.context_len_min or cfg.context_len)
+    if not 0 < c.segment_len < smallest:
+        raise ValueError(
+            f"data.in2.segment_len={c.segment_len} must be positive and smaller than the smallest context "
+            f"length ({smallest})"
+        )
+
+
+def _validate_windows(cfg: DataConfig) -> None:
+    w = cfg.windows
+    for key in ("train_docs", "eval_docs"):
+        first_last = list(getattr(w, key))
+        if len(first_last) != 2 or not 0 <= first_last[0] < first_last[1]:
+            raise ValueError(f"data.windows.{key}={first_last} must be a non-empty [first, last) range")
+    (t0, t1), (e0, e1) = w.train_docs, w.eval_docs
+    if max(t0, e0) < min(t1, e1):
+        raise ValueError(f"data.windows.train_docs={list(w.train_docs)} and data.windows.eval_docs="
+                         f"{list(w.eval_docs)} overlap: a held-out document would be trained on")
+    if w.doc_len < cfg.context_len:
+        raise ValueError(f"data.windows.doc_len={w.doc_len} must be >= data.context_len={cfg.context_len} (the window)")
+
+
+def validate_data(cfg: DataConfig) -> None:
+    """Fail at start-up, naming the key, on settings that cannot give a sample, before anything is loaded."""
+    _choice("data.source", cfg.source, DataSource)
+    _choice("data.format", cfg.format, DataFormat)
+    if cfg.prebuilt:  # the folder holds the samples; the settings that built them are not needed
+        if not Path(cfg.prebuilt).is_dir():
+            raise FileNotFoundError(f"data.prebuilt: no such folder: {cfg.prebuilt}")
+        return
+    for key in ("context_len", "num_train", "num_eval"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"data.{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.format == DataFormat.in2:
+        _validate_in2(cfg)
+    else:
+        _validate_windows(cfg)
+    check_paths(cfg.source, cfg.path, cfg.filler_path)
