@@ -16,8 +16,9 @@ Only what is missing is computed:
 
 IN2 records are token ids, so the in2 probe needs one tokenizer for all PATHs; they come from the
 runs' own `eval/in2_step<N>.json` when those agree, else are rebuilt from the first run config's data
-section (`data_builders.in2.build_datasets`, cached). Writes `<out>/report.md` and its PNGs; nothing
-reads wandb unless --wandb is given.
+section (`build_datasets`, cached). Writes `<out>/report.md` and its PNGs; nothing reads wandb unless
+--wandb is given. Resolving PATHs, loading checkpoints and answering probes is `analysis.checkpoints`;
+this module is the report and its CLI.
 """
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ import argparse
 import itertools
 import json
 import math
-import re
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -36,54 +36,39 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from analysis.checkpoints import (
+    NEW_TOKENS,
+    POSITION_AXIS,
+    PROBES,
+    RUN_CONFIG,
+    CheckpointProbe,
+    CompareError,
+    ProbeBank,
+    Target,
+    answer_probes,
+    build_in2_items,
+    count_layers,
+    load_checkpoint_tokenizer,
+    load_model,
+    reference_run,
+    resolve_target,
+)
 from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.metrics_log import read_metrics
 from analysis.plots import plot_position_accuracy
-from analysis.positional_eval import EvalConfig, ProbeResult, build_probes, evaluate_probes
-from analysis.prior import fit_alpha, prior_profile
+from analysis.positional_eval import EvalConfig, ProbeResult
+from analysis.prior import scaled_prior
 from analysis.topology import METRIC_KEYS, topology_metrics
-from data_builders.probes import NQ_FILE, ProbeItem, in2_probe, nq_filler
+from data_builders.files import atomic_write_text
+from data_builders.probes import NQ_FILE, ProbeItem, nq_filler
 from data_builders.synthetic import generate_documents
 from data_builders.tokenizer import encode_pieces
 from data_builders.windows import join_documents
-from models.build import ModelConfig, build_model
-from models.checkpoint import STEP_DIR, TRAINER_STATE, list_checkpoints
-from models.distributed import resolve_device
 
-PROBES = ("kv", "mdqa", "needle", "in2")
-# Greedy answer budgets: a UUID value is up to ~36 tokens, NQ answers are a few words, a needle code
-# is 5 digits, and IN2 answers get the training loop's eval.max_new_tokens default.
-NEW_TOKENS = {"kv": 48, "mdqa": 32, "needle": 16, "in2": EvalConfig.max_new_tokens}
-POSITION_AXIS = {
-    "kv": "gold key-value pair index",
-    "mdqa": "gold document index",
-    "needle": "needle depth",
-    "in2": "gold depth bin (lower edge)",
-}
 HELDOUT_SEED = 7919  # synthetic documents for measured profiles: other names than the default training data
-RUN_CONFIG = Path(".hydra") / "config.yaml"
 X_LABEL = "relative position x = (j-1)/(L-1)"
-
-
-class CompareError(Exception):
-    """A PATH cannot be compared; the message names it and says why."""
-
-
-@dataclass
-class Target:
-    """One PATH: the checkpoint it stands for and, when it has one, the run that wrote it."""
-
-    path: Path  # as given
-    label: str  # short unique name in tables and legends
-    checkpoint: Path
-    run_dir: Path | None
-    step: int | None  # training step of the checkpoint, when known
-
-    @property
-    def slug(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.label)
 
 
 @dataclass
@@ -108,36 +93,6 @@ class Entry:
     notes: list[str] = field(default_factory=list)
 
 
-def _checkpoint_step(folder: Path) -> int | None:
-    if match := STEP_DIR.match(folder.name):
-        return int(match.group(1))
-    state = folder / TRAINER_STATE
-    return int(json.loads(state.read_text())["step"]) if state.is_file() else None
-
-
-def resolve_target(path: str | Path, label: str) -> Target:
-    """The checkpoint a PATH stands for: a run directory's latest, or the folder itself."""
-    given = Path(path)
-    try:
-        if not given.exists():
-            raise CompareError(f"{path}: no such file or directory")
-        if not given.is_dir():
-            raise CompareError(f"{path}: not a directory (expected a run directory or a checkpoint folder)")
-        checkpoints = list_checkpoints(given)
-        if checkpoints:
-            return Target(given, label, checkpoints[-1], given, _checkpoint_step(checkpoints[-1]))
-        if (given / "checkpoints").is_dir():
-            raise CompareError(f"{path}: run directory without a complete checkpoint under checkpoints/")
-        if not ((given / "config.json").is_file() or (given / "adapter_config.json").is_file()):
-            raise CompareError(f"{path}: neither a run directory (checkpoints/step-N) nor a checkpoint "
-                               "folder (config.json or adapter_config.json)")
-        inside_run = given.resolve().parent.name == "checkpoints" and STEP_DIR.match(given.name)
-        return Target(given, label, given, given.resolve().parent.parent if inside_run else None,
-                      _checkpoint_step(given))
-    except (OSError, ValueError, KeyError) as err:
-        raise CompareError(f"{path}: unreadable: {err}") from err
-
-
 def short_labels(paths: Sequence[str | Path]) -> list[str]:
     """The fewest trailing path components that tell the PATHs apart ("runA", "step-1", ...)."""
     parts = [Path(p).resolve().parts for p in paths]
@@ -146,28 +101,6 @@ def short_labels(paths: Sequence[str | Path]) -> list[str]:
         if len(set(labels)) == len(labels):
             return labels
     return [f"{'/'.join(p[-1:])} #{i + 1}" for i, p in enumerate(parts)]  # one path given twice
-
-
-def reference_run(targets: Sequence[Target]) -> tuple[Target, DictConfig] | None:
-    """The first PATH whose run has a resolved Hydra config, and that config."""
-    for target in targets:
-        if target.run_dir is not None and (target.run_dir / RUN_CONFIG).is_file():
-            try:
-                return target, OmegaConf.load(target.run_dir / RUN_CONFIG)
-            except (OSError, OmegaConfBaseException) as err:
-                raise CompareError(f"{target.path}: unreadable {target.run_dir / RUN_CONFIG}: {err}") from err
-    return None
-
-
-def load_checkpoint_tokenizer(target: Target) -> PreTrainedTokenizerBase:
-    """The tokenizer saved with the checkpoint, with a pad token (eos when it has none)."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target.checkpoint)
-    except (OSError, ValueError) as err:
-        raise CompareError(f"{target.path}: no readable tokenizer in {target.checkpoint}: {err}") from err
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def check_shared_vocab(targets: Sequence[Target], tokenizers: Sequence[PreTrainedTokenizerBase]) -> None:
@@ -180,42 +113,6 @@ def check_shared_vocab(targets: Sequence[Target], tokenizers: Sequence[PreTraine
                 f"(vocab {len(tokenizers[0])}) differ, and the in2 probe needs shared token sequences; "
                 "leave in2 out (--probes kv,mdqa,needle) to compare them"
             )
-
-
-def _weights_folder(target: Target) -> tuple[str, bool]:
-    """Folder (or hub id) of the full model weights, and whether the checkpoint holds LoRA adapters only."""
-    adapter = target.checkpoint / "adapter_config.json"
-    if not adapter.is_file():
-        return str(target.checkpoint), False
-    if target.run_dir is not None and (target.run_dir / "base_model").is_dir():
-        return str(target.run_dir / "base_model"), True  # a random-init base saved beside its adapters
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-    if not base:
-        raise CompareError(f"{target.path}: LoRA adapters without a base model (no base_model_name_or_path, "
-                           "no base_model/ in a run directory)")
-    return base, True
-
-
-def count_layers(target: Target) -> int:
-    """H of the prior: decoder layers of the checkpoint's architecture."""
-    try:
-        return int(AutoConfig.from_pretrained(_weights_folder(target)[0]).num_hidden_layers)
-    except (OSError, ValueError, KeyError) as err:
-        raise CompareError(f"{target.path}: unreadable model config in {target.checkpoint}: {err}") from err
-
-
-def load_model(target: Target, vocab_size: int, device: str, dtype: str) -> PreTrainedModel:
-    """The checkpoint's model in eval mode on `device` (LoRA adapters merged into their base)."""
-    weights, adapters = _weights_folder(target)
-    try:
-        model = build_model(ModelConfig(pretrained=weights, dtype=dtype), vocab_size)
-        if adapters:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, target.checkpoint).merge_and_unload()
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
-        raise CompareError(f"{target.path}: cannot load the model from {target.checkpoint}: {err}") from err
-    return model.to(resolve_device(device)).eval()
 
 
 def _asked(result: ProbeResult) -> frozenset[tuple[str, tuple[str, ...]]]:
@@ -241,31 +138,6 @@ def saved_result(target: Target, probe: str) -> tuple[ProbeResult, Path] | None:
         raise CompareError(f"{target.path}: unreadable {path}: {err}") from err
 
 
-def build_in2_items(
-    reference: tuple[Target, DictConfig], tokenizer: PreTrainedTokenizerBase, examples: int
-) -> list[ProbeItem]:
-    """The first `examples` x bins held-out IN2 records of the reference run, as probe items.
-
-    Rebuilt from the run config's data section with `build_datasets`, exactly as its training loop
-    built them (so the dataset cache is hit); `tokenizer` must be the vocabulary they were built with.
-    """
-    from data_builders.in2 import as_data_config, build_datasets
-
-    source, cfg = reference
-    try:
-        data_cfg = as_data_config(cfg.data)
-        bins = int(cfg.eval.bins)
-        # Like train.py: a model's own tokenizer is passed in, a trained BPE is rebuilt (cached) from data.
-        tok_source = cfg.model.get("tokenizer") or cfg.model.get("pretrained")
-        bundle = build_datasets(data_cfg, tokenizer if tok_source else None)
-    except (OmegaConfBaseException, TypeError, ValueError, OSError) as err:
-        raise CompareError(f"{source.path}: cannot rebuild the IN2 records of its run config: {err}") from err
-    if bundle.tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise CompareError(f"incompatible tokenizers: the IN2 records of {source.path} were built with "
-                           "another vocabulary than the checkpoints'")
-    return in2_probe(bundle.eval.select(range(min(examples * bins, len(bundle.eval)))), bins=bins)
-
-
 def in2_items(
     targets: Sequence[Target],
     reference: tuple[Target, DictConfig] | None,
@@ -284,26 +156,6 @@ def in2_items(
         return None, "saved results only: no PATH has a run config (.hydra/config.yaml) to rebuild records"
     items = build_in2_items(reference, tokenizer, examples)
     return items, f"{len(items)} held-out records rebuilt from the run config of {reference[0].label}"
-
-
-class ProbeBank:
-    """Probe items built once: kv and mdqa are text for every PATH; needle lengths count each tokenizer's tokens."""
-
-    def __init__(self, cfg: EvalConfig, in2: list[ProbeItem] | None) -> None:
-        self.cfg = cfg
-        self._shared: dict[str, list[ProbeItem] | None] = {"in2": in2}
-
-    def items(self, probe: str, tokenizer: PreTrainedTokenizerBase) -> list[ProbeItem] | None:
-        """Items of `probe`; None when they cannot be built (mdqa without a data folder, in2 without records)."""
-        if probe in self._shared:
-            return self._shared[probe]
-        try:
-            built = build_probes(replace(self.cfg, probes=[probe]), tokenizer).get(probe)
-        except (OSError, ValueError, KeyError) as err:
-            raise CompareError(f"probe {probe}: cannot build its items: {err}") from err
-        if probe != "needle":
-            self._shared[probe] = built
-        return built
 
 
 def _synthetic_texts() -> Iterator[str]:
@@ -383,21 +235,6 @@ def jacobian_settings(reference: tuple[Target, DictConfig] | None, seq_len: int 
     return cfg
 
 
-def answer_probes(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    probes: Mapping[str, Sequence[ProbeItem]],
-    max_new_tokens: int | None,
-    batch_size: int,
-) -> dict[str, ProbeResult]:
-    """Greedy answers to every probe's items, scored; `max_new_tokens` None = each probe's `NEW_TOKENS`."""
-    results = {}
-    for probe, items in probes.items():
-        cfg = EvalConfig(max_new_tokens=max_new_tokens or NEW_TOKENS[probe], batch_size=batch_size)
-        results[probe] = evaluate_probes(model, tokenizer, {probe: items}, cfg)[1][probe]
-    return results
-
-
 def evaluate_target(
     target: Target,
     tokenizer: PreTrainedTokenizerBase,
@@ -430,7 +267,7 @@ def evaluate_target(
     profiles = recorded_profiles(target)
     model = None
     if pending or profiles is None:
-        model = load_model(target, len(tokenizer), device, dtype)
+        model = load_model(target, device, dtype)
     entry.results.update(answer_probes(model, tokenizer, pending, max_new_tokens, bank.cfg.batch_size))
     for probe, items in pending.items():
         budget = max_new_tokens or NEW_TOKENS[probe]
@@ -443,7 +280,7 @@ def evaluate_target(
     return entry
 
 
-def plot_profiles(entries: Sequence[Entry], set_name: str, out_png: str | Path) -> Path:
+def profiles_figure(entries: Sequence[Entry], set_name: str) -> Figure:
     """One set's profile of every PATH, its fitted prior (dashed) and step 0 (dotted); raw and anchored."""
     fig = Figure(figsize=(13, 5), layout="constrained")
     raw, anchored = fig.subplots(1, 2)
@@ -452,11 +289,10 @@ def plot_profiles(entries: Sequence[Entry], set_name: str, out_png: str | Path) 
         if profile is None:
             continue
         label, x = entry.target.label, np.arange(len(profile)) / max(len(profile) - 1, 1)
-        fit = fit_alpha(profile, entry.layers)
-        prior = prior_profile(len(profile), entry.layers, fit.alpha) * 10.0**fit.log10_scale  # (L,)
+        prior, alpha = scaled_prior(profile, entry.layers)  # (L,), the best-fitting a
         step = f"step {entry.target.step}" if entry.target.step is not None else "checkpoint"
         curves = [(f"{label} ({step})", profile, {"lw": 1.2}),
-                  (f"{label} prior, H={entry.layers}, a={fit.alpha:.3f}", prior, {"lw": 0.9, "ls": "--"})]
+                  (f"{label} prior, H={entry.layers}, a={alpha:.3f}", prior, {"lw": 0.9, "ls": "--"})]
         if set_name in entry.profiles.initial:
             curves.append((f"{label} (step 0)", entry.profiles.initial[set_name], {"lw": 0.9, "ls": ":"}))
         for text, curve, style in curves:
@@ -468,9 +304,14 @@ def plot_profiles(entries: Sequence[Entry], set_name: str, out_png: str | Path) 
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Jacobian profiles, {set_name}: mean over sequences")
+    return fig
+
+
+def plot_profiles(entries: Sequence[Entry], set_name: str, out_png: str | Path) -> Path:
+    """`profiles_figure` as a PNG."""
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    profiles_figure(entries, set_name).savefig(out, dpi=120)
     return out
 
 
@@ -595,7 +436,7 @@ def write_report(
         lines += ["", "## wandb", "", "Optional: each run's wandb summary, when it has one.", "",
                   *_wandb_table(entries)]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write_text(report, "\n".join(lines) + "\n")
     return report
 
 
@@ -627,6 +468,7 @@ def compare(
     unknown = [p for p in probes if p not in PROBES]
     if unknown:
         raise CompareError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
+    probes = [CheckpointProbe(p) for p in probes]
     targets = [resolve_target(p, label) for p, label in zip(paths, short_labels(paths))]
     tokenizers = [load_checkpoint_tokenizer(t) for t in targets]
     reference = reference_run(targets)

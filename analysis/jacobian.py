@@ -19,20 +19,33 @@ import bisect
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from data_builders.files import atomic_file
+
 log = logging.getLogger(__name__)
 
-ESTIMATORS = ("exact", "hutchinson", "top_prob")
-TARGETS = ("last_hidden", "pre_norm")
+
+class Estimator(StrEnum):
+    exact = "exact"  # d standard-basis VJPs: exact, d times the cost of one
+    hutchinson = "hutchinson"  # k Gaussian probes: unbiased for rho^2, with a standard error
+    top_prob = "top_prob"  # one VJP of the last position's top-token probability
+
+
+class JacobianTarget(StrEnum):
+    last_hidden = "last_hidden"  # the final hidden state at the last position, after the final norm
+    pre_norm = "pre_norm"  # the input of the final norm
+
+
+STDERR_PREFIX = "stderr/"  # jacobian.npz key prefix of a set's standard errors
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 
 
@@ -41,15 +54,15 @@ class JacobianConfig:
     """Hydra group ``jacobian``: what to measure, on which sequences, how often."""
 
     every: int = 1  # measure every N optimizer steps; 0 turns the profile off
-    estimator: str = "hutchinson"  # exact | hutchinson | top_prob
+    estimator: Estimator = Estimator.hutchinson
     num_probes: int = 8  # Gaussian probes per hutchinson profile (>= 2, for the standard error)
-    target: str = "last_hidden"  # last_hidden (after the final norm) | pre_norm (its input)
+    target: JacobianTarget = JacobianTarget.last_hidden
     seq_len: int = 256  # L, tokens per evaluation sequence
     n_vanilla: int = 2  # sequences that are one document truncated to L
     n_chunked: int = 2  # sequences of chunk_len-token excerpts of distinct documents
     chunk_len: int = 300  # c; when L <= c a chunked sequence is a single excerpt
     exact_chunk: int = 64  # VJPs per batched backward (exact and hutchinson); bounds memory
-    plot_every: int = 50  # redraw the evolution plots every N measured steps
+    plot_every: int = 50  # with wandb on: redraw plots/jacobian_heatmap_<set>.png and log it every N measured steps
     chart_every: int = 1  # wandb line chart of the profile every N measured steps (~0.1 s each on CPU)
     seed: int = 0  # probe generator seed; the same probes at every step (common random numbers)
 
@@ -104,14 +117,14 @@ def _last_position_forward(model: nn.Module, embeds: torch.Tensor, **kwargs):
     return model(inputs_embeds=embeds[:, -1:], cache=prefix.cache, use_cache=True, **kwargs)
 
 
-def _target(model: nn.Module, embeds: torch.Tensor, target: str, estimator: str) -> torch.Tensor:
+def _target(model: nn.Module, embeds: torch.Tensor, target: JacobianTarget, estimator: Estimator) -> torch.Tensor:
     """Forward pass from ``embeds`` (B, L, D) to the measured output: (B, d) vectors or (B,) scalars."""
-    if estimator == "top_prob":
+    if estimator == Estimator.top_prob:
         logits = _last_position_forward(model, embeds, logits_to_keep=1).logits[:, -1]  # (B, V)
         probs = logits.float().softmax(-1)  # (B, V)
         top = probs.detach().argmax(-1, keepdim=True)  # (B, 1)
         return probs.gather(-1, top).squeeze(-1)  # (B,)
-    if target == "last_hidden":
+    if target == JacobianTarget.last_hidden:
         # transformers ties hidden_states[-1] to last_hidden_state (after the final norm) unless told not to.
         if getattr(getattr(model, "config", None), "tie_last_hidden_states", None) is False:
             raise ValueError("config.tie_last_hidden_states=False: hidden_states[-1] would be pre-norm")
@@ -144,9 +157,9 @@ def _vjp_sq_norms(
 def jacobian_profile(
     model: nn.Module,
     input_ids: torch.Tensor,
-    estimator: str = "hutchinson",
+    estimator: Estimator | str = Estimator.hutchinson,
     num_probes: int = 8,
-    target: str = "last_hidden",
+    target: JacobianTarget | str = JacobianTarget.last_hidden,
     chunk: int = 64,
     generator: torch.Generator | None = None,
 ) -> ProfileResult:
@@ -159,11 +172,8 @@ def jacobian_profile(
     by all positions of a sequence, so errors along one sequence are correlated. ``top_prob`` has
     its own scalar target and ignores ``target``.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    if estimator == "hutchinson" and num_probes < 2:
+    estimator, target = Estimator(estimator), JacobianTarget(target)  # ValueError naming the enum
+    if estimator == Estimator.hutchinson and num_probes < 2:
         raise ValueError(f"hutchinson needs num_probes >= 2 for its standard error, got {num_probes}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -175,10 +185,10 @@ def jacobian_profile(
         embeds = emb_layer(ids.to(emb_layer.weight.device)).detach().requires_grad_(True)  # (B, L, D)
         y = _target(model, embeds, target, estimator)  # (B, d) or (B,)
         B = y.shape[0]
-        if estimator == "top_prob":
+        if estimator == Estimator.top_prob:
             (g,) = torch.autograd.grad(y.sum(), embeds)  # (B, L, D); batch rows are independent
             rho = g.to(torch.promote_types(g.dtype, torch.float32)).norm(dim=-1).double()  # (B, L)
-        elif estimator == "exact":
+        elif estimator == Estimator.exact:
             d = y.shape[-1]
             eye = torch.eye(d, dtype=y.dtype, device=y.device)  # (d, d)
             basis = [eye[s:s + chunk, None, :].expand(-1, B, -1) for s in range(0, d, chunk)]  # [(n, B, d)]
@@ -281,37 +291,57 @@ def journal_path(npz_path: str | os.PathLike) -> Path:
     return Path(npz_path).with_suffix(".journal")
 
 
-def _record_dtype(sets: Mapping[str, int], seq_len: int) -> np.dtype:
-    """One journal record: the step, then each set's (n_seq, L) float32 profiles, sets in name order."""
-    return np.dtype([("step", "<i8")] + [(name, "<f4", (sets[name], seq_len)) for name in sorted(sets)])
+def _record_dtype(sets: Mapping[str, int], seq_len: int, stderr: bool) -> np.dtype:
+    """One journal record: the step, each set's (n_seq, L) float32 profiles, then its standard errors.
+
+    Sets in name order; the standard errors (only with ``stderr``) are keyed like the npz, ``stderr/<set>``.
+    """
+    fields = [("step", "<i8")] + [(name, "<f4", (sets[name], seq_len)) for name in sorted(sets)]
+    if stderr:
+        fields += [(STDERR_PREFIX + name, "<f4", (sets[name], seq_len)) for name in sorted(sets)]
+    return np.dtype(fields)
 
 
-def read_jacobian(path: str | os.PathLike) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _split_stderr(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """npz arrays -> ({set: profiles}, {set: standard errors})."""
+    profiles = {k: v for k, v in arrays.items() if not k.startswith(STDERR_PREFIX)}
+    stderr = {k.removeprefix(STDERR_PREFIX): v for k, v in arrays.items() if k.startswith(STDERR_PREFIX)}
+    return profiles, stderr
+
+
+def read_jacobian(path: str | os.PathLike, with_stderr: bool = False) -> tuple:
     """Steps (S,) and ``{set: (n_seq, S, L)}`` float32 of a run: ``jacobian.npz`` plus its journal.
 
-    Mid-run, or after a crash, the last steps are in the journal only; this is how every reader
-    (plots, compare, a resumed recorder) sees all of them. A torn last record is ignored.
+    With ``with_stderr`` also ``{set: (n_seq, S, L)}`` of the profiles' standard errors, empty when
+    the run's estimator gives none (exact, top_prob). Mid-run, or after a crash, the last steps are
+    in the journal only; this is how every reader (plots, compare, a resumed recorder) sees all of
+    them. A torn last record is ignored.
     """
     with np.load(path) as z:
         steps = z["steps"]
         arrays = {k: z[k] for k in z.files if k != "steps"}
     journal = journal_path(path)
-    if not arrays or not journal.is_file():
-        return steps, arrays
-    seq_len = next(iter(arrays.values())).shape[2]
-    dtype = _record_dtype({k: v.shape[0] for k, v in arrays.items()}, seq_len)
-    raw = journal.read_bytes()
-    records = np.frombuffer(raw, dtype, count=len(raw) // dtype.itemsize)
-    # Records at or before the npz's last step were folded into it just before a crash.
-    records = records[records["step"] > (steps[-1] if len(steps) else -1)]
-    if len(records):
-        steps = np.concatenate([steps, records["step"]])
-        arrays = {k: np.concatenate([v, records[k].transpose(1, 0, 2)], axis=1) for k, v in arrays.items()}
-    return steps, arrays
+    profiles, stderr = _split_stderr(arrays)
+    if profiles and journal.is_file():
+        seq_len = next(iter(profiles.values())).shape[2]
+        dtype = _record_dtype({k: v.shape[0] for k, v in profiles.items()}, seq_len, bool(stderr))
+        raw = journal.read_bytes()
+        records = np.frombuffer(raw, dtype, count=len(raw) // dtype.itemsize)
+        # Records at or before the npz's last step were folded into it just before a crash.
+        records = records[records["step"] > (steps[-1] if len(steps) else -1)]
+        if len(records):
+            steps = np.concatenate([steps, records["step"]])
+            arrays = {k: np.concatenate([v, records[k].transpose(1, 0, 2)], axis=1) for k, v in arrays.items()}
+            profiles, stderr = _split_stderr(arrays)
+    return (steps, profiles, stderr) if with_stderr else (steps, profiles)
 
 
 class JacobianRecorder:
     """Profiles of every measured step in ``jacobian.npz``: ``<set>`` (n_seq, n_steps, L), ``steps``.
+
+    When the estimator gives standard errors (hutchinson), ``stderr/<set>`` holds them, of the
+    profiles' shape; the first recorded step decides whether a file has them, and every later step
+    must agree (``read_jacobian(path, with_stderr=True)`` reads them back).
 
     Each step is appended to ``jacobian.journal`` (one fixed-size record), and the journal is folded
     into the npz (rewritten atomically, fsynced) every `fold_every` steps and by `close()`, which also
@@ -324,8 +354,8 @@ class JacobianRecorder:
     """
 
     def __init__(self, path: str | os.PathLike, sets: Mapping[str, int], seq_len: int, fold_every: int = 100) -> None:
-        if "steps" in sets:
-            raise ValueError("'steps' is reserved for the step array; rename the set")
+        if "steps" in sets or any("/" in name for name in sets):
+            raise ValueError(f"set names {sorted(sets)}: 'steps' is reserved and '/' marks standard errors")
         if fold_every < 1:
             raise ValueError(f"fold_every={fold_every} must be >= 1")
         self.path = Path(path)
@@ -333,67 +363,90 @@ class JacobianRecorder:
         self.sets = dict(sets)
         self.seq_len = seq_len
         self.fold_every = fold_every
-        self._record = _record_dtype(self.sets, seq_len)
         self._steps: list[int] = []
         self._rows: dict[str, list[np.ndarray]] = {name: [] for name in self.sets}  # per step (n_seq, L)
+        self._stderr_rows: dict[str, list[np.ndarray]] = {name: [] for name in self.sets}
+        self._has_stderr: bool | None = None  # unknown until a step is recorded (or read from the file)
         if self.path.exists():
             self._resume()
         self._fold()  # the npz now defines the journal's record layout, and the journal is empty
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> JacobianRecorder:
-        """A recorder continuing ``path``, with sets and L read from the file."""
-        with np.load(path) as z:
-            sets = {k: z[k].shape[0] for k in z.files if k != "steps"}
-            seq_len = next(z[k].shape[2] for k in z.files if k != "steps")
-        return cls(path, sets, seq_len)
-
     def _resume(self) -> None:
-        steps, arrays = read_jacobian(self.path)
+        steps, arrays, stderr = read_jacobian(self.path, with_stderr=True)
         expected = {name: (n, len(steps), self.seq_len) for name, n in self.sets.items()}
         found = {k: v.shape for k, v in arrays.items()}
-        if found != expected:
+        if found != expected or (stderr and {k: v.shape for k, v in stderr.items()} != expected):
             raise ValueError(f"{self.path} holds {found}, this run expects {expected}")
         self._steps = [int(s) for s in steps]
         self._rows = {name: list(arrays[name].transpose(1, 0, 2)) for name in self.sets}
+        if stderr:
+            self._has_stderr = True
+            self._stderr_rows = {name: list(stderr[name].transpose(1, 0, 2)) for name in self.sets}
+        elif len(steps):
+            self._has_stderr = False
 
     @property
     def steps(self) -> np.ndarray:
         return np.asarray(self._steps, dtype=np.int64)
 
-    def array(self, name: str) -> np.ndarray:
-        """Recorded profiles of one set, (n_seq, n_steps, L)."""
-        rows = self._rows[name]
+    def _stack(self, rows: list[np.ndarray], name: str) -> np.ndarray:
         if not rows:
             return np.empty((self.sets[name], 0, self.seq_len), dtype=np.float32)
         return np.stack(rows, axis=1)
 
-    def add(self, step: int, profiles: Mapping[str, np.ndarray]) -> None:
-        """Record one step's profiles ``{set: (n_seq, L)}``: a journal record, or a fold every `fold_every`."""
-        if set(profiles) != set(self.sets):
-            raise ValueError(f"expected profiles for sets {sorted(self.sets)}, got {sorted(profiles)}")
-        for name, prof in profiles.items():
-            if np.shape(prof) != (self.sets[name], self.seq_len):
-                raise ValueError(f"set {name!r}: expected shape {(self.sets[name], self.seq_len)}, "
-                                 f"got {np.shape(prof)}")
+    def array(self, name: str) -> np.ndarray:
+        """Recorded profiles of one set, (n_seq, n_steps, L)."""
+        return self._stack(self._rows[name], name)
+
+    def stderr(self, name: str) -> np.ndarray | None:
+        """Recorded standard errors of one set, (n_seq, n_steps, L); None when the estimator gives none."""
+        return self._stack(self._stderr_rows[name], name) if self._has_stderr else None
+
+    def add(self, step: int, results: Mapping[str, ProfileResult]) -> None:
+        """Record one step's results ``{set: ProfileResult}`` (profiles and standard errors (n_seq, L)).
+
+        A journal record, or a fold every `fold_every` steps.
+        """
+        if set(results) != set(self.sets):
+            raise ValueError(f"expected profiles for sets {sorted(self.sets)}, got {sorted(results)}")
+        given = {name for name, res in results.items() if res.stderr is not None}
+        if given and given != set(self.sets):
+            raise ValueError(f"step {step}: standard errors for {sorted(given)} only, of sets {sorted(self.sets)}")
+        for name, res in results.items():
+            for what, arr in (("profiles", res.profile), ("stderr", res.stderr)):
+                if arr is not None and np.shape(arr) != (self.sets[name], self.seq_len):
+                    raise ValueError(f"set {name!r}: expected shape {(self.sets[name], self.seq_len)} of {what}, "
+                                     f"got {np.shape(arr)}")
+        if self._has_stderr is not None and bool(given) != self._has_stderr:
+            recorded = "with" if self._has_stderr else "without"
+            raise ValueError(f"step {step}: {self.path} was recorded {recorded} standard errors, this step "
+                             f"comes {'with' if given else 'without'} (another estimator?)")
+        # The npz announces the record layout: the first step with standard errors must rewrite it.
+        new_layout = self._has_stderr is None and bool(given)
+        self._has_stderr = bool(given)
         keep = bisect.bisect_left(self._steps, step)  # recorded steps increase
         rewind = keep < len(self._steps)
         if rewind:
             log.info("jacobian: step %d already recorded; dropping %d recorded steps from it on",
                      step, len(self._steps) - keep)
             del self._steps[keep:]
-            for rows in self._rows.values():
+            for rows in (*self._rows.values(), *self._stderr_rows.values()):
                 del rows[keep:]
         self._steps.append(int(step))
-        for name, prof in profiles.items():
-            self._rows[name].append(np.asarray(prof, dtype=np.float32))
-        if rewind or len(self._steps) - self._folded >= self.fold_every:
-            self._fold()  # a rewind drops steps the npz or journal may hold: rewrite from memory
+        for name, res in results.items():
+            self._rows[name].append(np.asarray(res.profile, dtype=np.float32))
+            if self._has_stderr:
+                self._stderr_rows[name].append(np.asarray(res.stderr, dtype=np.float32))
+        # A rewind drops steps the npz or journal may hold: rewrite from memory.
+        if rewind or new_layout or len(self._steps) - self._folded >= self.fold_every:
+            self._fold()
             return
-        record = np.zeros((), self._record)
+        record = np.zeros((), _record_dtype(self.sets, self.seq_len, self._has_stderr))
         record["step"] = step
-        for name, prof in profiles.items():
-            record[name] = prof
+        for name, res in results.items():
+            record[name] = res.profile
+            if self._has_stderr:
+                record[STDERR_PREFIX + name] = res.stderr
         with open(self.journal, "ab") as f:
             f.write(record.tobytes())
 
@@ -408,15 +461,8 @@ class JacobianRecorder:
         self._folded = len(self._steps)
 
     def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         arrays = {name: self.array(name) for name in self.sets}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, steps=self.steps, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        if self._has_stderr:
+            arrays.update({STDERR_PREFIX + name: self.stderr(name) for name in self.sets})
+        with atomic_file(self.path, "wb") as f:
+            np.savez(f, steps=self.steps, **arrays)

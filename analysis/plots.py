@@ -1,8 +1,8 @@
 """PNG figures for a run: Jacobian profile evolution, fit to the prior, heatmap, accuracy by depth/position.
 
 Figures are built on ``matplotlib.figure.Figure`` (Agg canvas), not pyplot, so plotting from the
-training loop touches no global backend or figure state. Each function writes one PNG and returns
-its path.
+training loop touches no global backend or figure state. Each ``plot_*`` function writes one PNG and
+returns its path; the ``*_figure`` function of the same name builds that Figure (what tests inspect).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 from analysis.jacobian import read_jacobian
-from analysis.prior import fit_alpha, prior_profile
+from analysis.prior import fit_alpha, scaled_prior
 
 if TYPE_CHECKING:
     from analysis.positional_eval import ProbeResult
@@ -55,7 +55,7 @@ def _step_norm(steps: np.ndarray) -> Normalize:
     return Normalize(vmin=float(steps.min()), vmax=float(max(steps.max(), steps.min() + 1)))
 
 
-def plot_evolution(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_name: str) -> Path:
+def evolution_figure(npz_path: str | os.PathLike, set_name: str) -> Figure:
     """Mean profile per measured step, raw and anchored at x=1 (divided by rho(L)), coloured by step."""
     steps, mean, n_seq = _load_set(npz_path, set_name)  # (S,), (S, L)
     x = _rel_x(mean.shape[1])
@@ -75,14 +75,19 @@ def plot_evolution(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_
     fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=[raw, anchored], label="training step")
     fig.suptitle(f"Jacobian profile evolution, {set_name}: mean of {n_seq} sequences, L = {mean.shape[1]}, "
                  f"{len(steps)} steps")
-    return _save(fig, out_png)
+    return fig
 
 
-def plot_profile_vs_prior(profile: np.ndarray, H: int, out_png: str | os.PathLike, title: str = "") -> Path:
+def plot_evolution(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_name: str) -> Path:
+    """`evolution_figure` as a PNG."""
+    return _save(evolution_figure(npz_path, set_name), out_png)
+
+
+def profile_vs_prior_figure(profile: np.ndarray, H: int, title: str = "") -> Figure:
     """A profile (L,) against its best-fitting Cesàro prior with a free scale, raw and anchored."""
     profile = np.asarray(profile, dtype=np.float64)
     fit = fit_alpha(profile, H)
-    prior = prior_profile(len(profile), H, fit.alpha) * 10.0**fit.log10_scale  # (L,)
+    prior, _ = scaled_prior(profile, H, fit.alpha)  # (L,)
     x = _rel_x(len(profile))
     prior_label = (f"prior, H = {H}, a = {fit.alpha:.3f} "
                    f"(Spearman {fit.spearman:.3f}, RMSE {fit.rmse_log10:.3f} dex)")
@@ -99,7 +104,12 @@ def plot_profile_vs_prior(profile: np.ndarray, H: int, out_png: str | os.PathLik
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "Jacobian profile vs. Cesàro prior")
-    return _save(fig, out_png)
+    return fig
+
+
+def plot_profile_vs_prior(profile: np.ndarray, H: int, out_png: str | os.PathLike, title: str = "") -> Path:
+    """`profile_vs_prior_figure` as a PNG."""
+    return _save(profile_vs_prior_figure(profile, H, title), out_png)
 
 
 def _edges(centres: np.ndarray) -> np.ndarray:
@@ -111,7 +121,7 @@ def _edges(centres: np.ndarray) -> np.ndarray:
     return np.concatenate([[2 * c[0] - mid[0]], mid, [2 * c[-1] - mid[-1]]])
 
 
-def plot_heatmap(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_name: str) -> Path:
+def heatmap_figure(npz_path: str | os.PathLike, set_name: str) -> Figure:
     """Step x position heatmap of log10 of the mean profile normalized to sum 1 at each step."""
     steps, mean, n_seq = _load_set(npz_path, set_name)  # (S,), (S, L)
     share = mean / mean.sum(axis=1, keepdims=True)  # (S, L)
@@ -125,15 +135,17 @@ def plot_heatmap(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_na
     ax.set(xlabel=X_LABEL, ylabel="training step",
            title=f"log10 normalized Jacobian profile, {set_name}: mean of {n_seq} sequences, L = {L}")
     fig.colorbar(mesh, ax=ax, label=r"$\log_{10}\,(\rho(j)\, /\, \Sigma_i\, \rho(i))$")
-    return _save(fig, out_png)
+    return fig
 
 
-def plot_depth_accuracy(
-    curves: Mapping[str, Sequence[float]],
-    out_png: str | os.PathLike,
-    title: str = "",
-    xlabel: str = "gold depth bin",
-) -> Path:
+def plot_heatmap(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_name: str) -> Path:
+    """`heatmap_figure` as a PNG."""
+    return _save(heatmap_figure(npz_path, set_name), out_png)
+
+
+def depth_accuracy_figure(
+    curves: Mapping[str, Sequence[float]], title: str = "", xlabel: str = "gold depth bin"
+) -> Figure:
     """Accuracy per gold-depth bin, one line per label (e.g. 'step 0', 'step 500'); bins split [0, 1]."""
     if not curves:
         raise ValueError("no curves to plot")
@@ -152,12 +164,22 @@ def plot_depth_accuracy(
     ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(0.0, 1.02), title=title or "Accuracy by gold depth")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, out_png)
+    return fig
 
 
-def plot_position_accuracy(
-    results: Mapping[str, "ProbeResult"], out_png: str | Path, title: str = "", xlabel: str = "gold position"
+def plot_depth_accuracy(
+    curves: Mapping[str, Sequence[float]],
+    out_png: str | os.PathLike,
+    title: str = "",
+    xlabel: str = "gold depth bin",
 ) -> Path:
+    """`depth_accuracy_figure` as a PNG."""
+    return _save(depth_accuracy_figure(curves, title, xlabel), out_png)
+
+
+def position_accuracy_figure(
+    results: Mapping[str, "ProbeResult"], title: str = "", xlabel: str = "gold position"
+) -> Figure:
     """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed."""
     labels: dict[int, str] = {}
     for result in results.values():
@@ -179,4 +201,11 @@ def plot_position_accuracy(
     ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "Accuracy by gold position")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, out_png)
+    return fig
+
+
+def plot_position_accuracy(
+    results: Mapping[str, "ProbeResult"], out_png: str | Path, title: str = "", xlabel: str = "gold position"
+) -> Path:
+    """`position_accuracy_figure` as a PNG."""
+    return _save(position_accuracy_figure(results, title, xlabel), out_png)

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.scoring import best_subspan_em, bootstrap_ci, exact_match, paired_bootstrap_ci, substring_match
+from data_builders.files import atomic_write_text
 from data_builders.probes import (
     KV_FILE,
     NQ_FILE,
@@ -44,14 +46,20 @@ SCORERS: dict[str, Scorer] = {
 }
 
 
+class Probe(StrEnum):
+    kv = "kv"  # key-value retrieval (Liu et al. 2023): the gold pair's index
+    mdqa = "mdqa"  # multi-document QA over NQ (needs data_dir): the gold document's index
+    needle = "needle"  # a code hidden at a depth of filler text, per context length
+
+
 @dataclass
 class EvalConfig:
-    every: int = 100  # held-out loss every N steps (0 = off)
+    every: int = 50  # held-out loss every N steps (0 = off)
     num_examples: int = 200  # held-out IN2 questions scored for accuracy by depth (at start and end)
     bins: int = 10  # equal-width gold-depth bins of the IN2 accuracy curve
     max_new_tokens: int = 8  # greedy answer length in tokens
     batch_size: int = 16  # prompts per generate call
-    probes: list[str] = field(default_factory=list)  # extra probes every probe_every steps: kv, mdqa, needle
+    probes: list[Probe] = field(default_factory=list)  # extra probes every probe_every steps
     probe_every: int = 0  # steps between probe runs (0 = off)
     probe_examples: int = 20  # queries per probe; each is asked once per gold position
     needle_lens: list[int] = field(default_factory=lambda: [256, 512, 1024])  # needle context lengths, tokens
@@ -111,8 +119,6 @@ class ProbeResult:
 
     def save_json(self, path: str | Path) -> Path:
         """Write the summary (accuracy, 95% interval and count per label) and every outcome."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         labels, cis = self.labels(), self.ci_by_position()
         summary = {
             "probe": self.probe,
@@ -122,8 +128,9 @@ class ProbeResult:
             "n": {labels[p]: int(self._correct(p).size) for p in labels},
             "outcomes": self.outcomes,
         }
-        path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
-        return path
+        # Atomic: compare and a resumed run read these back, and must never see half a file.
+        atomic_write_text(Path(path), json.dumps(summary, indent=1))
+        return Path(path)
 
     @classmethod
     def load_json(cls, path: str | Path) -> ProbeResult:
@@ -263,22 +270,20 @@ def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[st
     """Items of every probe in `cfg.probes` (fixed seed: every step and run sees the same queries)."""
     data_dir = Path(cfg.data_dir) if cfg.data_dir is not None else None
     probes: dict[str, list[ProbeItem]] = {}
-    for name in cfg.probes:
-        if name == "kv":
+    for name in map(Probe, cfg.probes):  # plain strings too: ValueError on an unknown probe
+        if name == Probe.kv:
             path = data_dir / KV_FILE if data_dir is not None else None
             probes[name] = kv_probe(path, n_examples=cfg.probe_examples)
-        elif name == "mdqa":
+        elif name == Probe.mdqa:
             if data_dir is None:
                 log.warning("eval.probes has mdqa but eval.data_dir is unset: mdqa is skipped")
                 continue
             probes[name] = mdqa_probe(data_dir / NQ_FILE, n_examples=cfg.probe_examples)
-        elif name == "needle":
+        else:
             filler = nq_filler(data_dir / NQ_FILE) if data_dir is not None else synthetic_filler()
             probes[name] = needle_probe(
                 filler, context_lens=cfg.needle_lens, tokenizer=tokenizer, n_examples=cfg.probe_examples
             )
-        else:
-            raise ValueError(f"eval.probes: unknown probe {name!r} (known: kv, mdqa, needle)")
     return probes
 
 

@@ -371,10 +371,15 @@ def _misfit(log_rho: np.ndarray, prior: np.ndarray) -> float:
     return float(np.var(log_rho - log10_profile(prior)))
 
 
+def _log10_scale(log_rho: np.ndarray, prior: np.ndarray) -> float:
+    """The free scale of every fit: the mean log residual, which minimizes the squared log misfit."""
+    return float(np.mean(log_rho - log10_profile(prior)))
+
+
 def _quality(profile, log_rho: np.ndarray, prior: np.ndarray) -> dict:
     resid = log_rho - log10_profile(prior)
     return dict(
-        log10_scale=float(resid.mean()),
+        log10_scale=_log10_scale(log_rho, prior),
         rmse_log10=float(resid.std()),
         spearman=spearman(profile, prior),
         w1=w1_distance(profile, prior),
@@ -418,6 +423,19 @@ def fit_alpha(profile, H) -> PriorFit:
     )
     alpha = float(res.x) if res.fun <= losses[k] else float(grid[k])
     return PriorFit(alpha=alpha, **_quality(profile, log_rho, prior_profile(L, H, alpha)))
+
+
+def scaled_prior(profile, H, alpha: float | None = None) -> tuple[np.ndarray, float]:
+    """The prior drawn on a measured profile's scale: ``(prior * 10**log10_scale, alpha)``.
+
+    ``alpha`` None takes `fit_alpha`'s best a. The scale is the one `fit_alpha` fits
+    (``PriorFit.log10_scale``): the mean of ``log10 profile - log10 prior``, the least-squares scale in
+    log space, so ``scaled_prior(p, H)`` equals ``prior_profile(L, H, fit.alpha) * 10**fit.log10_scale``.
+    """
+    log_rho, H = _check_fit_input(profile, H)
+    alpha = fit_alpha(profile, H).alpha if alpha is None else float(alpha)
+    prior = prior_profile(len(log_rho), H, alpha)  # (L,)
+    return prior * 10.0 ** _log10_scale(log_rho, prior), alpha
 
 
 def power_schedule(H, a0: float, p: float) -> np.ndarray:

@@ -1,21 +1,33 @@
-"""Checkpoints: `run_dir/checkpoints/step-N/`, written to a temporary folder and renamed.
+"""Checkpoints: writing `run_dir/checkpoints/step-N/` atomically, finding them, loading their model.
 
 A folder named `step-N` is complete by construction: it only gets that name after every file in it
-was written and flushed, so a kill mid-save leaves the previous checkpoint as the latest one.
+was written and flushed (`data_builders.files.publish_dir`), so a kill mid-save leaves the previous
+checkpoint as the latest one.
+
+A checkpoint holds a full `save_pretrained` model, or LoRA adapters only (adapter_config.json). The
+adapters' base is `<run_dir>/base_model/` when the run saved one (a random-init base: without it the
+adapters are useless), else the `base_model_name_or_path` of adapter_config.json (the
+`model.pretrained` the run started from). `load_checkpoint_model` is the one loader of both kinds.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+import models.diff_attention  # noqa: F401  (registers the diff model types: a diff checkpoint loads as one)
+from data_builders.files import fsync_tree, publish_dir
+from models.build import DType
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_MODEL = "base_model"  # <run_dir>/base_model/: the saved random-init base of a LoRA run
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -40,13 +52,6 @@ def resolve_checkpoint(resume_from: str, run_dir: str | Path) -> Path:
     return path
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-
-
 def atomic_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -58,7 +63,8 @@ def atomic_checkpoint(
     """Call `write(tmp_folder)` on every rank, then publish it as `checkpoints/step-<step>` in one rename.
 
     In a multi-process run every rank calls this (each writes its own shards into the same
-    temporary folder); only the main process creates, renames and prunes folders.
+    temporary folder, whose name therefore depends on the step only); only the main process
+    creates, publishes (replacing a checkpoint of the same step, never merging) and prunes folders.
     """
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
@@ -69,17 +75,11 @@ def atomic_checkpoint(
         tmp.mkdir()
     barrier()
     write(tmp)
-    _fsync_tree(tmp)
+    if not is_main:
+        fsync_tree(tmp)  # this rank's files, from its own page cache; the main process flushes the rest
     barrier()
     if is_main:
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace, never merge
-            old = root / f".old-step-{step}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        publish_dir(tmp, final, replace=True)  # re-saving a step (e.g. after a resume) replaces it
         if keep_last_n > 0:
             for stale in list_checkpoints(run_dir)[:-keep_last_n]:
                 shutil.rmtree(stale)
@@ -132,3 +132,84 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise RuntimeError(f"{folder}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def run_dir_of(checkpoint: str | Path) -> Path | None:
+    """`<run_dir>` when `checkpoint` is `<run_dir>/checkpoints/step-N`, else None."""
+    checkpoint = Path(checkpoint).resolve()
+    if STEP_DIR.match(checkpoint.name) and checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent
+    return None
+
+
+class BaseWeights(NamedTuple):
+    """Where a checkpoint's full weights come from."""
+
+    path: str  # folder or hub id of the full model weights
+    adapters: bool  # the checkpoint holds LoRA adapters only, to apply on top of `path`
+    source: str  # how `path` was chosen, for messages
+
+
+def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base: str | None = None) -> BaseWeights:
+    """The full weights a checkpoint needs: itself, or its adapters' base (see the module docstring).
+
+    `run_dir`: the run the checkpoint belongs to; None = `run_dir_of(checkpoint)`. `base` overrides
+    the adapters' base. A base that names a local folder must be one with config.json. Raises
+    FileNotFoundError naming what was looked at.
+    """
+    checkpoint = Path(checkpoint)
+    adapter_config = checkpoint / ADAPTER_CONFIG
+    if not adapter_config.is_file():
+        return BaseWeights(str(checkpoint), False, "the checkpoint itself")
+    run_dir = run_dir_of(checkpoint) if run_dir is None else Path(run_dir)
+    if base:
+        found = BaseWeights(base, True, "the given base")
+    elif run_dir is not None and (run_dir / BASE_MODEL).is_dir():
+        found = BaseWeights(str(run_dir / BASE_MODEL), True, f"the run's {BASE_MODEL}/ folder")
+    elif recorded := json.loads(adapter_config.read_text()).get("base_model_name_or_path"):
+        found = BaseWeights(recorded, True, f"base_model_name_or_path in {adapter_config}")
+    else:
+        looked = f"{run_dir / BASE_MODEL}, " if run_dir is not None else ""
+        raise FileNotFoundError(f"no base model for the LoRA adapters in {checkpoint}: looked at {looked}"
+                                f"base_model_name_or_path in {adapter_config} (empty)")
+    path = Path(found.path).expanduser()
+    # A hub id is `name` or `org/name`; anything else is a folder and must be there.
+    if path.is_absolute() or found.path.startswith((".", "~")) or found.path.count("/") > 1 or path.is_dir():
+        if not (path / "config.json").is_file():
+            state = "has no config.json" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"base model folder {path} (from {found.source}) {state}")
+        found = found._replace(path=str(path))
+    return found
+
+
+def checkpoint_config(checkpoint: str | Path, run_dir: str | Path | None = None) -> PretrainedConfig:
+    """The model config of a checkpoint (its adapters' base config for LoRA), without loading weights."""
+    return AutoConfig.from_pretrained(base_weights(checkpoint, run_dir).path)
+
+
+def load_checkpoint_model(
+    checkpoint: str | Path,
+    run_dir: str | Path | None = None,
+    dtype: DType | str = "auto",
+    merge_lora: bool = True,
+    base: str | None = None,
+) -> PreTrainedModel:
+    """The checkpoint's causal LM in eval mode (on the CPU); LoRA adapters applied to their base.
+
+    `dtype`: a `DType` value, or "auto" for the dtype the weights were saved in. With `merge_lora`
+    the adapters are merged into the base weights (safe_merge: NaN/inf in a merged weight raises),
+    else the result is a peft model. `run_dir` and `base` as in `base_weights`. Remote code is never
+    run. Raises OSError, ValueError, RuntimeError or KeyError (transformers and peft errors) naming
+    what failed.
+    """
+    weights = base_weights(checkpoint, run_dir, base)
+    model = AutoModelForCausalLM.from_pretrained(
+        weights.path, dtype="auto" if dtype == "auto" else DType(dtype).torch, trust_remote_code=False
+    )
+    if weights.adapters:
+        from peft import PeftModel  # peft is imported only for adapter checkpoints
+
+        model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=False)
+        if merge_lora:
+            model = model.merge_and_unload(safe_merge=True)
+    return model.eval()

@@ -31,9 +31,9 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from analysis.compare import (
+from analysis.checkpoints import (
     POSITION_AXIS,
-    PROBES,
+    CheckpointProbe,
     CompareError,
     ProbeBank,
     answer_probes,
@@ -45,19 +45,24 @@ from analysis.compare import (
 )
 from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import EvalConfig, ProbeResult, write_eval_json
+from data_builders.files import atomic_write_text
+from models.build import DType
+from models.distributed import Device
 
 
 @dataclass
 class EvalCheckpointConfig:
-    probes: list[str] = field(default_factory=lambda: ["kv", "mdqa", "needle"])  # of kv, mdqa, needle, in2
+    probes: list[CheckpointProbe] = field(
+        default_factory=lambda: [CheckpointProbe.kv, CheckpointProbe.mdqa, CheckpointProbe.needle]
+    )
     examples: int = 20  # queries per probe, each asked at every gold position (in2: examples x bins records)
     out: Optional[str] = None  # output folder; None = the checkpoint's run directory, else eval_<name>/
     data_dir: Optional[str] = None  # folder of the kv / nq files; None = synthetic kv and filler, no mdqa
     needle_lens: list[int] = field(default_factory=lambda: [256, 512, 1024])  # needle context lengths, tokens
-    max_new_tokens: Optional[int] = None  # greedy budget for every probe; None = analysis.compare.NEW_TOKENS
+    max_new_tokens: Optional[int] = None  # greedy budget for every probe; None = analysis.checkpoints.NEW_TOKENS
     batch_size: int = 16  # prompts per generate call
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: Device = Device.auto
+    dtype: DType = DType.float32  # weights dtype
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
@@ -71,9 +76,8 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
     cfg = OmegaConf.to_object(cfg)
-    unknown = [p for p in cfg.probes if p not in PROBES]
-    if unknown or not cfg.probes or cfg.examples < 1:
-        print(f"error: probes must be some of {', '.join(PROBES)} (got {cfg.probes}) and examples >= 1",
+    if not cfg.probes or cfg.examples < 1:
+        print(f"error: give at least one probe (got {cfg.probes}) and examples >= 1 (got {cfg.examples})",
               file=sys.stderr)
         raise SystemExit(2)
     return argv[0], cfg
@@ -84,7 +88,7 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     target = resolve_target(ckpt, Path(ckpt).name)
     tokenizer = load_checkpoint_tokenizer(target)
     in2 = None
-    if "in2" in cfg.probes:
+    if CheckpointProbe.in2 in cfg.probes:
         reference = reference_run([target])
         if reference is None:
             raise CompareError(f"{ckpt}: in2 needs the run config (.hydra/config.yaml) of the checkpoint's run")
@@ -94,7 +98,7 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
     for probe in [p for p, its in items.items() if not its]:
         print(f"{probe}: skipped (mdqa needs data_dir)", file=sys.stderr)
-    model = load_model(target, len(tokenizer), cfg.device, cfg.dtype)
+    model = load_model(target, cfg.device, cfg.dtype)
     results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, cfg.max_new_tokens,
                             cfg.batch_size)
 
@@ -107,8 +111,7 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
                                f"{target.label}, step {step}: {probe} accuracy by gold position",
                                POSITION_AXIS[probe])
         metrics.update(result.to_metrics("eval"))
-    (out / "eval").mkdir(parents=True, exist_ok=True)
-    (out / "eval" / f"metrics_step{step}.json").write_text(json.dumps(metrics, indent=1), encoding="utf-8")
+    atomic_write_text(out / "eval" / f"metrics_step{step}.json", json.dumps(metrics, indent=1))
     return out, results
 
 

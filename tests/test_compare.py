@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from analysis.compare import compare, main, short_labels
+from analysis.checkpoints import Target
+from analysis.compare import Entry, JacobianProfiles, compare, main, profiles_figure, short_labels
 from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import ProbeResult
+from analysis.prior import fit_alpha, prior_profile
 from analysis.topology import METRIC_KEYS
 from data_builders.tokenizer import train_bpe_tokenizer
 from scripts import eval_checkpoint
@@ -89,6 +91,30 @@ def test_closed_book_line_and_intervals_plot(tmp_path):
     assert_png(png)
 
 
+def test_profiles_figure_draws_each_paths_profile_fitted_prior_and_step0(tmp_path):
+    L, H = 48, 4
+    rho = prior_profile(L, H, 0.3) * 20.0 * np.random.default_rng(0).lognormal(0.0, 0.1, L)  # (L,)
+    step0 = prior_profile(L, H, 0.6)
+    entries = [
+        Entry(Target(tmp_path / "a", "runA", tmp_path / "a", None, 3), H, 100,
+              profiles=JacobianProfiles({"vanilla": rho}, {"vanilla": step0}, "test")),
+        Entry(Target(tmp_path / "b", "runB", tmp_path / "b", None, None), H, 100,
+              profiles=JacobianProfiles({"chunked": rho}, {}, "test")),  # no vanilla profile: not drawn
+    ]
+    raw, anchored = profiles_figure(entries, "vanilla").axes
+    fit = fit_alpha(rho, H)
+    measured, prior, initial = raw.lines
+    np.testing.assert_array_equal(measured.get_ydata(), rho)
+    np.testing.assert_allclose(prior.get_ydata(), prior_profile(L, H, fit.alpha) * 10**fit.log10_scale, rtol=1e-12)
+    np.testing.assert_array_equal(initial.get_ydata(), step0)
+    for line in anchored.lines:
+        assert line.get_ydata()[-1] == 1.0
+    assert [t.get_text() for t in raw.get_legend().get_texts()] == [
+        "runA (step 3)", f"runA prior, H={H}, a={fit.alpha:.3f}", "runA (step 0)"]
+    assert [line.get_linestyle() for line in raw.lines] == ["-", "--", ":"]
+    assert raw.get_yscale() == anchored.get_yscale() == "log"
+
+
 @pytest.mark.parametrize("make_bad", [lambda tmp: tmp / "missing", lambda tmp: tmp])
 def test_bad_path_fails_naming_it(run_dir, tmp_path, capsys, make_bad):
     bad = make_bad(tmp_path)  # a path that does not exist; a folder that is neither run nor checkpoint
@@ -132,3 +158,11 @@ def test_eval_checkpoint_rejects_unknown_keys(run_dir, capsys):
     with pytest.raises(SystemExit) as exc:
         eval_checkpoint.main([str(run_dir), "not_a_key=1"])
     assert exc.value.code == 2 and "not_a_key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arg, named", [("probes=[kv,needel]", "Invalid value 'needel', expected one of"),
+                                        ("probes=[]", "at least one probe"), ("dtype=fp8", "fp8")])
+def test_eval_checkpoint_rejects_bad_choices_before_loading(tmp_path, capsys, arg, named):
+    with pytest.raises(SystemExit) as exc:
+        eval_checkpoint.main([str(tmp_path / "never-read"), arg])
+    assert exc.value.code == 2 and named in capsys.readouterr().err

@@ -7,13 +7,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.checkpoint import list_checkpoints, resolve_checkpoint
+from models.checkpoint import atomic_checkpoint, list_checkpoints, resolve_checkpoint
 from models.distributed import TorchEngine
 from tests.conftest import ROOT, TINY
 from train import run
@@ -34,6 +36,28 @@ def test_kill_mid_save_keeps_last_good_checkpoint(compose_cfg, tmp_path, monkeyp
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-2"]
     assert resolve_checkpoint("latest", tmp_path).name == "step-2"
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-2")
+
+
+def test_atomic_checkpoint_publishes_every_ranks_files_and_replaces_a_resaved_step(tmp_path):
+    """Two ranks (threads sharing a barrier) write one folder; the main one publishes it whole."""
+    sync = threading.Barrier(2)
+
+    def rank(r: int):
+        def write(folder):
+            sync.wait()  # both ranks are inside the same temporary folder before either publishes
+            (folder / f"shard-{r}.txt").write_text(f"rank {r}")
+
+        return atomic_checkpoint(tmp_path, 4, write, keep_last_n=1, is_main=r == 0, barrier=sync.wait)
+
+    with ThreadPoolExecutor(2) as pool:
+        finals = list(pool.map(rank, [0, 1]))
+    step4 = tmp_path / "checkpoints" / "step-4"
+    assert finals == [step4, step4]
+    assert sorted(p.name for p in step4.iterdir()) == ["shard-0.txt", "shard-1.txt"]
+    atomic_checkpoint(tmp_path, 4, lambda folder: (folder / "again.txt").write_text("x"))  # replaced, not merged
+    assert [p.name for p in step4.iterdir()] == ["again.txt"]
+    atomic_checkpoint(tmp_path, 6, lambda folder: (folder / "six.txt").write_text("6"), keep_last_n=1)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-6"]  # no temporary or old folder left
 
 
 def test_nonfinite_loss_is_skipped_and_counted(compose_cfg, tmp_path, monkeypatch):

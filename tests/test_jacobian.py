@@ -7,16 +7,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 from torch import nn
 
 from analysis.jacobian import (
+    Estimator,
     JacobianConfig,
     JacobianRecorder,
-    journal_path,
-    read_jacobian,
+    ProfileResult,
     build_eval_sequences,
     jacobian_profile,
+    journal_path,
     measure_sets,
+    read_jacobian,
 )
 from analysis.prior import fit_alpha, spearman
 
@@ -261,16 +265,24 @@ def test_measure_sets_uses_the_same_probes_every_call():
 def test_measure_sets_batches_sets_without_mixing_their_rows():
     model = tiny()
     seqs = {"vanilla": ids_of(2, 8, 1), "chunked": ids_of(1, 8, 2)}
-    got = measure_sets(model, seqs, JacobianConfig(estimator="exact", seq_len=8))
+    got = measure_sets(model, seqs, JacobianConfig(estimator=Estimator.exact, seq_len=8))
     for name, ids in seqs.items():
         np.testing.assert_allclose(got[name].profile, jacobian_profile(model, ids, "exact").profile, rtol=1e-5)
 
 
+def test_config_choices_are_typed():
+    cfg = OmegaConf.structured(JacobianConfig)
+    assert OmegaConf.to_object(OmegaConf.merge(cfg, {"estimator": "exact"})).estimator is Estimator.exact
+    for key, typo in (("estimator", "hutchinsn"), ("target", "last")):
+        with pytest.raises(ValidationError, match=f"Invalid value '{typo}', expected one of"):
+            OmegaConf.merge(cfg, {key: typo})
+
+
 def test_bad_arguments_raise():
     model = tiny()
-    with pytest.raises(ValueError, match="estimator"):
+    with pytest.raises(ValueError, match="'exactly' is not a valid Estimator"):
         jacobian_profile(model, ids_of(1, 4), "exactly")
-    with pytest.raises(ValueError, match="target"):
+    with pytest.raises(ValueError, match="'logits' is not a valid JacobianTarget"):
         jacobian_profile(model, ids_of(1, 4), target="logits")
     with pytest.raises(ValueError, match="num_probes"):
         jacobian_profile(model, ids_of(1, 4), num_probes=1)
@@ -330,8 +342,11 @@ def test_build_eval_sequences_reuses_documents_with_a_warning(caplog):
 # --- recorder ---------------------------------------------------------------------------------
 
 
-def fake_profiles(step: int, sets: dict[str, int], L: int) -> dict[str, np.ndarray]:
-    return {name: np.full((n, L), step + 0.5) + np.arange(L) for name, n in sets.items()}
+def fake_profiles(step: int, sets: dict[str, int], L: int, stderr: bool = False) -> dict[str, ProfileResult]:
+    """Profiles step + 0.5 + j; standard errors (when asked) step / 100 + j / 1000."""
+    return {name: ProfileResult(np.full((n, L), step + 0.5) + np.arange(L),
+                                np.full((n, L), step / 100) + np.arange(L) / 1000 if stderr else None)
+            for name, n in sets.items()}
 
 
 def test_recorder_writes_every_step(tmp_path):
@@ -386,8 +401,7 @@ def test_recorder_resumes_after_a_crash(tmp_path):
     rec.add(1, fake_profiles(1, sets, L))
     del rec  # the run dies here
 
-    resumed = JacobianRecorder.load(path)
-    assert resumed.sets == sets and resumed.seq_len == L
+    resumed = JacobianRecorder(path, sets, L)
     np.testing.assert_array_equal(resumed.steps, [0, 1])
     assert resumed.array("chunked").shape == (2, 2, L)
     resumed.add(2, fake_profiles(2, sets, L))
@@ -401,7 +415,38 @@ def test_recorder_resumes_after_a_crash(tmp_path):
     with pytest.raises(ValueError, match="expects"):
         JacobianRecorder(path, {"vanilla": 3}, L)
     with pytest.raises(ValueError, match="expected shape"):
-        again.add(3, {"vanilla": np.ones((1, L + 1)), "chunked": np.ones((2, L))})
+        again.add(3, {"vanilla": ProfileResult(np.ones((1, L + 1)), None),
+                      "chunked": ProfileResult(np.ones((2, L)), None)})
+
+
+def test_recorder_stores_hutchinson_standard_errors(tmp_path):
+    path = tmp_path / "jacobian.npz"
+    sets, L = {"vanilla": 1, "chunked": 2}, 5
+    rec = JacobianRecorder(path, sets, L)
+    for step in range(4):  # step 0 rewrites the npz with stderr arrays, steps 1-3 go to the journal
+        rec.add(step, fake_profiles(step, sets, L, stderr=True))
+    assert journal_path(path).stat().st_size == 3 * (8 + 2 * 4 * 3 * L)  # step, profiles and stderr
+    steps, profiles, stderr = read_jacobian(path, with_stderr=True)  # npz and journal together
+    np.testing.assert_array_equal(steps, [0, 1, 2, 3])
+    assert {k: v.shape for k, v in stderr.items()} == {k: v.shape for k, v in profiles.items()}
+    np.testing.assert_allclose(stderr["chunked"][1, 3], 0.03 + np.arange(L) / 1000, rtol=1e-6)
+    np.testing.assert_allclose(profiles["chunked"][1, 3], 3.5 + np.arange(L))
+    assert sorted(read_jacobian(path)[1]) == ["chunked", "vanilla"]  # old callers: profiles only
+    np.testing.assert_array_equal(rec.stderr("vanilla"), stderr["vanilla"])
+
+    del rec  # the run dies; the resumed recorder continues with the standard errors
+    resumed = JacobianRecorder(path, sets, L)
+    resumed.add(4, fake_profiles(4, sets, L, stderr=True))
+    with pytest.raises(ValueError, match="recorded with standard errors"):
+        resumed.add(5, fake_profiles(5, sets, L))  # another estimator mid-run
+    resumed.close()
+    with np.load(path) as z:
+        assert set(z.files) == {"steps", "vanilla", "chunked", "stderr/vanilla", "stderr/chunked"}
+        np.testing.assert_allclose(z["stderr/vanilla"][0, 4], 0.04 + np.arange(L) / 1000, rtol=1e-6)
+
+    exact = JacobianRecorder(tmp_path / "exact.npz", sets, L)  # an estimator without standard errors
+    exact.add(0, fake_profiles(0, sets, L))
+    assert read_jacobian(exact.path, with_stderr=True)[2] == {} and exact.stderr("vanilla") is None
 
 
 # --- the paper's step-0 finding ---------------------------------------------------------------

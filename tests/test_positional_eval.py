@@ -6,12 +6,14 @@ import pytest
 import torch
 from datasets import Dataset
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from analysis.positional_eval import (
     SCORERS,
     EvalConfig,
+    Probe,
     ProbeResult,
     build_probes,
     encode_prompt,
@@ -85,7 +87,7 @@ def in2_records(n: int, seed_ids: int = 4) -> list[dict]:
             "prompt_len": 4,
             "gold_spans": [[0, 1]],
             "depth": (k + 0.5) / n,
-            "context_len": 3,
+            "context_tokens": 3,
             "task": "fine_grained",
             "answers": ["Blue"],
             "source": "synthetic",
@@ -97,11 +99,14 @@ def in2_records(n: int, seed_ids: int = 4) -> list[dict]:
 
 def test_eval_config_is_a_structured_config():
     cfg = OmegaConf.structured(EvalConfig)
-    assert cfg.every == 100 and cfg.bins == 10 and cfg.probes == [] and cfg.data_dir is None
+    assert cfg.every == 50 and cfg.bins == 10 and cfg.probes == [] and cfg.data_dir is None
     cfg = OmegaConf.merge(cfg, {"probes": ["kv"], "data_dir": "/data"})
     assert cfg.probes == ["kv"] and cfg.data_dir == "/data"
+    assert OmegaConf.to_object(cfg).probes == [Probe.kv]
     with pytest.raises(Exception):
         OmegaConf.merge(cfg, {"no_such_key": 1})
+    with pytest.raises(ValidationError, match="Invalid value 'needel', expected one of"):
+        OmegaConf.merge(cfg, {"probes": ["needel"]})
 
 
 def _kv_items() -> list[ProbeItem]:

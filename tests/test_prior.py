@@ -27,6 +27,7 @@ from analysis.prior import (
     prior_profile,
     recency_weight,
     rollout,
+    scaled_prior,
     spearman,
     w1_distance,
 )
@@ -372,6 +373,31 @@ def test_fit_alpha_mixture_basis_matches_rollout(L, H):
     fit = fit_alpha(measured, H)
     assert fit.alpha == pytest.approx(ref.x, abs=1e-8)
     assert fit.rmse_log10 == pytest.approx(np.sqrt(ref.fun), rel=1e-9)
+
+
+def test_scaled_prior_is_the_fit_alpha_curve_and_its_scale_is_least_squares():
+    L, H = 512, 8
+    rng = np.random.default_rng(3)
+    measured = 10**2.5 * prior_profile(L, H, 0.37) * np.exp(0.2 * rng.standard_normal(L))  # float64
+    measured[: L // 10] *= 8.0  # a primacy bump: the fit is not exact
+
+    fit = fit_alpha(measured, H)
+    curve, alpha = scaled_prior(measured, H)
+    assert curve.dtype == np.float64 and alpha == fit.alpha
+    np.testing.assert_allclose(curve, prior_profile(L, H, fit.alpha) * 10**fit.log10_scale, rtol=1e-14, atol=0)
+
+    # With a given a, the scale c minimises sum_j (log10 rho_j - log10 c p_j)^2: the mean residual.
+    curve, alpha = scaled_prior(measured, H, 0.6)
+    prior = prior_profile(L, H, 0.6)
+    assert alpha == 0.6
+
+    def sq_error(log10_c):
+        return np.sum((np.log10(measured) - log10_c - np.log10(prior)) ** 2)
+
+    best = np.log10(curve[0] / prior[0])
+    assert best == pytest.approx(np.mean(np.log10(measured / prior)), abs=1e-12)
+    np.testing.assert_allclose(curve / prior, 10**best, rtol=1e-12)
+    assert all(sq_error(best) < sq_error(best + d) for d in (-1e-3, 1e-3))
 
 
 def test_w1_and_spearman():

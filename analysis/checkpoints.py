@@ -1,0 +1,197 @@
+"""Checkpoints as evaluation targets: what a PATH stands for, its tokenizer and model, the probes it answers.
+
+The library behind `python -m analysis.compare` (many PATHs, one report) and
+`python -m scripts.eval_checkpoint` (one checkpoint, eval JSONs). A PATH is a run directory (its
+latest checkpoint) or a checkpoint folder (`save_pretrained` with a tokenizer, or LoRA adapters);
+every failure is a `CompareError` whose message names the PATH.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from analysis.positional_eval import EvalConfig, ProbeResult, build_probes, evaluate_probes
+from data_builders.build import build_datasets
+from data_builders.probes import ProbeItem, in2_probe
+from models.build import DType
+from models.checkpoint import (
+    STEP_DIR,
+    TRAINER_STATE,
+    checkpoint_config,
+    list_checkpoints,
+    load_checkpoint_model,
+    run_dir_of,
+)
+from models.distributed import resolve_device
+
+
+class CheckpointProbe(StrEnum):
+    kv = "kv"  # key-value retrieval: the gold pair's index
+    mdqa = "mdqa"  # multi-document QA (needs the NQ file): the gold document's index
+    needle = "needle"  # a code hidden at a depth of filler text
+    in2 = "in2"  # held-out IN2 records of the run (needs its run config): the gold depth bin
+
+
+PROBES = tuple(CheckpointProbe)
+# Greedy answer budgets: a UUID value is up to ~36 tokens, NQ answers are a few words, a needle code
+# is 5 digits, and IN2 answers get the training loop's eval.max_new_tokens default.
+NEW_TOKENS = {"kv": 48, "mdqa": 32, "needle": 16, "in2": EvalConfig.max_new_tokens}
+POSITION_AXIS = {
+    "kv": "gold key-value pair index",
+    "mdqa": "gold document index",
+    "needle": "needle depth",
+    "in2": "gold depth bin (lower edge)",
+}
+RUN_CONFIG = Path(".hydra") / "config.yaml"
+
+
+class CompareError(Exception):
+    """A PATH cannot be compared or evaluated; the message names it and says why."""
+
+
+@dataclass
+class Target:
+    """One PATH: the checkpoint it stands for and, when it has one, the run that wrote it."""
+
+    path: Path  # as given
+    label: str  # short unique name in tables and legends
+    checkpoint: Path
+    run_dir: Path | None
+    step: int | None  # training step of the checkpoint, when known
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.label)
+
+
+def _checkpoint_step(folder: Path) -> int | None:
+    if match := STEP_DIR.match(folder.name):
+        return int(match.group(1))
+    state = folder / TRAINER_STATE
+    return int(json.loads(state.read_text())["step"]) if state.is_file() else None
+
+
+def resolve_target(path: str | Path, label: str) -> Target:
+    """The checkpoint a PATH stands for: a run directory's latest, or the folder itself."""
+    given = Path(path)
+    try:
+        if not given.exists():
+            raise CompareError(f"{path}: no such file or directory")
+        if not given.is_dir():
+            raise CompareError(f"{path}: not a directory (expected a run directory or a checkpoint folder)")
+        checkpoints = list_checkpoints(given)
+        if checkpoints:
+            return Target(given, label, checkpoints[-1], given, _checkpoint_step(checkpoints[-1]))
+        if (given / "checkpoints").is_dir():
+            raise CompareError(f"{path}: run directory without a complete checkpoint under checkpoints/")
+        if not ((given / "config.json").is_file() or (given / "adapter_config.json").is_file()):
+            raise CompareError(f"{path}: neither a run directory (checkpoints/step-N) nor a checkpoint "
+                               "folder (config.json or adapter_config.json)")
+        return Target(given, label, given, run_dir_of(given), _checkpoint_step(given))
+    except (OSError, ValueError, KeyError) as err:
+        raise CompareError(f"{path}: unreadable: {err}") from err
+
+
+def reference_run(targets: Sequence[Target]) -> tuple[Target, DictConfig] | None:
+    """The first PATH whose run has a resolved Hydra config, and that config."""
+    for target in targets:
+        if target.run_dir is not None and (target.run_dir / RUN_CONFIG).is_file():
+            try:
+                return target, OmegaConf.load(target.run_dir / RUN_CONFIG)
+            except (OSError, OmegaConfBaseException) as err:
+                raise CompareError(f"{target.path}: unreadable {target.run_dir / RUN_CONFIG}: {err}") from err
+    return None
+
+
+def load_checkpoint_tokenizer(target: Target) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the checkpoint, with a pad token (eos when it has none)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target.checkpoint)
+    except (OSError, ValueError) as err:
+        raise CompareError(f"{target.path}: no readable tokenizer in {target.checkpoint}: {err}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def count_layers(target: Target) -> int:
+    """H of the prior: decoder layers of the checkpoint's architecture."""
+    try:
+        return int(checkpoint_config(target.checkpoint, target.run_dir).num_hidden_layers)
+    except (OSError, ValueError, KeyError, AttributeError) as err:
+        raise CompareError(f"{target.path}: unreadable model config in {target.checkpoint}: {err}") from err
+
+
+def load_model(target: Target, device: str, dtype: DType | str) -> PreTrainedModel:
+    """The checkpoint's model in eval mode on `device` (LoRA adapters merged into their base)."""
+    try:
+        model = load_checkpoint_model(target.checkpoint, target.run_dir, dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        raise CompareError(f"{target.path}: cannot load the model from {target.checkpoint}: {err}") from err
+    return model.to(resolve_device(device))
+
+
+def build_in2_items(
+    reference: tuple[Target, DictConfig], tokenizer: PreTrainedTokenizerBase, examples: int
+) -> list[ProbeItem]:
+    """The first `examples` x bins held-out IN2 records of the reference run, as probe items.
+
+    Rebuilt from the run config's data section with `build_datasets`, exactly as its training loop
+    built them (so the dataset cache is hit); `tokenizer` must be the vocabulary they were built with.
+    """
+    source, cfg = reference
+    try:
+        bins = int(cfg.eval.bins)
+        # Like train.py: a model's own tokenizer is passed in, a trained BPE is rebuilt (cached) from data.
+        tok_source = cfg.model.get("tokenizer") or cfg.model.get("pretrained")
+        bundle = build_datasets(cfg.data, tokenizer if tok_source else None)
+    except (OmegaConfBaseException, TypeError, ValueError, OSError) as err:
+        raise CompareError(f"{source.path}: cannot rebuild the IN2 records of its run config: {err}") from err
+    if bundle.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise CompareError(f"incompatible tokenizers: the IN2 records of {source.path} were built with "
+                           "another vocabulary than the checkpoints'")
+    return in2_probe(bundle.eval.select(range(min(examples * bins, len(bundle.eval)))), bins=bins)
+
+
+class ProbeBank:
+    """Probe items built once: kv and mdqa are text for every PATH; needle lengths count each tokenizer's tokens."""
+
+    def __init__(self, cfg: EvalConfig, in2: list[ProbeItem] | None) -> None:
+        self.cfg = cfg
+        self._shared: dict[str, list[ProbeItem] | None] = {CheckpointProbe.in2: in2}
+
+    def items(self, probe: str, tokenizer: PreTrainedTokenizerBase) -> list[ProbeItem] | None:
+        """Items of `probe`; None when they cannot be built (mdqa without a data folder, in2 without records)."""
+        probe = CheckpointProbe(probe)
+        if probe in self._shared:
+            return self._shared[probe]
+        try:
+            built = build_probes(replace(self.cfg, probes=[probe]), tokenizer).get(probe)
+        except (OSError, ValueError, KeyError) as err:
+            raise CompareError(f"probe {probe}: cannot build its items: {err}") from err
+        if probe != CheckpointProbe.needle:
+            self._shared[probe] = built
+        return built
+
+
+def answer_probes(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Mapping[str, Sequence[ProbeItem]],
+    max_new_tokens: int | None,
+    batch_size: int,
+) -> dict[str, ProbeResult]:
+    """Greedy answers to every probe's items, scored; `max_new_tokens` None = each probe's `NEW_TOKENS`."""
+    results = {}
+    for probe, items in probes.items():
+        cfg = EvalConfig(max_new_tokens=max_new_tokens or NEW_TOKENS[probe], batch_size=batch_size)
+        results[probe] = evaluate_probes(model, tokenizer, {probe: items}, cfg)[1][probe]
+    return results
