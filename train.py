@@ -1,11 +1,15 @@
 """Position-debiasing fine-tunes: `python train.py +exp=in2` (Hydra config tree in conf/).
 
-One loop for every setting, read top to bottom: build tokenizer, data, model and engine; then for
-each step measure the Jacobian profile (before the update, so step 0 is the initial model), take
-one optimizer step over `grad_accum` micro-batches, log, evaluate and save.
+The recipe shape of torchtune: `setup(cfg) -> Run` builds everything once (tokenizer, data, model,
+engine, logger, measurement sequences), `train(run)` is the loop, `finish(run)` measures and saves the
+end state, `cleanup(run)` closes files. Each step: measure the Jacobian profile (before the update, so
+step 0 is the initial model), one optimizer step over `grad_accum` micro-batches, log, evaluate, save.
+The config is converted once into the typed `TrainConfig` and checked by `validate` before any work.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
 import random
@@ -14,29 +18,64 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import hydra
 import numpy as np
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.jacobian import JacobianConfig
-from analysis.metrics_log import LoggerConfig, MetricsLogger, NullLogger
-from analysis.positional_eval import EvalConfig
-from data_builders.in2 import DataConfig
-from models.build import ModelConfig
-from models.distributed import dist_info
-from models.peft_setup import PeftConfig
+from analysis.jacobian import JacobianConfig, JacobianRecorder, build_eval_sequences, measure_sets
+from analysis.metrics_log import LoggerConfig, MetricsLogger, NullLogger, profile_charts
+from analysis.plots import (
+    plot_depth_accuracy,
+    plot_evolution,
+    plot_heatmap,
+    plot_position_accuracy,
+    plot_profile_vs_prior,
+)
+from analysis.positional_eval import (
+    EvalConfig,
+    ProbeResult,
+    build_probes,
+    evaluate_in2,
+    evaluate_probes,
+    write_eval_json,
+)
+from analysis.topology import prefixed, topology_metrics
+from data_builders.build import DataBundle, build_datasets
+from data_builders.collate import BatchStream, collate
+from data_builders.config import DataConfig, DataFormat, validate_data
+from data_builders.tokenizer import load_tokenizer
+from models.build import ModelConfig, build_model, validate_model
+from models.checkpoint import atomic_checkpoint, load_trainer_state, resolve_checkpoint, save_trainer_state
+from models.diff_attention import diff_lambda_stats, set_diff_step
+from models.distributed import (
+    DeepSpeedEngine,
+    Device,
+    DistInfo,
+    Precision,
+    TorchEngine,
+    all_mean,
+    barrier,
+    dist_info,
+    resolve_device,
+)
+from models.peft_setup import PeftConfig, PeftMethod, apply_peft
+
+log = logging.getLogger("train")
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @dataclass
 class TrainerConfig:
     max_steps: int = 300  # optimizer steps
-    lr: float = 1e-3  # peak learning rate (AdamW)
+    lr: float = 1e-3  # peak learning rate (AdamW); the model's recipe (conf/recipe/) sets it per kind of model
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20  # linear warm-up
     weight_decay: float = 0.01
@@ -44,8 +83,8 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
     micro_batch_size: int = 8  # samples per rank per forward
     grad_accum: int = 1  # micro-batches per optimizer step
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
-    device: str = "cpu"  # cpu | cuda | auto
+    precision: Precision = Precision.fp32  # fp32 | bf16 (autocast)
+    device: Device = Device.cpu  # cpu | cuda | auto
     resume_from: Optional[str] = None  # checkpoint folder, or `latest` of this run directory
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last_n: int = 2  # checkpoints kept; 0 = all
@@ -84,13 +123,40 @@ def run_stamp() -> str:
 
 
 def register_configs() -> None:
-    """Typed schemas: the composed config must match `TrainConfig`, unknown keys fail at start-up."""
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    """Typed schemas: the composed config must match `TrainConfig`, unknown keys fail at composition."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
 
 
-register_configs()
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config `python train.py <overrides>` runs with (for scripts and tests), not yet converted."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def as_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """The typed config, converted once (`OmegaConf.to_object`)."""
+    return cfg if isinstance(cfg, TrainConfig) else OmegaConf.to_object(cfg)
+
+
+def validate(cfg: TrainConfig, info: DistInfo) -> None:
+    """Every check that needs no data or model, run before any is built; errors name the key."""
+    validate_data(cfg.data)
+    validate_model(cfg.model)
+    t, jac = cfg.trainer, cfg.jacobian
+    for key in ("max_steps", "micro_batch_size", "grad_accum"):
+        if getattr(t, key) < 1:
+            raise ValueError(f"trainer.{key}={getattr(t, key)} must be >= 1")
+    if t.lr <= 0:
+        raise ValueError(f"trainer.lr={t.lr} must be > 0")
+    if info.world_size > 1 and not t.deepspeed:
+        raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
+    for key in ("plot_every", "chart_every"):  # cadences of measured steps
+        if getattr(jac, key) < 1:
+            raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
+    if cfg.eval.probes and cfg.eval.probe_every < 1:
+        raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
 
 
 def seed_everything(seed: int) -> None:
@@ -105,28 +171,6 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-@torch.no_grad()
-def heldout_loss(model: torch.nn.Module, dataset, batch_size: int, pad_id: int, device: torch.device) -> float:
-    """Token-weighted mean loss over the held-out split (answer tokens only, as in training)."""
-    from data_builders.collate import collate
-
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(dataset), batch_size):
-        batch = collate(dataset.select(range(start, min(len(dataset), start + batch_size))), pad_id)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, L, V)
-        labels = batch["labels"][:, 1:]  # (B, L-1)
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
-        total += nll.item()
-        count += int((labels != -100).sum())
-    model.train(was_training)
-    return total / max(1, count)
 
 
 class StopRequest:
@@ -144,74 +188,65 @@ class StopRequest:
             signal.signal(s, handler)
 
 
-def wandb_image(png: Path):
-    import wandb
+@dataclass
+class Run:
+    """Everything a training run holds, built once by `setup`."""
 
-    return wandb.Image(str(png))
+    cfg: TrainConfig
+    run_dir: Path
+    info: DistInfo
+    bundle: DataBundle
+    tokenizer: PreTrainedTokenizerBase
+    model: PreTrainedModel  # the module to measure and save (inside the engine)
+    engine: TorchEngine | DeepSpeedEngine
+    stream: BatchStream
+    logger: MetricsLogger | NullLogger
+    jacobian_seqs: dict[str, torch.Tensor]  # empty when the Jacobian is off
+    recorder: Optional[JacobianRecorder]  # main process only
+    eval_records: Any  # held-out IN2 records scored for accuracy by depth
+    probe_items: dict[str, list]
+    start_step: int = 0
+    checkpoint: Optional[Path] = None  # the one resumed from
+    bad_steps: int = 0
+    accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.is_main_process
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def has_questions(self) -> bool:
+        """Accuracy by gold depth needs questions; language-model windows (micro100) have none."""
+        return self.cfg.data.format == DataFormat.in2
 
 
-CHART_POINTS = 128  # positions per curve in the wandb profile chart (jacobian.npz keeps all L)
+def build_engine(model: torch.nn.Module, t: TrainerConfig, info: DistInfo) -> TorchEngine | DeepSpeedEngine:
+    """Single-process torch or DeepSpeed, with one optimizer (AdamW) and one schedule for both."""
+
+    def make_optimizer(params):
+        return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+
+    def make_scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+
+    if t.deepspeed:
+        return DeepSpeedEngine(model, make_optimizer, make_scheduler, dict(t.deepspeed), t.precision,
+                               t.micro_batch_size, t.grad_accum, t.grad_clip, t.collective_timeout_s)
+    device = resolve_device(t.device)
+    model.to(device)
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    return TorchEngine(model, optimizer, make_scheduler(optimizer), device, t.precision, t.grad_accum, t.grad_clip)
 
 
-def profile_charts(results: dict, metrics: dict[str, float], n_layers: int, step: int) -> dict[str, Any]:
-    """wandb line charts of each set's mean profile (log10) with the prior fitted in `metrics`."""
-    import wandb
-
-    from analysis.prior import log10_profile, prior_profile
-
-    charts = {}
-    for name, res in results.items():
-        rho = res.profile.mean(axis=0)
-        alpha = metrics[f"prior/{name}/alpha"]  # topology_metrics already fitted it; only the scale is left
-        prior = prior_profile(len(rho), n_layers, alpha)
-        prior = prior * 10 ** float(np.mean(log10_profile(rho) - log10_profile(prior)))
-        # wandb type-checks every table row (~0.2 ms each): draw at most CHART_POINTS positions, ends kept.
-        shown = np.unique(np.linspace(0, len(rho) - 1, min(len(rho), CHART_POINTS)).round().astype(int))
-        x = (shown / max(len(rho) - 1, 1)).tolist()
-        charts[f"jacobian/{name}/profile"] = wandb.plot.line_series(
-            xs=x, ys=[np.log10(np.maximum(rho[shown], 1e-30)).tolist(), np.log10(prior[shown]).tolist()],
-            keys=["measured", f"prior fit (a={alpha:.3f})"],
-            title=f"log10 Jacobian profile, {name}, step {step}", xname="relative position (j-1)/(L-1)",
-        )
-    return charts
-
-
-def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
-    """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
-    from analysis.jacobian import JacobianRecorder, build_eval_sequences, measure_sets
-    from analysis.plots import (
-        plot_depth_accuracy,
-        plot_evolution,
-        plot_heatmap,
-        plot_position_accuracy,
-        plot_profile_vs_prior,
-    )
-    from analysis.positional_eval import (
-        ProbeResult,
-        build_probes,
-        evaluate_in2,
-        evaluate_probes,
-        write_eval_json,
-    )
-    from analysis.topology import prefixed, topology_metrics
-    from data_builders.collate import BatchStream
-    from data_builders.in2 import build_datasets
-    from data_builders.tokenizer import load_tokenizer
-    from models.build import build_model
-    from models.checkpoint import (
-        atomic_checkpoint,
-        load_trainer_state,
-        resolve_checkpoint,
-        save_trainer_state,
-    )
-    from models.diff_attention import diff_lambda_stats, set_diff_step
-    from models.distributed import DeepSpeedEngine, TorchEngine, all_mean, barrier, dist_info, resolve_device
-    from models.peft_setup import apply_peft
-
-    for key in ("plot_every", "chart_every"):  # cadences of measured steps; checked before any work
-        if getattr(cfg.jacobian, key) < 1:
-            raise ValueError(f"jacobian.{key}={getattr(cfg.jacobian, key)} must be >= 1")
-    tcfg = cfg.trainer
+def setup(cfg: TrainConfig, run_dir: Path) -> Run:
+    """Build tokenizer, data, model, engine, logger and measurement sequences; resume if asked."""
+    info = dist_info()
+    validate(cfg, info)
     seed_everything(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -222,221 +257,259 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict[str, float]:
     tokenizer.save_pretrained(run_dir / "tokenizer")
 
     model = build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id)
-    info = dist_info()
-    if cfg.peft.method != "none" and not cfg.model.pretrained and info.is_main_process:
+    if cfg.peft.method != PeftMethod.none and not cfg.model.pretrained and info.is_main_process:
         # Adapters of a random-init model are useless without their base: keep it beside them.
         model.save_pretrained(run_dir / "base_model", safe_serialization=True)
     model = apply_peft(model, cfg.peft)
     model.train()
+    engine = build_engine(model, cfg.trainer, info)
 
-    def make_optimizer(params):
-        return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
-
-    def make_scheduler(optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: warmup_cosine(s, tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
-        )
-
-    if tcfg.deepspeed:
-        engine = DeepSpeedEngine(model, make_optimizer, make_scheduler, OmegaConf.to_container(tcfg.deepspeed)
-                                 if OmegaConf.is_config(tcfg.deepspeed) else dict(tcfg.deepspeed),
-                                 tcfg.precision, tcfg.micro_batch_size, tcfg.grad_accum, tcfg.grad_clip,
-                                 tcfg.collective_timeout_s)
-    elif info.world_size > 1:
-        raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
-    else:
-        model.to(resolve_device(tcfg.device))
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
-        engine = TorchEngine(model, optimizer, make_scheduler(optimizer), resolve_device(tcfg.device),
-                             tcfg.precision, tcfg.grad_accum, tcfg.grad_clip)
-    model, device = engine.module, engine.device
+    t = cfg.trainer
     # A curriculum lives in the split's stored order: the build's own setting (a prebuilt folder's too).
-    curriculum = bundle.stats.get("config", {}).get("curriculum", 0.0)
-    stream = BatchStream(bundle.train, tcfg.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
-                         info.world_size, label_context=cfg.data.label_context, ordered_first_epoch=curriculum > 0)
+    curriculum = bundle.stats.get("config", {}).get("in2", {}).get("curriculum", 0.0)
+    stream = BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
+                         info.world_size, label_context=cfg.data.in2.label_context, ordered_first_epoch=curriculum > 0)
     if info.is_main_process:
-        print(f"global batch = {tcfg.micro_batch_size} micro x {tcfg.grad_accum} accumulation x "
-              f"{info.world_size} ranks = {tcfg.micro_batch_size * tcfg.grad_accum * info.world_size} samples")
+        log.info("global batch = %d micro x %d accumulation x %d ranks = %d samples", t.micro_batch_size,
+                 t.grad_accum, info.world_size, t.micro_batch_size * t.grad_accum * info.world_size)
 
-    start_step, ckpt = 0, None
-    if tcfg.resume_from:
-        ckpt = resolve_checkpoint(tcfg.resume_from, run_dir)
-        engine.load(ckpt)
-        state = load_trainer_state(ckpt, info.rank)
-        start_step, stream.position = state["step"], state["stream_position"]
-        print(f"resumed from {ckpt} at step {start_step}")
-
-    main = info.is_main_process
-    config_dict = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else vars(cfg)
-    logger = MetricsLogger(cfg.logger, run_dir, config_dict) if main else NullLogger()
-    n_layers = model.config.num_hidden_layers
-
-    def save(step: int) -> Path:
-        def write(folder: Path) -> None:
-            engine.save(folder, tokenizer)
-            save_trainer_state(folder, step, info.rank, {"stream_position": stream.position})
-
-        return atomic_checkpoint(run_dir, step, write, tcfg.keep_last_n, main, barrier)
-
+    jac = cfg.jacobian
     # Jacobian sequences come from held-out documents, never from the training split.
-    jac_on = cfg.jacobian.every > 0
-    if jac_on:
-        jac_seqs = build_eval_sequences(
-            bundle.heldout_docs, cfg.jacobian.seq_len, cfg.jacobian.n_vanilla, cfg.jacobian.n_chunked,
-            cfg.jacobian.chunk_len,
-        )
-        recorder = JacobianRecorder(
-            run_dir / "jacobian.npz", {k: v.shape[0] for k, v in jac_seqs.items()}, cfg.jacobian.seq_len
-        ) if main else None
+    seqs = build_eval_sequences(bundle.heldout_docs, jac.seq_len, jac.n_vanilla, jac.n_chunked,
+                                jac.chunk_len) if jac.every > 0 else {}
+    recorder = JacobianRecorder(run_dir / "jacobian.npz", {k: v.shape[0] for k, v in seqs.items()},
+                                jac.seq_len) if seqs and info.is_main_process else None
+    logger = (MetricsLogger(cfg.logger, run_dir, dataclasses.asdict(cfg)) if info.is_main_process
+              else NullLogger())
+    run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, logger,
+              {k: v.to(engine.device) for k, v in seqs.items()}, recorder,
+              bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
+              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {})
+    if t.resume_from:
+        resume(run, resolve_checkpoint(t.resume_from, run_dir))
+    return run
 
-    def measure_jacobian(step: int) -> dict[str, float]:
-        # Every rank measures (ZeRO-3 gathers weights collectively); the main process records.
-        results = measure_sets(model, {k: v.to(device) for k, v in jac_seqs.items()}, cfg.jacobian)
-        metrics: dict[str, float] = {}
-        for name, res in results.items():
-            metrics.update(prefixed(topology_metrics(res.profile.mean(axis=0), n_layers), name))
-        if recorder is not None:
-            recorder.add(step, {k: r.profile for k, r in results.items()})
-            n_measured = len(recorder.steps)
-            if logger.wandb_run is not None:
-                if (n_measured - 1) % cfg.jacobian.chart_every == 0:  # step 0, then every chart_every
-                    logger.log_media(profile_charts(results, metrics, n_layers, step), step=step)
-                if n_measured % cfg.jacobian.plot_every == 0:
-                    logger.log_media({f"jacobian/{name}/heatmap": wandb_image(plot_heatmap(
-                        run_dir / "jacobian.npz", run_dir / "plots" / f"jacobian_heatmap_{name}.png", name))
-                        for name in results}, step=step)
+
+def resume(run: Run, ckpt: Path) -> None:
+    """Continue from a checkpoint: weights, optimizer, RNG and data position; keep the start curve."""
+    run.engine.load(ckpt)
+    state = load_trainer_state(ckpt, run.info.rank)
+    run.start_step, run.stream.position, run.checkpoint = state["step"], state["stream_position"], ckpt
+    if run.is_main:
+        log.info("resumed from %s at step %d", ckpt, run.start_step)
+    step0 = ckpt.parents[1] / "eval" / "in2_step0.json"
+    if run.has_questions and run.is_main and step0.is_file():
+        # The accuracy plot compares start and end: keep the start curve of the run that wrote the
+        # checkpoint, copied here when resuming into a new directory.
+        result = ProbeResult.load_json(step0)
+        run.accuracy_curves["step 0"] = depth_curve(result.to_metrics("eval"))
+        if not (run.run_dir / "eval" / step0.name).exists():
+            write_eval_json(run.run_dir, 0, "in2", result)
+
+
+def depth_curve(metrics: dict[str, float]) -> list[float]:
+    return [v for k, v in metrics.items() if "acc@" in k]
+
+
+def measure_jacobian(run: Run, step: int) -> dict[str, float]:
+    """Profiles of every set and their topology metrics; recorded (and charted) by the main process."""
+    # Every rank measures (ZeRO-3 gathers weights collectively); the main process records.
+    results = measure_sets(run.model, run.jacobian_seqs, run.cfg.jacobian)
+    metrics: dict[str, float] = {}
+    for name, res in results.items():
+        metrics.update(prefixed(topology_metrics(res.profile.mean(axis=0), run.n_layers), name))
+    if run.recorder is None:
         return metrics
-
-    eval_records = bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval))))
-
-    def depth_accuracy(step: int) -> dict[str, float]:
-        metrics, result = evaluate_in2(model, tokenizer, eval_records, cfg.eval)
-        if main:
-            write_eval_json(run_dir, step, "in2", result)
-        return metrics
-
-    # Position probes (kv, mdqa, needle) every eval.probe_every steps, on fixed queries.
-    probe_items = build_probes(cfg.eval, tokenizer) if cfg.eval.probes and cfg.eval.probe_every else {}
-
-    def run_probes(step: int) -> dict[str, float]:
-        probe_metrics, results = evaluate_probes(model, tokenizer, probe_items, cfg.eval)
-        if main:
-            for name, result in results.items():
-                write_eval_json(run_dir, step, name, result)
-                plot_position_accuracy({f"step {step}": result}, run_dir / "plots" / f"{name}_accuracy_step{step}.png",
-                                       title=f"{cfg.exp_name}: {name} accuracy by gold position, step {step}")
-        return probe_metrics
-
-    # Accuracy by gold depth needs questions; language-model windows (micro100) have none.
-    has_questions = cfg.data.format == "in2"
-    accuracy_curves: dict[str, list[float]] = {}
-
-    def depth_curve(metrics: dict[str, float]) -> list[float]:
-        return [v for k, v in metrics.items() if "acc@" in k]
-
-    if start_step == 0:
-        acc0 = depth_accuracy(0) if has_questions else {}
-        accuracy_curves["step 0"] = depth_curve(acc0)
-        logger.log({**acc0, "eval/loss": heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
-                                                      tokenizer.pad_token_id, device)}, step=0)
-    elif has_questions and main:
-        # A resumed run keeps the start curve measured by the run that wrote the checkpoint, so its
-        # accuracy plot still compares start and end; copied here when resuming into a new directory.
-        step0 = ckpt.parents[1] / "eval" / "in2_step0.json"
-        if step0.is_file():
-            result = ProbeResult.load_json(step0)
-            accuracy_curves["step 0"] = depth_curve(result.to_metrics("eval"))
-            if not (run_dir / "eval" / step0.name).exists():
-                write_eval_json(run_dir, 0, "in2", result)
-
-    stop = StopRequest()
-    bad_steps, metrics = 0, {}
-    loop_start = time.perf_counter()
-    batches = iter(stream)
-    bar = tqdm(range(start_step, tcfg.max_steps), initial=start_step, total=tcfg.max_steps,
-               disable=not main, desc="train", dynamic_ncols=True)
-    step = start_step
-    try:
-        for step in bar:
-            set_diff_step(model, step)
-            if jac_on and step % cfg.jacobian.every == 0:
-                # Logged at `step`, the updates its weights have seen: the row jacobian.npz and the charts use.
-                logger.log(measure_jacobian(step), step=step)
-            t0, tokens, losses = time.perf_counter(), 0, []
-            for _ in range(tcfg.grad_accum):
-                batch = next(batches)
-                tokens += int(batch["attention_mask"].sum())
-                losses.append(engine.forward_backward(batch))
-            loss = all_mean(torch.stack(losses).mean().item())
-            finite = math.isfinite(loss)
-            grad_norm = engine.optimizer_step(skip=not finite)
-            if not finite:
-                bad_steps += 1
-                if bad_steps > tcfg.max_bad_steps:
-                    raise RuntimeError(
-                        f"{bad_steps} non-finite losses (trainer.max_bad_steps={tcfg.max_bad_steps}); "
-                        f"the last good checkpoint is intact under {run_dir / 'checkpoints'}"
-                    )
-            elapsed = time.perf_counter() - t0
-            metrics = {
-                "train/loss": loss, "train/lr": engine.current_lr(), "train/grad_norm": grad_norm,
-                "train/tokens_per_s": tokens / elapsed, "train/tokens": tokens, "train/bad_steps": bad_steps,
-                "train/wall_s": time.perf_counter() - loop_start,
-                **diff_lambda_stats(model),
-            }
-            done = step + 1
-            if cfg.eval.every and done % cfg.eval.every == 0:
-                metrics["eval/loss"] = heldout_loss(model, bundle.eval, tcfg.micro_batch_size,
-                                                    tokenizer.pad_token_id, device)
-            if probe_items and done % cfg.eval.probe_every == 0:
-                metrics.update(run_probes(done))
-            logger.log(metrics, step=done)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-            if tcfg.save_every and done % tcfg.save_every == 0 and done < tcfg.max_steps:
-                save(done)
-            if stop.requested:
-                print(f"stop requested: saving step {done} and exiting")
-                save(done)
-                if jac_on and main:
-                    recorder.close()
-                return metrics
-    finally:
-        stop.restore()
-        bar.close()
-
-    final = tcfg.max_steps
-    if jac_on and final % cfg.jacobian.every == 0:
-        # One more profile after the last update: the paper's (n, steps + 1, L) arrays.
-        logger.log(measure_jacobian(final), step=final)
-    acc = depth_accuracy(final) if has_questions else {}
-    logger.log(acc, step=final)
-    metrics.update(acc)
-    save(final)
-    if main:
-        plots = run_dir / "plots"
-        if has_questions:
-            accuracy_curves[f"step {final}"] = depth_curve(acc)
-            plot_depth_accuracy(accuracy_curves, plots / "in2_accuracy_by_depth.png",
-                                title=f"{cfg.exp_name}: exact match by gold depth")
-        if jac_on:
-            recorder.close()  # jacobian.npz now holds every step on its own
-            for name in jac_seqs:
-                plot_evolution(run_dir / "jacobian.npz", plots / f"jacobian_evolution_{name}.png", name)
-                if recorder.steps[0] == 0:
-                    plot_profile_vs_prior(recorder.array(name)[:, 0].mean(axis=0), n_layers,
-                                          plots / f"jacobian_step0_vs_prior_{name}.png",
-                                          title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}) and the prior")
-    logger.close()
+    run.recorder.add(step, results)
+    n_measured, jac = len(run.recorder.steps), run.cfg.jacobian
+    if run.logger.wandb_run is not None:
+        if (n_measured - 1) % jac.chart_every == 0:  # step 0, then every chart_every
+            profiles = {name: res.profile.mean(axis=0) for name, res in results.items()}
+            alphas = {name: metrics[f"prior/{name}/alpha"] for name in results}
+            run.logger.log_media(profile_charts(profiles, alphas, run.n_layers, step), step=step)
+        if n_measured % jac.plot_every == 0:
+            npz, plots = run.run_dir / "jacobian.npz", run.run_dir / "plots"
+            run.logger.log_media({f"jacobian/{name}/heatmap": run.logger.image(
+                plot_heatmap(npz, plots / f"jacobian_heatmap_{name}.png", name)) for name in results}, step=step)
     return metrics
 
 
+@torch.no_grad()
+def heldout_loss(run: Run) -> float:
+    """Token-weighted mean loss over the held-out split (answer tokens only, as in training)."""
+    model, dataset, size = run.model, run.bundle.eval, run.cfg.trainer.micro_batch_size
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(dataset), size):
+        batch = collate(dataset.select(range(start, min(len(dataset), start + size))), run.tokenizer.pad_token_id)
+        batch = {k: v.to(run.engine.device) for k, v in batch.items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, L, V)
+        labels = batch["labels"][:, 1:]  # (B, L-1)
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        total += nll.item()
+        count += int((labels != -100).sum())
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def depth_accuracy(run: Run, step: int) -> dict[str, float]:
+    """Exact match by gold depth on the held-out IN2 records (nothing for language-model windows)."""
+    if not run.has_questions:
+        return {}
+    metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval)
+    if run.is_main:
+        write_eval_json(run.run_dir, step, "in2", result)
+    return metrics
+
+
+def run_probes(run: Run, step: int) -> dict[str, float]:
+    """Position probes (kv, mdqa, needle) on fixed queries: metrics, per-query JSON, curve plot."""
+    metrics, results = evaluate_probes(run.model, run.tokenizer, run.probe_items, run.cfg.eval)
+    if run.is_main:
+        for name, result in results.items():
+            write_eval_json(run.run_dir, step, name, result)
+            plot_position_accuracy({f"step {step}": result}, run.run_dir / "plots" / f"{name}_accuracy_step{step}.png",
+                                   title=f"{run.cfg.exp_name}: {name} accuracy by gold position, step {step}")
+    return metrics
+
+
+def periodic_eval(run: Run, done: int) -> dict[str, float]:
+    """Held-out loss every eval.every steps, probes every eval.probe_every steps."""
+    metrics: dict[str, float] = {}
+    if run.cfg.eval.every and done % run.cfg.eval.every == 0:
+        metrics["eval/loss"] = heldout_loss(run)
+    if run.probe_items and done % run.cfg.eval.probe_every == 0:
+        metrics.update(run_probes(run, done))
+    return metrics
+
+
+def save(run: Run, step: int) -> Path:
+    """A complete checkpoint `checkpoints/step-<step>` (written aside, then renamed)."""
+
+    def write(folder: Path) -> None:
+        run.engine.save(folder, run.tokenizer)
+        save_trainer_state(folder, step, run.info.rank, {"stream_position": run.stream.position})
+
+    return atomic_checkpoint(run.run_dir, step, write, run.cfg.trainer.keep_last_n, run.is_main, barrier)
+
+
+def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """One update over `grad_accum` micro-batches; a non-finite loss skips it (counted, bounded)."""
+    t0, tokens, losses = time.perf_counter(), 0, []
+    for _ in range(run.cfg.trainer.grad_accum):
+        batch = next(batches)
+        tokens += int(batch["attention_mask"].sum())
+        losses.append(run.engine.forward_backward(batch))
+    loss = all_mean(torch.stack(losses).mean().item())
+    finite = math.isfinite(loss)
+    grad_norm = run.engine.optimizer_step(skip=not finite)
+    if not finite:
+        run.bad_steps += 1
+        if run.bad_steps > run.cfg.trainer.max_bad_steps:
+            raise RuntimeError(f"{run.bad_steps} non-finite losses (trainer.max_bad_steps="
+                               f"{run.cfg.trainer.max_bad_steps}); the last good checkpoint is intact under "
+                               f"{run.run_dir / 'checkpoints'}")
+    return {"train/loss": loss, "train/lr": run.engine.current_lr(), "train/grad_norm": grad_norm,
+            "train/tokens_per_s": tokens / (time.perf_counter() - t0), "train/tokens": tokens,
+            "train/bad_steps": run.bad_steps}
+
+
+def start(run: Run) -> None:
+    """Step 0 of a fresh run: accuracy by depth and held-out loss of the initial model."""
+    acc = depth_accuracy(run, 0)
+    if run.has_questions:
+        run.accuracy_curves["step 0"] = depth_curve(acc)
+    run.logger.log({**acc, "eval/loss": heldout_loss(run)}, step=0)
+
+
+def train(run: Run) -> dict[str, float]:
+    """The loop: Jacobian before each update, the update, periodic evaluation and checkpoints."""
+    t, jac = run.cfg.trainer, run.cfg.jacobian
+    if run.start_step == 0:
+        start(run)
+    stop, batches, metrics = StopRequest(), iter(run.stream), {}
+    loop_start = time.perf_counter()
+    bar = tqdm(range(run.start_step, t.max_steps), initial=run.start_step, total=t.max_steps,
+               disable=not run.is_main, desc="train", dynamic_ncols=True)
+    try:
+        for step in bar:
+            set_diff_step(run.model, step)
+            if run.jacobian_seqs and step % jac.every == 0:
+                # Logged at `step`, the updates its weights have seen: the row jacobian.npz and the charts use.
+                run.logger.log(measure_jacobian(run, step), step=step)
+            metrics = optimizer_step(run, batches)
+            metrics.update(diff_lambda_stats(run.model), **{"train/wall_s": time.perf_counter() - loop_start})
+            done = step + 1
+            metrics.update(periodic_eval(run, done))
+            run.logger.log(metrics, step=done)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+            if stop.requested:
+                if run.is_main:
+                    log.warning("stop requested: saving step %d and exiting", done)
+                save(run, done)
+                return metrics
+            if t.save_every and done % t.save_every == 0 and done < t.max_steps:
+                save(run, done)
+    finally:
+        stop.restore()
+        bar.close()
+    return finish(run, metrics)
+
+
+def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
+    """After the last update: one more profile, accuracy by depth, the final checkpoint and plots."""
+    final, cfg = run.cfg.trainer.max_steps, run.cfg
+    if run.jacobian_seqs and final % cfg.jacobian.every == 0:
+        # One more profile after the last update: the paper's (n, steps + 1, L) arrays.
+        run.logger.log(measure_jacobian(run, final), step=final)
+    acc = depth_accuracy(run, final)
+    run.logger.log(acc, step=final)
+    save(run, final)
+    if not run.is_main:
+        return {**metrics, **acc}
+    plots = run.run_dir / "plots"
+    if run.has_questions:
+        run.accuracy_curves[f"step {final}"] = depth_curve(acc)
+        plot_depth_accuracy(run.accuracy_curves, plots / "in2_accuracy_by_depth.png",
+                            title=f"{cfg.exp_name}: exact match by gold depth")
+    if run.recorder is not None:
+        run.recorder.close()  # jacobian.npz now holds every step on its own
+        for name in run.jacobian_seqs:
+            plot_evolution(run.run_dir / "jacobian.npz", plots / f"jacobian_evolution_{name}.png", name)
+            if run.recorder.steps[0] == 0:
+                plot_profile_vs_prior(run.recorder.array(name)[:, 0].mean(axis=0), run.n_layers,
+                                      plots / f"jacobian_step0_vs_prior_{name}.png",
+                                      title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}) and the prior")
+    return {**metrics, **acc}
+
+
+def cleanup(run: Run) -> None:
+    """Close the Jacobian journal (a stopped run keeps every measured step) and the logger."""
+    if run.recorder is not None:
+        run.recorder.close()
+    run.logger.close()
+
+
+def run(cfg: DictConfig | TrainConfig, run_dir: Path) -> dict[str, float]:
+    """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
+    state = setup(as_train_config(cfg), Path(run_dir))
+    try:
+        return train(state)
+    finally:
+        cleanup(state)
+
+
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
-def main(cfg) -> None:
+def main(cfg: DictConfig) -> None:
+    info = dist_info()
+    if not info.is_main_process:
+        logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story; the others warn and fail
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except Exception as exc:
         # With several ranks, say which one failed: the launcher interleaves their output.
-        info = dist_info()
         if info.world_size > 1:
             print(f"[rank {info.rank} of {info.world_size}] {type(exc).__name__}: {exc}", file=sys.stderr)
         raise
@@ -452,4 +525,5 @@ def _strip_launcher_args() -> None:
 
 if __name__ == "__main__":
     _strip_launcher_args()
+    register_configs()
     main()

@@ -5,47 +5,92 @@ top of it by their own modules, so the loop never needs to know how the model wa
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.diff_attention import convert_to_diff_attention
 
-ATTENTIONS = ("standard", "diff_v1", "diff_v2")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DIFF_ARCHS = ("qwen2", "llama", "mistral")
+
+
+class Attention(StrEnum):
+    standard = "standard"
+    diff_v1 = "diff_v1"  # DIFF Transformer (Ye et al. 2024)
+    diff_v2 = "diff_v2"  # doubled query heads sharing K/V, per-token λ
+
+
+class DiffMode(StrEnum):
+    scratch = "scratch"  # paper initialization, for random-init models
+    retrofit = "retrofit"  # pretrained attention kept as the positive map: exact at step 0
+
+
+class DType(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
 
 
 @dataclass
 class DiffConfig:
-    mode: str = "scratch"  # scratch (paper init, random-init models) | retrofit (pretrained: exact at step 0)
+    mode: DiffMode = DiffMode.scratch  # the model's recipe (conf/recipe/) picks retrofit for pretrained weights
     layers: Any = "all"  # "all" or a list of 0-based layer indices
-    lambda_warmup_steps: int = 0  # steps over which λ ramps in; retrofit needs >= 1
+    lambda_warmup_steps: Optional[int] = None  # steps over which λ ramps in; None: 0 scratch, 200 retrofit
 
 
 @dataclass
 class ModelConfig:
     name: str = "qwen2_tiny"
     pretrained: Optional[str] = None  # hub id or local folder; None = random init from `arch` + `init`
-    arch: str = "qwen2"  # model_type for random init (qwen2, llama, mistral)
+    arch: str = "qwen2"  # model_type for random init (qwen2, llama, mistral, ...)
     init: dict[str, Any] = field(default_factory=dict)  # config kwargs for random init (hidden_size, ...)
     tokenizer: Optional[str] = None  # tokenizer id/folder; None = the pretrained model's, or a BPE trained on the data
-    attention: str = "standard"  # standard | diff_v1 | diff_v2
+    attention: Attention = Attention.standard
     diff: DiffConfig = field(default_factory=DiffConfig)
-    dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
+    dtype: DType = DType.float32  # weights dtype
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
 
 
+def _plain(init: Any) -> dict[str, Any]:
+    # Plain containers: HF configs type-check nested fields (rope_parameters) and reject a DictConfig.
+    return OmegaConf.to_container(init, resolve=True) if OmegaConf.is_config(init) else dict(init)
+
+
+def validate_model(cfg: ModelConfig) -> None:
+    """Fail at start-up on a model config that cannot be what the user meant, naming the key."""
+    if cfg.pretrained and cfg.init:
+        raise ValueError(f"model.init {sorted(cfg.init)} sets a random initialization, but model.pretrained="
+                         f"{cfg.pretrained} loads trained weights: drop one of them")
+    if cfg.attention != Attention.standard and not cfg.pretrained and cfg.arch not in DIFF_ARCHS:
+        raise ValueError(f"model.attention={cfg.attention} supports model.arch in {DIFF_ARCHS}, got {cfg.arch!r}")
+    if cfg.pretrained:
+        return
+    if cfg.arch not in CONFIG_MAPPING:
+        raise ValueError(f"model.arch={cfg.arch!r} is not a transformers model_type (e.g. {', '.join(DIFF_ARCHS)})")
+    config_cls = CONFIG_MAPPING[cfg.arch]
+    declared = set(inspect.signature(config_cls.__init__).parameters) | set(config_cls().to_dict())
+    init = _plain(cfg.init)
+    # A key the config class neither declares nor consumes (legacy names such as rope_theta are
+    # consumed) would be stored as a stray attribute that no model code reads.
+    stray = sorted(set(init) - declared & set(config_cls(**init).to_dict()))
+    if stray:
+        raise ValueError(f"model.init: {', '.join(stray)} not a setting of {config_cls.__name__} "
+                         f"(model.arch={cfg.arch}); known: {', '.join(sorted(declared - {'self', 'kwargs'}))}")
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = None) -> PreTrainedModel:
     """The configured causal LM: `from_pretrained` when `pretrained` is set, else random init."""
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"model.dtype={cfg.dtype!r} must be one of {sorted(DTYPES)}")
-    dtype = DTYPES[cfg.dtype]
-    if cfg.attention not in ATTENTIONS:
-        raise ValueError(f"model.attention={cfg.attention!r} must be one of {ATTENTIONS}")
+    dtype = DType(cfg.dtype).torch
     if cfg.pretrained:
         # Importing models.diff_attention registers the diff model types with the Auto classes, so a
         # checkpoint saved with differential attention restores its diff layers (and weights) here.
@@ -53,16 +98,14 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
             cfg.pretrained, dtype=dtype, trust_remote_code=cfg.trust_remote_code
         )
     else:
-        # Plain containers: HF configs type-check nested fields (rope_parameters) and reject a DictConfig.
-        init = OmegaConf.to_container(cfg.init, resolve=True) if OmegaConf.is_config(cfg.init) else dict(cfg.init)
-        config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **init)
+        config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **_plain(cfg.init))
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     already_diff = getattr(model.config, "diff_attention", None) is not None
-    if cfg.attention != "standard" and not already_diff:
+    if cfg.attention != Attention.standard and not already_diff:
         convert_to_diff_attention(
             model,
-            version=cfg.attention.removeprefix("diff_"),
-            mode=cfg.diff.mode,
+            version=Attention(cfg.attention).removeprefix("diff_"),
+            mode=str(cfg.diff.mode),
             layers=cfg.diff.layers if isinstance(cfg.diff.layers, str) else list(cfg.diff.layers),
             lambda_warmup_steps=cfg.diff.lambda_warmup_steps,
         )

@@ -28,7 +28,7 @@ Modes of `convert_to_diff_attention`:
   function at step 0: no head halving and no value doubling (the pretrained heads are kept as they are),
   no per-head RMS norm and no (1 - λ_init) output scale (the pretrained `o_proj` expects raw head outputs).
   λ keeps its paper form (V1, λ_init included; V2, sigmoid) but enters only through the warm-up below,
-  which is what makes step 0 exact; retrofit therefore needs `lambda_warmup_steps >= 1`.
+  which is what makes step 0 exact; retrofit therefore needs `lambda_warmup_steps >= 1` (default 200).
 
 λ warm-up: every layer uses λ_eff = r·λ with r = min(1, step / lambda_warmup_steps), or r = 1 when
 lambda_warmup_steps = 0. The training loop calls `set_diff_step(model, step)` with the number of optimizer
@@ -329,6 +329,11 @@ for _config_cls, _lm_cls in zip((Qwen2DiffConfig, LlamaDiffConfig, MistralDiffCo
     AutoModelForCausalLM.register(_config_cls, _lm_cls, exist_ok=True)
 
 
+# λ ramps in over this many optimizer steps by default in retrofit mode: long enough that the negative
+# map enters gradually after the pretrained function, short against a fine-tune of a few thousand steps.
+RETROFIT_WARMUP_STEPS = 200
+
+
 def _check_settings(version: str, mode: str, lambda_warmup_steps: int) -> None:
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
@@ -367,15 +372,19 @@ def _swap_attention(model: nn.Module, version: str, mode: str, layers: Sequence[
 
 
 def convert_to_diff_attention(model: PreTrainedModel, version: str = "v1", mode: str = "scratch",
-                              layers: str | Sequence[int] = "all", lambda_warmup_steps: int = 0
+                              layers: str | Sequence[int] = "all", lambda_warmup_steps: int | None = None
                               ) -> PreTrainedModel:
     """Swap diff attention into `layers` (0-based HF indices or "all") of a Qwen2/Llama/Mistral model.
 
-    In place; returns `model`. The settings are recorded in `model.config.diff_attention`, which travels
-    in `config.json` (see the module docstring for the modes and the checkpoint format).
+    In place; returns `model`. `lambda_warmup_steps=None` means no warm-up for scratch and
+    RETROFIT_WARMUP_STEPS for retrofit (whose step-0 exactness is the warm-up's ramp). The settings are
+    recorded in `model.config.diff_attention`, which travels in `config.json` (see the module docstring
+    for the modes and the checkpoint format).
     """
     if getattr(model.config, "diff_attention", None):
         raise ValueError(f"model already has diff attention: {model.config.diff_attention}")
+    if lambda_warmup_steps is None:
+        lambda_warmup_steps = RETROFIT_WARMUP_STEPS if mode == "retrofit" else 0
     _check_settings(version, mode, lambda_warmup_steps)
     n_layers = model.config.num_hidden_layers
     layer_list = list(range(n_layers)) if layers == "all" else sorted({int(i) for i in layers})

@@ -11,12 +11,24 @@ import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from models.checkpoint import load_model_weights
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # autocast on the single-process path; DeepSpeed's bf16 mode under DeepSpeed
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+    auto = "auto"  # the local CUDA device when there is one, else the CPU
 
 
 @dataclass
@@ -41,13 +53,14 @@ def dist_info() -> DistInfo:
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """`auto` picks the local CUDA device when there is one, else the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
+    name = Device(name)
+    if name == Device.auto:
+        name = Device.cuda if torch.cuda.is_available() else Device.cpu
+    if name == Device.cuda:
         if not torch.cuda.is_available():
             raise RuntimeError("trainer.device=cuda but no CUDA device is visible (use trainer=cpu)")
         return torch.device("cuda", local_rank)
-    return torch.device(name)
+    return torch.device("cpu")
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -77,18 +90,16 @@ class TorchEngine:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         device: torch.device,
-        precision: str,
+        precision: Precision,
         grad_accum: int,
         grad_clip: float,
     ):
-        if precision not in ("fp32", "bf16"):
-            raise ValueError(f"trainer.precision={precision!r} must be fp32 or bf16")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device = device
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
-        self.info = DistInfo()
         self._autocast = (
-            torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+            torch.autocast(device.type, dtype=torch.bfloat16) if Precision(precision) == Precision.bf16
+            else nullcontext()
         )
 
     @property
@@ -147,7 +158,7 @@ class DeepSpeedEngine:
         make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
         make_scheduler: Callable[[torch.optim.Optimizer], Any],
         ds_config: dict[str, Any],
-        precision: str,
+        precision: Precision,
         micro_batch_size: int,
         grad_accum: int,
         grad_clip: float,
@@ -246,4 +257,3 @@ def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-

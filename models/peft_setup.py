@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from transformers import PreTrainedModel
 
 
+class PeftMethod(StrEnum):
+    none = "none"  # full fine-tune
+    lora = "lora"
+
+
 @dataclass
 class PeftConfig:
-    method: str = "none"  # none | lora
+    method: PeftMethod = PeftMethod.none
     r: int = 8
     alpha: int = 16
     dropout: float = 0.0
@@ -18,11 +24,9 @@ class PeftConfig:
 
 def apply_peft(model: PreTrainedModel, cfg: PeftConfig):
     """The model, wrapped in a peft LoRA model when asked (only adapter weights train)."""
-    if cfg.method == "none":
+    if cfg.method == PeftMethod.none:
         return model
-    if cfg.method != "lora":
-        raise ValueError(f"peft.method={cfg.method!r} must be 'none' or 'lora'")
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # peft is imported only by runs that use it
 
     lora = LoraConfig(
         r=cfg.r,

@@ -14,22 +14,18 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 import train
+from data_builders.build import build_datasets
 from data_builders.collate import BatchStream
-from data_builders.in2 import build_datasets
 from models.build import build_model
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-
-def _config(steps: int, overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=[
-            "+exp=in2", "jacobian=off", "eval.every=0", "eval.num_examples=4", "logger.mode=disabled",
-            f"trainer.max_steps={steps}", f"data.num_train={steps * 8 * 2}", *overrides,
-        ])
+def _config(steps: int, overrides: list[str]) -> train.TrainConfig:
+    return train.as_train_config(train.compose_config([
+        "+exp=in2", "jacobian=off", "eval.every=0", "eval.num_examples=4", "logger.mode=disabled",
+        f"trainer.max_steps={steps}", f"data.num_train={steps * 8 * 2}", *overrides,
+    ]))
 
 
 def _ours(cfg, skip: int) -> float:

@@ -4,9 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-import train  # noqa: F401  (registers the structured config schemas)
+from train import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
@@ -18,12 +17,12 @@ TINY = [
     "model.init.num_hidden_layers=2",
     "model.init.intermediate_size=64",
     "data.context_len=128",
-    "data.segment_len=64",
+    "data.in2.segment_len=64",
     "data.num_train=64",
     "data.num_eval=8",
     "data.num_train_docs=200",
     "data.num_eval_docs=80",
-    "data.heldout_doc_len=256",
+    "data.in2.heldout_doc_len=256",
     "data.vocab_size=400",
     "trainer.micro_batch_size=4",
     "trainer.warmup_steps=2",
@@ -49,7 +48,6 @@ def compose_cfg():
     """compose_cfg(*overrides) -> the composed training config, as `python train.py ...` would see it."""
 
     def _compose(*overrides: str):
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="train", overrides=list(overrides))
+        return compose_config(list(overrides))
 
     return _compose

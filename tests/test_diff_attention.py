@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from models.diff_attention import (
+    RETROFIT_WARMUP_STEPS,
     convert_to_diff_attention,
     diff_lambda_stats,
     load_pretrained_with_diff,
@@ -221,6 +222,17 @@ def test_retrofit_is_exact_at_step_zero(family, version):
         assert torch.equal(model.generate(ids[:1, :6], **kwargs), original.generate(ids[:1, :6], **kwargs))
 
 
+def test_retrofit_with_its_defaults_ramps_lambda_in_and_is_exact_at_step_zero():
+    original = tiny_model()
+    perturb(original, std=0.05)
+    model = convert_to_diff_attention(copy.deepcopy(original), mode="retrofit")
+    assert model.config.diff_attention["lambda_warmup_steps"] == RETROFIT_WARMUP_STEPS > 0
+    ids = tokens(length=20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, atol=1e-5, rtol=0)
+    assert convert_to_diff_attention(tiny_model()).config.diff_attention["lambda_warmup_steps"] == 0  # scratch
+
+
 @pytest.mark.parametrize("family,version", [("qwen2", "v1"), ("llama", "v1"), ("qwen2", "v2")])
 def test_retrofit_learns_the_negative_map(family, version):
     model = tiny_model(family)
@@ -272,7 +284,7 @@ def test_warmup_ramp_and_lambda_stats():
     assert 0 < low < mean < high < 1
 
     with pytest.raises(ValueError, match="lambda_warmup_steps >= 1"):
-        convert_to_diff_attention(tiny_model(), version="v1", mode="retrofit")
+        convert_to_diff_attention(tiny_model(), version="v1", mode="retrofit", lambda_warmup_steps=0)
     with pytest.raises(ValueError, match="already has diff attention"):
         convert_to_diff_attention(v2)
 

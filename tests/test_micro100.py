@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.conftest import SHARED_DATA
@@ -9,7 +10,7 @@ from train import run
 
 CPU_SCALE = [
     "+exp=micro100", "model=qwen2_tiny", "model.init.hidden_size=32", "model.init.intermediate_size=64",
-    "data.context_len=256", "data.doc_len=512", "data.num_train_docs=1600", "data.num_eval_docs=400",
+    "data.context_len=256", "data.windows.doc_len=512", "data.num_train_docs=1600", "data.num_eval_docs=400",
     "data.vocab_size=512", "jacobian.seq_len=256", "jacobian.n_vanilla=2", "jacobian.n_chunked=2",
     "jacobian.chunk_len=64", "logger.mode=disabled",
 ]
@@ -30,6 +31,8 @@ def test_micro100_cpu_scale_writes_paper_shaped_arrays(compose_cfg, tmp_path):
 
 def test_micro100_reads_nq_passages(compose_cfg, tmp_path):
     nq = SHARED_DATA / "nq-open-oracle.jsonl.gz"
+    if not nq.is_file():
+        pytest.skip(f"{nq} is absent: the shared NQ data sits beside the project checkout (../shared/data)")
     cfg = compose_cfg(*CPU_SCALE, "trainer.max_steps=2", "data.source=nq", f"data.path={nq}",
                       "data.num_train_docs=2000", "data.num_eval_docs=400", "data.vocab_size=2000")
     bundle_metrics = run(cfg, tmp_path)

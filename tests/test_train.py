@@ -5,14 +5,17 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from models.distributed import DistInfo
 from tests.conftest import CONF_DIR, ROOT, TINY
-from train import run
+from train import TrainConfig, as_train_config, run, validate
 
 
 def _losses(run_dir):
@@ -20,11 +23,119 @@ def _losses(run_dir):
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-@pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
-def test_every_experiment_composes(compose_cfg, exp):
-    cfg = compose_cfg(f"+exp={exp}")
-    assert cfg.exp_name == exp
-    assert cfg.trainer.max_steps > 0
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
+# Each experiment at a size that runs two steps in seconds: the tiny model and data, its own settings kept.
+SMOKE = {
+    "in2": TINY,
+    "in2_diff": TINY,
+    "micro100": ["model=qwen2_tiny", "model.init.hidden_size=32", "model.init.num_hidden_layers=2",
+                 "model.init.intermediate_size=64", "data.context_len=128", "data.windows.doc_len=256",
+                 "data.num_train_docs=400", "data.num_eval_docs=200", "data.vocab_size=400",
+                 "jacobian.seq_len=64", "jacobian.n_vanilla=1", "jacobian.n_chunked=1", "jacobian.chunk_len=32",
+                 "jacobian.num_probes=2", "logger.mode=disabled"],
+}
+
+
+def test_every_experiment_has_a_smoke_size():
+    assert sorted(SMOKE) == EXPERIMENTS
+
+
+@pytest.mark.parametrize("exp", EXPERIMENTS)
+def test_every_experiment_composes_converts_and_validates(compose_cfg, exp):
+    cfg = as_train_config(compose_cfg(f"+exp={exp}"))
+    assert isinstance(cfg, TrainConfig) and cfg.exp_name == exp
+    validate(cfg, DistInfo())
+
+
+@pytest.mark.parametrize("exp", EXPERIMENTS)
+def test_every_experiment_runs_two_steps(compose_cfg, tmp_path, exp):
+    cfg = compose_cfg(f"+exp={exp}", *SMOKE[exp], "trainer.max_steps=2", "trainer.save_every=0")
+    run(cfg, tmp_path)
+    assert set(_losses(tmp_path)) == {1, 2}
+    assert (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").is_file()
+
+
+def test_in2_diff_is_in2_with_differential_attention(compose_cfg):
+    def flat(cfg, prefix=""):
+        items = OmegaConf.to_container(cfg, resolve=False).items() if prefix == "" else cfg.items()
+        out = {}
+        for key, value in items:
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    in2, diff = flat(compose_cfg("+exp=in2")), flat(compose_cfg("+exp=in2_diff"))
+    changed = {k for k in in2.keys() | diff.keys() if in2.get(k) != diff.get(k)}
+    assert changed == {"exp_name", "model.attention"}
+    assert diff["model.attention"] == "diff_v1"
+
+
+def test_in2_on_a_pretrained_model_gets_pretrained_settings():
+    out = subprocess.run([sys.executable, "train.py", "--cfg", "job", "+exp=in2", "model=qwen2_0.5b"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.model.pretrained == "Qwen/Qwen2-0.5B" and cfg.model.init == {}
+    assert cfg.trainer.lr <= 1e-4 and cfg.data.in2.answer_lead is False
+    assert cfg.model.diff.mode == "retrofit"
+    tiny = OmegaConf.create(subprocess.run([sys.executable, "train.py", "--cfg", "job", "+exp=in2"], cwd=ROOT,
+                                           capture_output=True, text=True, check=True).stdout)
+    assert tiny.model.init.initializer_range == 0.06 and tiny.trainer.lr == 3e-3 and tiny.data.in2.answer_lead
+
+
+CHOICES = {
+    "logger.mode": "offline", "trainer.precision": "bf16", "trainer.device": "cuda", "model.attention": "diff_v1",
+    "model.diff.mode": "retrofit", "model.dtype": "bfloat16", "peft.method": "lora", "jacobian.estimator": "exact",
+    "jacobian.target": "pre_norm", "data.source": "nq", "data.format": "lm_windows",
+}
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_typo_in_a_choice_fails_at_composition_naming_key_and_choices(compose_cfg, key):
+    compose_cfg(f"{key}={CHOICES[key]}")  # the right spelling composes
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_cfg(f"{key}={CHOICES[key]}x")
+    message = str(err.value.__cause__ or err.value)
+    assert key in message and CHOICES[key] in message.split("expected one of")[1]
+
+
+def test_a_typo_in_a_list_of_choices_fails(compose_cfg):
+    with pytest.raises(ConfigCompositionException, match="neddle"):
+        compose_cfg("eval.probes=[kv,neddle]")
+
+
+def _wall_s(cmd: list[str], **kwargs) -> tuple[float, subprocess.CompletedProcess]:
+    begin = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kwargs)
+    return time.perf_counter() - begin, out
+
+
+def test_a_typo_on_the_command_line_fails_right_after_the_imports(tmp_path):
+    """Composition rejects it before any work: the run costs what importing train.py costs (torch,
+    transformers: ~9 s on 2 idle cores), not the data build and model that +exp=in2 would start with."""
+    imports, _ = _wall_s([sys.executable, "-c", "import train"], check=True)
+    typo, out = _wall_s([sys.executable, "train.py", "+exp=in2", "logger.mode=ofline", f"hydra.run.dir={tmp_path}"])
+    assert out.returncode != 0 and "logger.mode" in out.stderr and "offline, online, disabled" in out.stderr
+    assert typo - imports < 5, f"the typo took {typo:.1f} s to report, importing train.py {imports:.1f} s"
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing was built
+
+
+def test_unknown_model_init_key_fails_before_any_work(compose_cfg, tmp_path):
+    with pytest.raises(ValueError, match="rope_thetaa.*Qwen2Config"):
+        run(compose_cfg(*TINY, "+model.init.rope_thetaa=1"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_with_pretrained_weights_is_an_error(compose_cfg, tmp_path):
+    with pytest.raises(ValueError, match="model.init .* model.pretrained"):
+        run(compose_cfg(*TINY, "model.pretrained=some/model"), tmp_path / "run")
+
+
+def test_the_cli_run_writes_its_log_to_train_log(tmp_path):
+    subprocess.run([sys.executable, "train.py", *TINY, "trainer.max_steps=1", f"hydra.run.dir={tmp_path}"],
+                   cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "global batch = 4 micro x 1 accumulation x 1 ranks" in (tmp_path / "train.log").read_text()
 
 
 def test_smoke_three_steps(compose_cfg, tmp_path):
@@ -123,19 +234,19 @@ def test_position_probes_during_training(compose_cfg, tmp_path):
     assert (tmp_path / "plots" / "kv_accuracy_step2.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
+@pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_group_choice_on_the_command_line_wins_over_an_experiment(compose_cfg, exp):
     assert compose_cfg(f"+exp={exp}", "jacobian=off").jacobian.every == 0
 
 
 def test_resume_keeps_the_start_accuracy_curve(compose_cfg, tmp_path, monkeypatch):
     """Resuming into a new run directory still plots (and keeps) the step-0 accuracy by depth."""
-    import analysis.plots
+    import train
 
     first, second = tmp_path / "first", tmp_path / "second"
     run(compose_cfg(*TINY, "trainer.max_steps=2"), first)
     curves = {}
-    monkeypatch.setattr(analysis.plots, "plot_depth_accuracy", lambda c, path, **kw: curves.update(c))
+    monkeypatch.setattr(train, "plot_depth_accuracy", lambda c, path, **kw: curves.update(c))
     run(compose_cfg(*TINY, "trainer.max_steps=3", f"trainer.resume_from={first / 'checkpoints' / 'step-2'}"), second)
     assert list(curves) == ["step 0", "step 3"]
     step0 = json.loads((first / "eval" / "in2_step0.json").read_text())
@@ -146,11 +257,11 @@ def test_resume_keeps_the_start_accuracy_curve(compose_cfg, tmp_path, monkeypatc
 @pytest.mark.parametrize("peft", ["none", "lora"])
 def test_gradient_checkpointing_gives_the_same_losses(compose_cfg, tmp_path, monkeypatch, peft):
     """Recomputing activations in the backward changes memory, not the numbers (LoRA: frozen inputs)."""
-    import models.build
+    import train
 
     built = []
-    build_model = models.build.build_model
-    monkeypatch.setattr(models.build, "build_model", lambda *a, **kw: built.append(build_model(*a, **kw)) or built[-1])
+    build_model = train.build_model
+    monkeypatch.setattr(train, "build_model", lambda *a, **kw: built.append(build_model(*a, **kw)) or built[-1])
     args = (*TINY, "trainer.max_steps=3", "jacobian=off", f"peft={peft}")
     run(compose_cfg(*args), tmp_path / "plain")
     run(compose_cfg(*args, "model.gradient_checkpointing=true"), tmp_path / "checkpointed")
@@ -184,23 +295,6 @@ def test_jacobian_scalars_are_logged_at_the_step_jacobian_npz_records(compose_cf
     for i, step in enumerate(steps):
         expected = prefixed(topology_metrics(vanilla[:, i].mean(axis=0), n_layers), "vanilla")["prior/vanilla/alpha"]
         assert logged[int(step)] == pytest.approx(expected, rel=1e-3, abs=1e-6)
-
-
-def test_profile_chart_draws_at_most_chart_points_with_both_ends():
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from analysis.prior import prior_profile
-    from analysis.topology import prefixed, topology_metrics
-    from train import CHART_POINTS, profile_charts
-
-    rho = prior_profile(1000, 4, 0.3)
-    metrics = prefixed(topology_metrics(rho, 4), "vanilla")
-    table = profile_charts({"vanilla": SimpleNamespace(profile=rho[None])}, metrics, 4, 7)["jacobian/vanilla/profile"].table
-    measured = [(x, y) for x, key, y in table.data if key == "measured"]
-    assert len(measured) == CHART_POINTS < 1000
-    assert measured[0] == (0.0, pytest.approx(np.log10(rho[0]))) and measured[-1] == (1.0, pytest.approx(np.log10(rho[-1])))
 
 
 def test_offline_wandb_run_logs_profile_charts(compose_cfg, tmp_path):
