@@ -9,12 +9,15 @@ A default is written once, here; the presets in conf/data/ hold only what differ
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
 
 # Data files a `datasets` builder reads, by suffix (after any compression suffix is dropped).
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -200,4 +203,20 @@ def validate_data(cfg: DataConfig) -> None:
         _validate_in2(cfg)
     else:
         _validate_windows(cfg)
+    unused = "windows" if cfg.format == DataFormat.in2 else "in2"
+    changed = _changed(getattr(cfg, unused), type(getattr(cfg, unused))(), f"data.{unused}")
+    if changed:  # said once at start-up instead of silently ignored
+        log.warning("data.format=%s does not use data.%s; ignored: %s", cfg.format, unused, ", ".join(changed))
     check_paths(cfg.source, cfg.path, cfg.filler_path)
+
+
+def _changed(section: Any, default: Any, prefix: str) -> list[str]:
+    """`key=value` of every setting in `section` that differs from `default` (nested sections walked)."""
+    out = []
+    for f in dataclasses.fields(section):
+        value, base = getattr(section, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _changed(value, base, f"{prefix}.{f.name}")
+        elif value != base:
+            out.append(f"{prefix}.{f.name}={value}")
+    return out

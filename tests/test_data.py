@@ -276,3 +276,14 @@ def test_bench_data_rows():
     row = bench_case("smoke", cfg, 20)
     assert row["tokens"] == 20 * 2048 and row["ours_tok_s"] > 0 and row["baseline_tok_s_per_core"] > 0
     assert row["ratio"] > 2  # gathering ids beats re-tokenizing (about 20x at this length)
+
+
+def test_settings_of_the_other_format_are_reported_as_ignored(caplog):
+    cfg = DataConfig(format=DataFormat.lm_windows, context_len=128)
+    cfg.in2.curriculum, cfg.in2.tasks.integration = 0.5, 0.2
+    with caplog.at_level("WARNING", logger="data_builders.config"):
+        validate_data(cfg)
+    assert "ignored: data.in2.curriculum=0.5, data.in2.tasks.integration=0.2" in caplog.text
+    caplog.clear()
+    validate_data(DataConfig(format=DataFormat.lm_windows, context_len=128))
+    assert caplog.text == ""
