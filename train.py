@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import hydra
 import numpy as np
@@ -62,9 +62,18 @@ from models.distributed import (
     Precision,
     TorchEngine,
     all_mean,
+    any_rank,
     barrier,
+    broadcast_object,
+    deepspeed_config,
     dist_info,
+    gathered,
+    init_distributed,
+    main_first,
+    partitioned_count,
+    peak_memory_mib,
     resolve_device,
+    zero3_load_context,
 )
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 
@@ -83,9 +92,11 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
     micro_batch_size: int = 8  # samples per rank per forward
     grad_accum: int = 1  # micro-batches per optimizer step
-    precision: Precision = Precision.fp32  # fp32 | bf16 (autocast)
+    precision: Precision = Precision.fp32  # fp32 | bf16 (autocast; the trained weights stay fp32 masters)
     device: Device = Device.cpu  # cpu | cuda | auto
-    resume_from: Optional[str] = None  # checkpoint folder, or `latest` of this run directory
+    # A checkpoint folder; `latest`: the newest of this run directory; `auto`: the newest of any run
+    # of this experiment (the sibling run directories), or a fresh start when there is none.
+    resume_from: Optional[str] = None
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last_n: int = 2  # checkpoints kept; 0 = all
     max_bad_steps: int = 10  # non-finite losses tolerated (skipped) before the run stops
@@ -106,13 +117,34 @@ class TrainConfig:
     exp_name: str = "default"  # names the run directory outputs/<exp_name>/<time>
 
 
+def launch_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """A name that every process of one launch shares on every node, or None.
+
+    SLURM's job (`slurm-<job>`, `slurm-<array job>_<task>` for an array task; a requeued job keeps
+    its id, so it finds its own run directory again) or, for ranks on several nodes, torchrun's
+    `--rdzv-id` (its default "none" names nothing).
+    """
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"slurm-{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    if environ.get("SLURM_JOB_ID"):
+        return f"slurm-{environ['SLURM_JOB_ID']}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+    several_nodes = int(environ.get("WORLD_SIZE", 1)) > int(environ.get("LOCAL_WORLD_SIZE", 1))
+    if run_id != "none" and several_nodes:
+        return f"torchrun-{run_id}"
+    return None
+
+
 def run_stamp() -> str:
-    """Run directory timestamp, identical on every rank of one launch.
+    """The run directory's name, identical on every rank of one launch, on every node.
 
     Each rank resolves Hydra's run directory on its own, and `${now:}` can straddle a second
-    between them. Ranks started by `deepspeed` or `torchrun` share their parent (the launcher), so
-    its start time names the run instead.
+    between them. A launcher id shared by all nodes names the run when there is one (`launch_id`);
+    else ranks started by `deepspeed` or `torchrun` on one node share their parent (the launcher),
+    whose start time names the run.
     """
+    if (name := launch_id()) is not None:
+        return name
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
         boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
@@ -174,11 +206,16 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 
 class StopRequest:
-    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly."""
+    """SIGTERM/SIGINT/SIGUSR1 set a flag; the loop finishes its step, saves and exits cleanly.
+
+    SIGUSR1 is SLURM's warning before a time limit or pre-emption (`sbatch --signal=USR1@120`).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
@@ -209,6 +246,7 @@ class Run:
     checkpoint: Optional[Path] = None  # the one resumed from
     bad_steps: int = 0
     accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
+    zero3: Any = None  # under ZeRO-3: keeps transformers partitioning models at load (dropped by cleanup)
 
     @property
     def is_main(self) -> bool:
@@ -224,8 +262,9 @@ class Run:
         return self.cfg.data.format == DataFormat.in2
 
 
-def build_engine(model: torch.nn.Module, t: TrainerConfig, info: DistInfo) -> TorchEngine | DeepSpeedEngine:
-    """Single-process torch or DeepSpeed, with one optimizer (AdamW) and one schedule for both."""
+def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[dict[str, Any]]
+                 ) -> TorchEngine | DeepSpeedEngine:
+    """Single-process torch or DeepSpeed (`ds_config` of `deepspeed_config`), one AdamW and one schedule for both."""
 
     def make_optimizer(params):
         return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -234,37 +273,71 @@ def build_engine(model: torch.nn.Module, t: TrainerConfig, info: DistInfo) -> To
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
 
-    if t.deepspeed:
-        return DeepSpeedEngine(model, make_optimizer, make_scheduler, dict(t.deepspeed), t.precision,
-                               t.micro_batch_size, t.grad_accum, t.grad_clip, t.collective_timeout_s)
-    device = resolve_device(t.device)
-    model.to(device)
-    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
-    return TorchEngine(model, optimizer, make_scheduler(optimizer), device, t.precision, t.grad_accum, t.grad_clip)
+    if ds_config is not None:
+        return DeepSpeedEngine(model, make_optimizer, make_scheduler, ds_config)
+    return TorchEngine(model, make_optimizer, make_scheduler, resolve_device(t.device), t.precision, t.grad_accum,
+                       t.grad_clip)
+
+
+def load_data(cfg: TrainConfig, info: DistInfo) -> DataBundle:
+    """Tokenizer and splits, built (and cached) by the main process first; the other ranks load the cache.
+
+    Data: the model's own tokenizer, or a BPE trained on the training corpus.
+    """
+    with main_first(info):
+        tok_source = cfg.model.tokenizer or cfg.model.pretrained
+        tokenizer = load_tokenizer(tok_source, cfg.model.trust_remote_code) if tok_source else None
+        return build_datasets(cfg.data, tokenizer)
+
+
+def load_model(cfg: TrainConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBase, info: DistInfo,
+               ds_config: Optional[dict[str, Any]]) -> tuple[PreTrainedModel, Any]:
+    """The model, LoRA applied; pretrained weights under ZeRO-3 are partitioned while they load. Returns
+    it and the object that keeps ZeRO-3 loading on (`zero3_load_context`), to hold for the run.
+
+    A random-init model is built whole on each rank, as without DeepSpeed, so that one seed gives one
+    initial model whatever the trainer (zero.Init draws its weights in another order); it is small
+    enough for that: a large model comes pretrained.
+    """
+    zero3 = zero3_load_context(ds_config) if cfg.model.pretrained else None
+    model = build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id, gather=gathered)
+    if zero3 is not None and info.is_main_process:
+        n, total = partitioned_count(model)
+        log.info("ZeRO-3: %d of %d parameter tensors partitioned at load (zero.Init)", n, total)
+    if cfg.peft.method != PeftMethod.none and not cfg.model.pretrained:
+        # Adapters of a random-init model are useless without their base: keep it beside them.
+        with gathered(model):
+            if info.is_main_process:
+                model.save_pretrained(run_dir / "base_model", safe_serialization=True)
+    model = apply_peft(model, cfg.peft)
+    model.train()
+    return model, zero3
 
 
 def setup(cfg: TrainConfig, run_dir: Path) -> Run:
-    """Build tokenizer, data, model, engine, logger and measurement sequences; resume if asked."""
+    """Build tokenizer, data, model, engine, logger and measurement sequences; resume if asked.
+
+    With DeepSpeed the process group is joined first: the main process builds the data before the
+    other ranks load it, and ZeRO-3 partitions the model while it loads.
+    """
     info = dist_info()
     validate(cfg, info)
+    t = cfg.trainer
+    ds_config = None
+    if t.deepspeed:
+        ds_config = deepspeed_config(t.deepspeed, t.precision, t.micro_batch_size, t.grad_accum, t.grad_clip,
+                                     info.world_size)
+        init_distributed(t.collective_timeout_s)
     seed_everything(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    # Data and tokenizer: the model's own tokenizer, or a BPE trained on the training corpus.
-    tok_source = cfg.model.tokenizer or cfg.model.pretrained
-    bundle = build_datasets(cfg.data, load_tokenizer(tok_source, cfg.model.trust_remote_code) if tok_source else None)
+    bundle = load_data(cfg, info)
     tokenizer = bundle.tokenizer
-    tokenizer.save_pretrained(run_dir / "tokenizer")
+    if info.is_main_process:
+        tokenizer.save_pretrained(run_dir / "tokenizer")
+    model, zero3 = load_model(cfg, run_dir, tokenizer, info, ds_config)
+    engine = build_engine(model, t, ds_config)
 
-    model = build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id)
-    if cfg.peft.method != PeftMethod.none and not cfg.model.pretrained and info.is_main_process:
-        # Adapters of a random-init model are useless without their base: keep it beside them.
-        model.save_pretrained(run_dir / "base_model", safe_serialization=True)
-    model = apply_peft(model, cfg.peft)
-    model.train()
-    engine = build_engine(model, cfg.trainer, info)
-
-    t = cfg.trainer
     # A curriculum lives in the split's stored order: the build's own setting (a prebuilt folder's too).
     curriculum = bundle.stats.get("config", {}).get("in2", {}).get("curriculum", 0.0)
     stream = BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
@@ -284,9 +357,16 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, logger,
               {k: v.to(engine.device) for k, v in seqs.items()}, recorder,
               bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
-              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {})
+              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}, zero3=zero3)
     if t.resume_from:
-        resume(run, resolve_checkpoint(t.resume_from, run_dir))
+        # Every rank looks (a missing checkpoint fails on all of them), then takes the main process's
+        # answer: `auto` compares run directories that another job may be writing into meanwhile.
+        ckpt = broadcast_object(resolve_checkpoint(t.resume_from, run_dir), engine.device)
+        if ckpt is not None:
+            resume(run, ckpt)
+        elif info.is_main_process:
+            log.info("trainer.resume_from=auto: no checkpoint of any %s run under %s: starting fresh",
+                     cfg.exp_name, run_dir.parent)
     return run
 
 
@@ -402,7 +482,7 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict
         batch = next(batches)
         tokens += int(batch["attention_mask"].sum())
         losses.append(run.engine.forward_backward(batch))
-    loss = all_mean(torch.stack(losses).mean().item())
+    loss = all_mean(torch.stack(losses).mean().item(), run.engine.device)
     finite = math.isfinite(loss)
     grad_norm = run.engine.optimizer_step(skip=not finite)
     if not finite:
@@ -413,7 +493,7 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict
                                f"{run.run_dir / 'checkpoints'}")
     return {"train/loss": loss, "train/lr": run.engine.current_lr(), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens / (time.perf_counter() - t0), "train/tokens": tokens,
-            "train/bad_steps": run.bad_steps}
+            "train/bad_steps": run.bad_steps, "train/peak_mem_mib": peak_memory_mib(run.engine.device)}
 
 
 def start(run: Run) -> None:
@@ -445,7 +525,9 @@ def train(run: Run) -> dict[str, float]:
             metrics.update(periodic_eval(run, done))
             run.logger.log(metrics, step=done)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-            if stop.requested:
+            # A signal reaches the ranks at slightly different steps, and saving is collective: all
+            # ranks stop at the first step after which any of them was asked to.
+            if any_rank(stop.requested, run.engine.device):
                 if run.is_main:
                     log.warning("stop requested: saving step %d and exiting", done)
                 save(run, done)
@@ -490,6 +572,7 @@ def cleanup(run: Run) -> None:
     if run.recorder is not None:
         run.recorder.close()
     run.logger.close()
+    run.zero3 = None
 
 
 def run(cfg: DictConfig | TrainConfig, run_dir: Path) -> dict[str, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,9 +24,10 @@ def fsync_tree(folder: Path) -> None:
 
 
 def temp_sibling(final: Path) -> Path:
-    """A process-unique hidden folder beside `final`, where its contents are written first."""
+    """A process-unique hidden folder beside `final`, where its contents are written first (host and
+    process id: on a file system that several nodes share, process ids alone repeat)."""
     final = Path(final)
-    return final.with_name(f".{final.name}.tmp{os.getpid()}")
+    return final.with_name(f".{final.name}.tmp{socket.gethostname()}-{os.getpid()}")
 
 
 def publish_dir(tmp: Path, final: Path, replace: bool) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -88,8 +88,14 @@ def validate_model(cfg: ModelConfig) -> None:
                          f"(model.arch={cfg.arch}); known: {', '.join(sorted(declared - {'self', 'kwargs'}))}")
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = None) -> PreTrainedModel:
-    """The configured causal LM: `from_pretrained` when `pretrained` is set, else random init."""
+def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = None,
+                gather: Callable[[torch.nn.Module], ContextManager] | None = None) -> PreTrainedModel:
+    """The configured causal LM: `from_pretrained` when `pretrained` is set, else random init.
+
+    `gather(module)`: a context in which `module`'s weights are whole, for a model partitioned while
+    it loads (ZeRO-3: `models.distributed.gathered`); the diff attention retrofit reads the
+    pretrained projections inside it.
+    """
     dtype = DType(cfg.dtype).torch
     if cfg.pretrained:
         # Importing models.diff_attention registers the diff model types with the Auto classes, so a
@@ -108,6 +114,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
             mode=str(cfg.diff.mode),
             layers=cfg.diff.layers if isinstance(cfg.diff.layers, str) else list(cfg.diff.layers),
             lambda_warmup_steps=cfg.diff.lambda_warmup_steps,
+            gather=gather,
         )
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -39,16 +39,38 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_checkpoint(resume_from: str, run_dir: str | Path) -> Path:
-    """`latest` (newest complete checkpoint of this run) or an explicit checkpoint folder."""
+def newest_checkpoint(run_dirs: list[Path]) -> Path | None:
+    """The most recently written complete checkpoint of any of `run_dirs` (its trainer_state.json is
+    written last), or None."""
+    found = [ckpt for run_dir in run_dirs for ckpt in list_checkpoints(run_dir)]
+    return max(found, key=lambda p: ((p / TRAINER_STATE).stat().st_mtime_ns, p.name), default=None)
+
+
+def resolve_checkpoint(resume_from: str, run_dir: str | Path) -> Path | None:
+    """The checkpoint `trainer.resume_from` names for a run writing into `run_dir`.
+
+    `latest`: the newest complete checkpoint of `run_dir` itself (continue this run in place);
+    `auto`: the newest of any run of the experiment, i.e. of `run_dir` and its sibling run
+    directories (outputs/<exp_name>/*/), or None when there is none (start fresh). `auto` is meant for
+    single runs: in a `-m` sweep the siblings are the other jobs of the sweep. Anything else: an
+    explicit checkpoint folder.
+    """
+    run_dir = Path(run_dir)
+    if resume_from == "auto":
+        parent = run_dir.resolve().parent
+        return newest_checkpoint(sorted(p for p in parent.iterdir() if p.is_dir())) if parent.is_dir() else None
     if resume_from == "latest":
         ckpts = list_checkpoints(run_dir)
         if not ckpts:
-            raise FileNotFoundError(f"trainer.resume_from=latest: no checkpoint under {Path(run_dir) / 'checkpoints'}")
+            raise FileNotFoundError(
+                f"trainer.resume_from=latest: no checkpoint under {run_dir / 'checkpoints'}. `latest` continues "
+                f"the run of this directory (set hydra.run.dir to it); to continue the newest run of the "
+                f"experiment from a fresh directory use trainer.resume_from=auto")
         return ckpts[-1]
     path = Path(resume_from)
     if not (path / TRAINER_STATE).is_file():
-        raise FileNotFoundError(f"trainer.resume_from={resume_from}: not a checkpoint folder (no {TRAINER_STATE})")
+        raise FileNotFoundError(f"trainer.resume_from={resume_from}: not a checkpoint folder (no {TRAINER_STATE}); "
+                                f"or `latest` (this run directory) or `auto` (the newest run of the experiment)")
     return path
 
 

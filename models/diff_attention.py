@@ -64,7 +64,9 @@ forward pass; a V2 layer that has not run a forward yet is left out.
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -372,14 +374,16 @@ def _swap_attention(model: nn.Module, version: str, mode: str, layers: Sequence[
 
 
 def convert_to_diff_attention(model: PreTrainedModel, version: str = "v1", mode: str = "scratch",
-                              layers: str | Sequence[int] = "all", lambda_warmup_steps: int | None = None
-                              ) -> PreTrainedModel:
+                              layers: str | Sequence[int] = "all", lambda_warmup_steps: int | None = None,
+                              gather: Callable[[nn.Module], ContextManager] | None = None) -> PreTrainedModel:
     """Swap diff attention into `layers` (0-based HF indices or "all") of a Qwen2/Llama/Mistral model.
 
     In place; returns `model`. `lambda_warmup_steps=None` means no warm-up for scratch and
     RETROFIT_WARMUP_STEPS for retrofit (whose step-0 exactness is the warm-up's ramp). The settings are
     recorded in `model.config.diff_attention`, which travels in `config.json` (see the module docstring
-    for the modes and the checkpoint format).
+    for the modes and the checkpoint format). `gather(module)`: a context in which a module's weights
+    are whole, for a model partitioned while it loaded (ZeRO-3); retrofit reads the original
+    projections inside it. The new modules are whole until the engine partitions them.
     """
     if getattr(model.config, "diff_attention", None):
         raise ValueError(f"model already has diff attention: {model.config.diff_attention}")
@@ -394,7 +398,8 @@ def convert_to_diff_attention(model: PreTrainedModel, version: str = "v1", mode:
     settings = dict(version=version, mode=mode, layers=layer_list, lambda_warmup_steps=lambda_warmup_steps)
     for original, new in _swap_attention(model, **settings):
         if mode == "retrofit":
-            new.retrofit_from(original)
+            with gather(original) if gather is not None else nullcontext():  # weights partitioned at load
+                new.retrofit_from(original)
     # a converted copy of the config, so that other holders of the original object are left alone
     config = copy.deepcopy(model.config)
     config.__class__ = _family(config)[2]

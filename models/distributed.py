@@ -3,17 +3,25 @@
 `train.py` drives every engine through the same four calls (`forward_backward`, `optimizer_step`,
 `save`, `load`), so single-process and multi-process runs share one loop. This is the only module
 that imports deepspeed or torch.distributed.
+
+Every collective runs on the engine's device (NCCL reduces CUDA tensors only): `all_mean`,
+`all_finite`, `any_rank` and `broadcast_object` take that device; `barrier` needs none (the rank's
+device is bound before the process group is joined).
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
-from contextlib import nullcontext
+import re
+import resource
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,7 +30,7 @@ from models.checkpoint import load_model_weights
 
 class Precision(StrEnum):
     fp32 = "fp32"
-    bf16 = "bf16"  # autocast on the single-process path; DeepSpeed's bf16 mode under DeepSpeed
+    bf16 = "bf16"  # fp32 master weights, bf16 compute: autocast single-process, DeepSpeed's bf16 mode under DeepSpeed
 
 
 class Device(StrEnum):
@@ -42,12 +50,41 @@ class DistInfo:
         return self.rank == 0
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `gpu[003-005,010],cpu1` -> `gpu003` (what `scontrol show
+    hostnames` prints first), `rack[1-2]-n[07-08]` -> `rack1-n07`."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # commas inside brackets separate ranges
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], first)
+
+
+def slurm_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """torch.distributed's variables mapped from SLURM's, for `srun python train.py` (one task per GPU).
+
+    Only inside an `srun` step (SLURM_STEP_NUM_TASKS: the batch script itself carries SLURM_PROCID
+    and SLURM_NTASKS too) and only when no launcher (torchrun, deepspeed) set RANK. MASTER_ADDR is the
+    step's first node; MASTER_PORT, unless exported, is derived from the job id (15000-24999), so two
+    jobs sharing a node do not collide. Returns {} when not started that way.
+    """
+    needed = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")
+    if "RANK" in environ or not all(environ.get(k) for k in needed):
+        return {}
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    return {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
+        "LOCAL_RANK": environ["SLURM_LOCALID"],
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodelist),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(15000 + int(environ.get("SLURM_JOB_ID", 0)) % 10000),
+    }
+
+
 def dist_info() -> DistInfo:
-    """Rank and world size from the launcher's environment (deepspeed / torchrun), else one process."""
+    """Rank and world size from the launcher's environment (deepspeed / torchrun / srun), else one process."""
+    env = {**os.environ, **slurm_env()}
     return DistInfo(
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        rank=int(env.get("RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
     )
 
 
@@ -70,8 +107,13 @@ def init_distributed(timeout_s: float) -> None:
     the run with an error instead of a silent hang.
     """
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    for key, value in slurm_env().items():  # srun without a launcher: deepspeed reads these
+        os.environ.setdefault(key, value)
     info = dist_info()
+    # Bind this rank's device before any collective (barrier() has no tensor to say which GPU).
+    get_accelerator().set_device(info.local_rank)
     try:
         deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
@@ -82,20 +124,35 @@ def init_distributed(timeout_s: float) -> None:
 
 
 class TorchEngine:
-    """Single-process training: autocast, gradient accumulation by loss scaling, clipping, AdamW."""
+    """Single-process training: fp32 master weights, autocast, accumulation by loss scaling, clipping, AdamW.
+
+    The update rule of DeepSpeed's bf16 mode: every trainable parameter is kept (and updated by
+    AdamW) in fp32, whatever `model.dtype` loaded it as, and `precision=bf16` runs the forward and
+    backward under bf16 autocast. Updating bf16 weights directly would round away every step smaller
+    than about 2^-9 of a weight (a 1e-5 learning rate on a weight of 0.01, say). Frozen weights (the
+    base of LoRA) stay in `model.dtype`. Memory: 16 bytes per trainable parameter (fp32 weight 4,
+    fp32 gradient 4, AdamW m and v 8) where AdamW on bf16 weights took 8; a full fine-tune of
+    Qwen2-0.5B (494M parameters) holds 7.4 GiB before activations instead of 3.7 GiB. Checkpoints
+    hold the fp32 weights (the exact resume state); load one with `model.dtype=bfloat16` to halve it.
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+        make_scheduler: Callable[[torch.optim.Optimizer], Any],
         device: torch.device,
         precision: Precision,
         grad_accum: int,
         grad_clip: float,
     ):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.device = device
+        self.model, self.device = model.to(device), device
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.dtype != torch.float32:
+                p.data = p.data.float()  # the master copy, in place: the module keeps using it
+        self.optimizer = make_optimizer(params)
+        self.scheduler = make_scheduler(self.optimizer)
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
         self._autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16) if Precision(precision) == Precision.bf16
@@ -143,13 +200,76 @@ class TorchEngine:
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
 
+def deepspeed_config(
+    base: Mapping[str, Any], precision: Precision, micro_batch_size: int, grad_accum: int, grad_clip: float,
+    world_size: int,
+) -> dict[str, Any]:
+    """The complete DeepSpeed config: `trainer.deepspeed` with the keys the loop's settings own filled in.
+
+    Micro-batch, accumulation, clipping and bf16 come from the trainer settings, so the two never
+    disagree; the rest of `base` is passed as is. One config serves both users: `zero3_load_context`
+    (partitioning at load) and `DeepSpeedEngine`.
+    """
+    config = copy.deepcopy(dict(base))
+    config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=grad_accum,
+        gradient_clipping=grad_clip,
+        bf16={"enabled": Precision(precision) == Precision.bf16},
+        train_batch_size=micro_batch_size * grad_accum * world_size,
+    )
+    config.setdefault("steps_per_print", 10**9)  # the loop logs; keep DeepSpeed quiet
+    config.setdefault("zero_allow_untested_optimizer", True)
+    return config
+
+
+def zero_stage(config: Optional[Mapping[str, Any]]) -> int:
+    return int(((config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def zero3_load_context(config: Optional[Mapping[str, Any]]) -> Any:
+    """Under ZeRO-3: the object that makes `from_pretrained` / `from_config` partition at load, else None.
+
+    While the returned `HfDeepSpeedConfig` is alive, transformers builds every model inside
+    `deepspeed.zero.Init`, so no rank ever holds the full weights; keep it for the whole run (drop
+    it to end that). It needs the joined process group and the complete config (`deepspeed_config`).
+    """
+    if zero_stage(config) != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(copy.deepcopy(dict(config)))
+
+
+def partitioned_count(module: torch.nn.Module) -> tuple[int, int]:
+    """(parameter tensors partitioned by ZeRO-3, all parameter tensors) of `module`."""
+    params = list(module.parameters())
+    return sum(hasattr(p, "ds_id") for p in params), len(params)
+
+
+@contextmanager
+def gathered(module: torch.nn.Module) -> Iterator[None]:
+    """`module`'s ZeRO-3-partitioned parameters whole on every rank inside the block, read-only.
+
+    A collective: every rank enters it. A no-op for a module without partitioned parameters.
+    """
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
 class DeepSpeedEngine:
     """Multi-process training with a DeepSpeed engine (ZeRO-2/3, offload), same calls as `TorchEngine`.
 
-    The loop's settings fill the DeepSpeed config keys they own (micro-batch, accumulation,
-    clipping, bf16), so the two never disagree; the rest of `trainer.deepspeed` is passed as is.
-    The optimizer is torch AdamW and the schedule the loop's LambdaLR, so a DeepSpeed run follows
-    exactly the single-process update rule.
+    `config` is the complete one of `deepspeed_config`. The optimizer is torch AdamW and the schedule
+    the loop's LambdaLR, so a DeepSpeed run follows exactly the single-process update rule (bf16:
+    fp32 master weights in the optimizer, bf16 compute). The process group must be joined first
+    (`init_distributed`), as the model under ZeRO-3 was already partitioned at load.
     """
 
     def __init__(
@@ -157,27 +277,11 @@ class DeepSpeedEngine:
         model: torch.nn.Module,
         make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
         make_scheduler: Callable[[torch.optim.Optimizer], Any],
-        ds_config: dict[str, Any],
-        precision: Precision,
-        micro_batch_size: int,
-        grad_accum: int,
-        grad_clip: float,
-        collective_timeout_s: float,
+        config: dict[str, Any],
     ):
         import deepspeed
 
-        init_distributed(collective_timeout_s)
         self.info = dist_info()
-        config = dict(ds_config)
-        config.update(
-            train_micro_batch_size_per_gpu=micro_batch_size,
-            gradient_accumulation_steps=grad_accum,
-            gradient_clipping=grad_clip,
-            bf16={"enabled": precision == "bf16"},
-            train_batch_size=micro_batch_size * grad_accum * self.info.world_size,
-        )
-        config.setdefault("steps_per_print", 10**9)  # the loop logs; keep DeepSpeed quiet
-        config.setdefault("zero_allow_untested_optimizer", True)
         params = [p for p in model.parameters() if p.requires_grad]
         if config.get("zero_optimization", {}).get("offload_optimizer"):
             # Offloaded optimizer states live in CPU RAM, where DeepSpeed requires its own CPU Adam.
@@ -209,9 +313,7 @@ class DeepSpeedEngine:
         loss = self.engine(**batch).loss
         # Every rank must take part in the backward collectives, so a non-finite loss anywhere
         # skips the micro-step on all ranks.
-        finite = torch.isfinite(loss.detach()).float()
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        if finite.item() == 1.0:
+        if all_finite(loss.detach(), self.device):
             self.engine.backward(loss)
             self.engine.step()
         return loss.detach()
@@ -244,16 +346,70 @@ class DeepSpeedEngine:
             raise FileNotFoundError(f"{folder / 'deepspeed'}: no DeepSpeed checkpoint to resume from")
 
 
-def all_mean(value: float) -> float:
-    """Mean of a scalar over ranks (the value itself in a single process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def all_mean(value: float, device: torch.device) -> float:
+    """Mean of a scalar over ranks (the value itself in a single process), reduced on `device`."""
+    if not _distributed():
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
     return t.item() / torch.distributed.get_world_size()
 
 
+def all_finite(value: torch.Tensor, device: torch.device) -> bool:
+    """Whether `value` is finite on every rank, reduced on `device`."""
+    finite = torch.isfinite(value).all().to(device=device, dtype=torch.float32).reshape(1)
+    if _distributed():
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    return finite.item() == 1.0
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` is set on any rank, reduced on `device`: one answer for all ranks."""
+    if not _distributed():
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item() > 0
+
+
+def broadcast_object(obj: Any, device: torch.device) -> Any:
+    """The main process's `obj` (picklable) on every rank, so that all ranks act on one decision."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process so far: allocated on a CUDA device, else the resident set (RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         torch.distributed.barrier()
+
+
+@contextmanager
+def main_first(info: DistInfo) -> Iterator[None]:
+    """Run the block on the main process, then on the first process of every other node, then on the rest.
+
+    For work that fills a cache (data build, tokenizer training, downloads): the main process fills
+    it, the others load it; on nodes whose cache is local, that node's first process fills it for its
+    node. Every rank passes two barriers. A failure inside the block does not release the waiting
+    ranks: the launcher ends them (or the collective timeout does).
+    """
+    stage = 0 if info.is_main_process else 1 if info.local_rank == 0 else 2
+    for _ in range(stage):
+        barrier()
+    yield
+    for _ in range(2 - stage):
+        barrier()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -98,6 +99,22 @@ def _check_zero3_adapter(run_dir, ckpt):
     ids = torch.arange(5, 40).unsqueeze(0)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, trained.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_zero3_partitions_pretrained_weights_while_they_load(tmp_path):
+    """`from_pretrained` under ZeRO-3 never holds the whole model on a rank, and loads the same model."""
+    base = _single(tmp_path, "base", steps=1) / "checkpoints" / "step-1"
+    pretrained = ["model=hf", f"model.pretrained={base}", *(o for o in TINY if not o.startswith("model.init."))]
+    run_dir = tmp_path / "zero3"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "train.py", *pretrained, *STEPS,
+           "trainer=zero3", "trainer.max_steps=1", f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert re.search(r"ZeRO-3: (\d+) of \1 parameter tensors partitioned at load", (run_dir / "train.log").read_text())
+    single = tmp_path / "single"
+    subprocess.run([sys.executable, "train.py", *pretrained, *STEPS, "trainer.max_steps=1", "trainer.grad_accum=2",
+                    f"hydra.run.dir={single}"], cwd=ROOT, env=_env(tmp_path), capture_output=True, check=True)
+    assert _losses(run_dir)[1] == pytest.approx(_losses(single)[1], rel=1e-4)
 
 
 def test_zero2_resume_matches_uninterrupted(tmp_path):

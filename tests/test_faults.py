@@ -1,4 +1,4 @@
-"""Training that survives faults: SIGTERM, a kill mid-save, non-finite losses."""
+"""Training that survives faults: SIGTERM / SIGUSR1, a kill mid-save, non-finite losses."""
 from __future__ import annotations
 
 import json
@@ -82,7 +82,8 @@ def test_too_many_nonfinite_losses_stop_the_run(compose_cfg, tmp_path, monkeypat
         run(compose_cfg(*TINY, "trainer.max_steps=5", "trainer.max_bad_steps=1"), tmp_path)
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])  # USR1: SLURM
+def test_a_stop_signal_saves_and_exits_cleanly(tmp_path, signum):
     env = {**os.environ, "POSDEBIAS_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "train.py", *TINY, "trainer.max_steps=100000", f"hydra.run.dir={tmp_path / 'run'}"],
@@ -93,12 +94,30 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     assert "stop requested" in out
     ckpt = resolve_checkpoint("latest", tmp_path / "run")
     AutoModelForCausalLM.from_pretrained(ckpt)
+
+
+def test_a_stop_requested_on_another_rank_stops_every_rank_after_the_same_step(compose_cfg, tmp_path, monkeypatch):
+    """A signal reaches the ranks at slightly different steps, and saving is collective. A process group
+    stand-in in which another rank was asked to stop during step 2: this rank saves step 2 and exits."""
+    dist, asked = torch.distributed, []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        if op == dist.ReduceOp.MAX:  # "was any rank asked to stop?", once per step
+            asked.append(len(asked) + 1 == 2)
+            tensor.fill_(float(asked[-1]))
+
+    for name, fake in {"is_initialized": lambda: True, "get_world_size": lambda *a, **k: 1,
+                       "get_rank": lambda *a, **k: 0, "barrier": lambda *a, **k: None, "all_reduce": all_reduce}.items():
+        monkeypatch.setattr(dist, name, fake)
+    run(compose_cfg(*TINY, "trainer.max_steps=6"), tmp_path)
+    assert asked == [False, True]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-2"]
 
 
 def test_rank_that_cannot_reach_the_others_fails_naming_itself(tmp_path):
