@@ -48,7 +48,9 @@ def _minimal(cfg, skip: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: train.warmup_cosine(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
-    stream = iter(BatchStream(bundle.train, t.micro_batch_size, tok.pad_token_id, cfg.seed))
+    # The same samples in the same order as the loop: a curriculum's split is read in stored order.
+    stream = iter(BatchStream(bundle.train, t.micro_batch_size, tok.pad_token_id, cfg.seed,
+                              ordered_first_epoch=cfg.data.in2.curriculum > 0))
     batches = [next(stream) for _ in range(t.max_steps)]  # pre-collated: the loop does nothing else
     tokens, start = 0, None
     for step, batch in enumerate(batches):

@@ -11,9 +11,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from analysis.jacobian import jacobian_profile
+from models.build import build_model
 from models.diff_attention import convert_to_diff_attention
+from models.distributed import all_mean
 from tests.conftest import TINY
-from train import run
+from train import as_train_config, build_engine, run
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -55,3 +57,30 @@ def test_two_bf16_steps_on_cuda_train_and_save(compose_cfg, tmp_path):
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert (tmp_path / "checkpoints" / "step-2" / "model.safetensors").is_file()
+
+
+def test_all_mean_runs_under_nccl_on_the_device(tmp_path):
+    """The loss reduction of every step, through a real NCCL group (one rank): NCCL refuses CPU tensors."""
+    torch.distributed.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        assert all_mean(3.5, torch.device("cuda", 0)) == 3.5
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_bf16_on_cuda_trains_fp32_masters_so_a_small_update_survives(compose_cfg):
+    cfg = as_train_config(compose_cfg(*TINY, "model.dtype=bfloat16", "trainer=gpu", "trainer.weight_decay=0",
+                                      "trainer.warmup_steps=0", "trainer.grad_clip=0"))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 400, 0)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    index = int(weight.detach().abs().argmax())
+    before = weight.detach().flatten()[index].item()
+    cfg.trainer.lr = 1e-4 * abs(before)  # AdamW's first step moves each weight by lr
+    engine = build_engine(model, cfg.trainer, None)
+    ids = torch.randint(1, 400, (2, 32), generator=torch.Generator().manual_seed(0))
+    engine.forward_backward({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    engine.optimizer_step()
+    after = weight.detach().flatten()[index].item()
+    assert weight.device.type == "cuda" and weight.dtype == torch.float32
+    assert abs(after - before) == pytest.approx(cfg.trainer.lr, rel=0.05)
