@@ -113,7 +113,7 @@ def _wall_s(cmd: list[str], **kwargs) -> tuple[float, subprocess.CompletedProces
 
 def test_a_typo_on_the_command_line_fails_right_after_the_imports(tmp_path):
     """Composition rejects it before any work: the run costs what importing train.py costs (torch,
-    transformers: ~9 s on 2 idle cores), not the data build and model that +exp=in2 would start with."""
+    transformers: 5-8 s on 2 idle cores), not the data build and model that +exp=in2 would start with."""
     imports, _ = _wall_s([sys.executable, "-c", "import train"], check=True)
     typo, out = _wall_s([sys.executable, "train.py", "+exp=in2", "logger.mode=ofline", f"hydra.run.dir={tmp_path}"])
     assert out.returncode != 0 and "logger.mode" in out.stderr and "offline, online, disabled" in out.stderr
