@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +20,14 @@ from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from data_builders.config import DataConfig, DataFormat, as_data_config, config_dict, validate_data
+from data_builders.config import (
+    DataConfig,
+    DataFormat,
+    as_data_config,
+    config_dict,
+    ignored_settings,
+    validate_data,
+)
 from data_builders.files import atomic_dir
 from data_builders.in2 import RECORD_FEATURES, build_in2
 from data_builders.pools import tokenizer_digest
@@ -27,6 +35,7 @@ from data_builders.sources import file_identity
 from data_builders.tokenizer import default_cache_dir
 from data_builders.windows import build_windows
 
+log = logging.getLogger(__name__)
 BUILD_FILE = "build.json"
 HELDOUT_FILE = "heldout_docs.json"
 # The code an IN2 build's bytes depend on: a change in any of these files gives a new fingerprint.
@@ -125,6 +134,8 @@ def build_datasets(cfg: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None
     """
     cfg = as_data_config(cfg)
     validate_data(cfg)
+    if ignored := ignored_settings(cfg):  # said once per build instead of silently ignored
+        log.warning("data.format=%s does not use these settings: %s", cfg.format, ", ".join(ignored))
     if cfg.prebuilt:
         return load_prebuilt(cfg.prebuilt, tokenizer)
     if cfg.format == DataFormat.lm_windows:

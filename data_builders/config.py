@@ -9,15 +9,12 @@ A default is written once, here; the presets in conf/data/ hold only what differ
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
-
-log = logging.getLogger(__name__)
 
 # Data files a `datasets` builder reads, by suffix (after any compression suffix is dropped).
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -203,11 +200,13 @@ def validate_data(cfg: DataConfig) -> None:
         _validate_in2(cfg)
     else:
         _validate_windows(cfg)
-    unused = "windows" if cfg.format == DataFormat.in2 else "in2"
-    changed = _changed(getattr(cfg, unused), type(getattr(cfg, unused))(), f"data.{unused}")
-    if changed:  # said once at start-up instead of silently ignored
-        log.warning("data.format=%s does not use data.%s; ignored: %s", cfg.format, unused, ", ".join(changed))
     check_paths(cfg.source, cfg.path, cfg.filler_path)
+
+
+def ignored_settings(cfg: DataConfig) -> list[str]:
+    """`data.<section>.key=value` of every changed setting in the section that `cfg.format` does not use."""
+    unused = "windows" if cfg.format == DataFormat.in2 else "in2"
+    return _changed(getattr(cfg, unused), type(getattr(cfg, unused))(), f"data.{unused}")
 
 
 def _changed(section: Any, default: Any, prefix: str) -> list[str]:
