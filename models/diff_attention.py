@@ -52,8 +52,12 @@ Checkpoints: conversion sets `config.diff_attention = {"version", "mode", "layer
 and gives the config (and a *ForCausalLM model) a diff subclass whose `model_type` is `<base>_diff`
 (`qwen2_diff`, `llama_diff`, `mistral_diff`), registered with the Auto classes when this module is
 imported. `load_pretrained_with_diff` (or `AutoModelForCausalLM.from_pretrained` after importing this
-module) rebuilds the diff layers and loads every weight; a process that has not imported this module gets
-transformers' "unrecognized model type" error instead of a model silently missing its negative maps.
+module) rebuilds the diff layers and loads every weight. The classes are also registered for the Auto
+classes' remote code: `save_pretrained` copies this file (which imports only torch and transformers) beside
+the weights and names its classes in config.json's `auto_map`, so a checkpoint folder copied anywhere
+loads with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` in a process without this
+project (the Hub, lm-evaluation-harness); without `trust_remote_code` transformers refuses to run that
+code, an error instead of a model silently missing its negative maps.
 Naming the base class (`Qwen2ForCausalLM.from_pretrained`) raises for V1 scratch (its projections have
 other shapes) and otherwise logs transformers' model-type warning and load report of UNEXPECTED keys.
 
@@ -329,6 +333,10 @@ _LM_CLASSES = {
 for _config_cls, _lm_cls in zip((Qwen2DiffConfig, LlamaDiffConfig, MistralDiffConfig), _LM_CLASSES.values()):
     AutoConfig.register(_config_cls.model_type, _config_cls, exist_ok=True)
     AutoModelForCausalLM.register(_config_cls, _lm_cls, exist_ok=True)
+    # save_pretrained copies this file beside the weights and names its classes in config.json's
+    # auto_map: the checkpoint then loads with trust_remote_code=True where this project is absent.
+    _config_cls.register_for_auto_class()
+    _lm_cls.register_for_auto_class("AutoModelForCausalLM")
 
 
 # λ ramps in over this many optimizer steps by default in retrofit mode: long enough that the negative

@@ -3,8 +3,11 @@
 import copy
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,13 +317,64 @@ def test_save_load_roundtrip(tmp_path, version, mode, layers):
 def test_plain_load_fails_loudly_without_this_module(tmp_path):
     diff_model("v1", "scratch").save_pretrained(tmp_path)
     code = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "qwen2_diff" in result.stderr
+    result = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    # the checkpoint carries its code, which a process runs only when told to
+    assert result.returncode != 0 and "trust_remote_code" in result.stderr, result.stderr[-2000:]
     # the base class by name: V1 scratch's halved query/key projections do not fit it
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         Qwen2ForCausalLM.from_pretrained(str(tmp_path))
     # with this module imported, the plain Auto loader rebuilds the diff layers
     assert type(AutoModelForCausalLM.from_pretrained(str(tmp_path))).__name__ == "Qwen2DiffForCausalLM"
+
+
+# Run in a fresh interpreter (-I: no PYTHONPATH, no script folder on sys.path) from a folder outside
+# the repository: loads each checkpoint with its own modeling code and lists any module of this
+# project that got imported (the editable install keeps the project importable, so this is checked).
+LOAD_ELSEWHERE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+repo, ids, folders = sys.argv[1], torch.tensor(json.loads(sys.argv[2])), sys.argv[3:]
+out = {}
+for folder in folders:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        out[folder] = {"class": type(model).__module__ + "." + type(model).__name__,
+                       "logits": model(ids).logits.tolist()}
+project = sorted(name for name, module in sys.modules.items()
+                 if (getattr(module, "__file__", None) or "").startswith(repo + "/")
+                 and "/.venv/" not in module.__file__)
+print(json.dumps({"models": out, "project_modules": project}))
+"""
+
+
+def test_checkpoint_loads_away_from_the_repo_with_trust_remote_code(tmp_path):
+    """save_pretrained copies the modeling code: a folder copied anywhere loads without this project."""
+    cases = {"qwen2-v1-scratch": ("qwen2", "v1", "scratch"), "llama-v1-retrofit": ("llama", "v1", "retrofit"),
+             "mistral-v2-retrofit": ("mistral", "v2", "retrofit")}
+    ids = tokens(batch=2, length=12)
+    elsewhere, expected = tmp_path / "elsewhere", {}
+    for name, (family, version, mode) in cases.items():
+        model = diff_model(version, mode, family)
+        set_diff_step(model, 1)  # mid warm-up for retrofit: the ramp must travel too
+        with torch.no_grad():
+            expected[name] = model(ids).logits
+        model.save_pretrained(tmp_path / "saved" / name)
+        config = json.loads((tmp_path / "saved" / name / "config.json").read_text())
+        assert config["auto_map"]["AutoModelForCausalLM"] == f"diff_attention.{type(model).__name__}"
+        shutil.copytree(tmp_path / "saved" / name, elsewhere / name)
+    shutil.rmtree(tmp_path / "saved")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, "-I", "-c", LOAD_ELSEWHERE, repo, json.dumps(ids.tolist()),
+                             *cases], capture_output=True, text=True, timeout=300, cwd=elsewhere, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["project_modules"] == []
+    for name in cases:
+        assert got["models"][name]["class"].startswith("transformers_modules."), got["models"][name]["class"]
+        torch.testing.assert_close(torch.tensor(got["models"][name]["logits"]), expected[name], atol=1e-5, rtol=0)
 
 
 def test_lora_on_diff_layers_trains_and_saves(tmp_path):
