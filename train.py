@@ -52,7 +52,7 @@ from data_builders.build import DataBundle, build_datasets
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.tokenizer import load_tokenizer
-from models.build import ModelConfig, build_model, validate_model
+from models.build import ModelConfig, build_model, differs_from_pretrained, validate_model
 from models.checkpoint import atomic_checkpoint, load_trainer_state, resolve_checkpoint, save_trainer_state
 from models.diff_attention import diff_lambda_stats, set_diff_step
 from models.distributed import (
@@ -304,8 +304,9 @@ def load_model(cfg: TrainConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBa
     if zero3 is not None and info.is_main_process:
         n, total = partitioned_count(model)
         log.info("ZeRO-3: %d of %d parameter tensors partitioned at load (zero.Init)", n, total)
-    if cfg.peft.method != PeftMethod.none and not cfg.model.pretrained:
-        # Adapters of a random-init model are useless without their base: keep it beside them.
+    if cfg.peft.method != PeftMethod.none and differs_from_pretrained(cfg.model):
+        # Adapters are useless without their base: keep it beside them when `model.pretrained` alone
+        # does not give it (a random init, or diff layers swapped in).
         with gathered(model):
             if info.is_main_process:
                 model.save_pretrained(run_dir / "base_model", safe_serialization=True)

@@ -88,6 +88,17 @@ def validate_model(cfg: ModelConfig) -> None:
                          f"(model.arch={cfg.arch}); known: {', '.join(sorted(declared - {'self', 'kwargs'}))}")
 
 
+def differs_from_pretrained(cfg: ModelConfig) -> bool:
+    """Whether `build_model(cfg)` differs from `from_pretrained(cfg.pretrained)`: a random init, or diff
+    layers swapped into a checkpoint that had none (LoRA adapters of such a model need its base saved)."""
+    if not cfg.pretrained:
+        return True
+    if cfg.attention == Attention.standard:
+        return False
+    config = AutoConfig.from_pretrained(cfg.pretrained, trust_remote_code=cfg.trust_remote_code)
+    return not getattr(config, "diff_attention", None)
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = None,
                 gather: Callable[[torch.nn.Module], ContextManager] | None = None) -> PreTrainedModel:
     """The configured causal LM: `from_pretrained` when `pretrained` is set, else random init.

@@ -5,8 +5,8 @@ was written and flushed (`data_builders.files.publish_dir`), so a kill mid-save 
 checkpoint as the latest one.
 
 A checkpoint holds a full `save_pretrained` model, or LoRA adapters only (adapter_config.json). The
-adapters' base is `<run_dir>/base_model/` when the run saved one (a random-init base: without it the
-adapters are useless), else the `base_model_name_or_path` of adapter_config.json (the
+adapters' base is `<run_dir>/base_model/` when the run saved one (a random-init base, or one with diff
+layers swapped in: without it the adapters are useless), else the `base_model_name_or_path` of adapter_config.json (the
 `model.pretrained` the run started from). `load_checkpoint_model` is the one loader of both kinds.
 """
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Any, Callable, NamedTuple
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-import models.diff_attention  # noqa: F401  (registers the diff model types: a diff checkpoint loads as one)
 from data_builders.files import fsync_tree, publish_dir
 from models.build import DType
+from models.diff_attention import DiffAttentionMixin, set_diff_step  # registers the diff model types
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
-BASE_MODEL = "base_model"  # <run_dir>/base_model/: the saved random-init base of a LoRA run
+BASE_MODEL = "base_model"  # <run_dir>/base_model/: the saved base of a LoRA run (see the module docstring)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -215,23 +215,44 @@ def load_checkpoint_model(
     dtype: DType | str = "auto",
     merge_lora: bool = True,
     base: str | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """The checkpoint's causal LM in eval mode (on the CPU); LoRA adapters applied to their base.
 
-    `dtype`: a `DType` value, or "auto" for the dtype the weights were saved in. With `merge_lora`
-    the adapters are merged into the base weights (safe_merge: NaN/inf in a merged weight raises),
-    else the result is a peft model. `run_dir` and `base` as in `base_weights`. Remote code is never
-    run. Raises OSError, ValueError, RuntimeError or KeyError (transformers and peft errors) naming
-    what failed.
+    `checkpoint`: a folder, or a hub id (a model that was never trained here). `dtype`: a `DType`
+    value, or "auto" for the dtype the weights were saved in. `attn_implementation`: transformers'
+    (eager, sdpa, flash_attention_2, ...); None = its default. With `merge_lora` the adapters are
+    merged into the base weights (safe_merge: NaN/inf in a merged weight raises), else the result is a
+    peft model. `run_dir` and `base` as in `base_weights`. Remote code runs only with
+    `trust_remote_code`. Raises OSError, ValueError, RuntimeError or KeyError (transformers and peft
+    errors) naming what failed.
     """
     weights = base_weights(checkpoint, run_dir, base)
     model = AutoModelForCausalLM.from_pretrained(
-        weights.path, dtype="auto" if dtype == "auto" else DType(dtype).torch, trust_remote_code=False
+        weights.path, dtype="auto" if dtype == "auto" else DType(dtype).torch,
+        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
     )
     if weights.adapters:
         from peft import PeftModel  # peft is imported only for adapter checkpoints
 
         model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=False)
+        _restore_diff_ramp(model, Path(checkpoint))
         if merge_lora:
             model = model.merge_and_unload(safe_merge=True)
     return model.eval()
+
+
+def _restore_diff_ramp(model: torch.nn.Module, checkpoint: Path) -> None:
+    """Set the λ warm-up of a diff base to the adapters' training step.
+
+    The ramp is a buffer of the base model, which adapters do not carry: the run's `base_model/` was
+    saved before the first update, so without this a retrofit base would compute as at step 0.
+    """
+    if not any(isinstance(m, DiffAttentionMixin) and m.lambda_warmup_steps > 0 for m in model.modules()):
+        return
+    state = checkpoint / TRAINER_STATE
+    if not state.is_file():
+        raise FileNotFoundError(f"{checkpoint}: LoRA adapters on a differential-attention base need the training "
+                                f"step for the λ warm-up, read from {TRAINER_STATE}, which is missing")
+    set_diff_step(model, int(json.loads(state.read_text())["step"]))

@@ -8,7 +8,8 @@ such as a `peft=lora` run's `checkpoints/step-N/`. The base model is, in this or
 
 1. `--base` (hub id or folder), when given;
 2. `<run_dir>/base_model/` when ADAPTER_DIR is `<run_dir>/checkpoints/step-N` and that folder exists
-   (train.py keeps the random-init base of a LoRA run there: without it the adapter is useless);
+   (train.py keeps the base of a LoRA run there when `model.pretrained` alone does not give it: a
+   random init, or diff layers swapped in; without it the adapter is useless);
 3. `base_model_name_or_path` of adapter_config.json (the `model.pretrained` the run started from).
 
 Steps 2 and 3 and the loading are `models.checkpoint.load_checkpoint_model`, the project's one

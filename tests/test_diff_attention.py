@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
@@ -377,36 +376,6 @@ def test_checkpoint_loads_away_from_the_repo_with_trust_remote_code(tmp_path):
         torch.testing.assert_close(torch.tensor(got["models"][name]["logits"]), expected[name], atol=1e-5, rtol=0)
 
 
-def test_lora_on_diff_layers_trains_and_saves(tmp_path):
-    model = diff_model("v1", "scratch")
-    model.save_pretrained(tmp_path / "base")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "q2_proj", "k2_proj"]
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                  modules_to_save=["diff_lambda"]))
-    peft_model.train()
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-    ids = tokens(batch=4, length=24)
-    losses = []
-    for _ in range(8):
-        loss = peft_model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.1, losses
-
-    peft_model.save_pretrained(tmp_path / "adapter")
-    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
-        keys = list(f.keys())
-    assert any("q2_proj.lora_A" in k for k in keys) and any("k2_proj.lora_B" in k for k in keys)
-    assert any("diff_lambda" in k for k in keys)
-    peft_model.eval()
-    base = load_pretrained_with_diff(str(tmp_path / "base"))
-    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded.eval()(ids).logits, peft_model(ids).logits, atol=1e-6, rtol=0)
-
-
 # ---------------------------------------------------------------- the closed-form prior at initialization
 
 
@@ -472,3 +441,51 @@ def test_bench_diff_rows():
     assert rows[0]["ratio"] == 1.0 and rows[0]["mem_ratio"] == 1.0
     assert all(row["ratio"] > 0 and row["mem_mb"] > 0 for row in rows)
     assert rows[1]["params"] != rows[0]["params"]  # V1 adds λ and the per-head norm: the swap happened
+
+
+# ---------------------------------------------------------------- LoRA runs on a diff retrofit, end to end
+
+
+def test_lora_run_trains_the_new_maps_and_its_checkpoint_merges(tmp_path):
+    """`peft=lora` on a retrofit: q2/k2 get adapters and λ trains in full; the run keeps the converted
+    base, and the checkpoint loads (ramp restored) and merges to what base + adapters compute."""
+    from safetensors.torch import load_file
+
+    from models.checkpoint import load_checkpoint_model
+    from tests.conftest import TINY
+    from train import compose_config, run
+
+    run(compose_config([*TINY, "trainer.max_steps=1"]), tmp_path / "pretrained")
+    pretrained = tmp_path / "pretrained" / "checkpoints" / "step-1"
+    no_init = [o for o in TINY if not o.startswith("model.init.")]
+    run_dir = tmp_path / "lora"
+    run(compose_config([*no_init, "model=hf", f"model.pretrained={pretrained}", "model.attention=diff_v1",
+                        "model.diff.lambda_warmup_steps=2", "peft=lora", "trainer.lr=1e-2",
+                        "trainer.warmup_steps=0", "trainer.max_steps=4"]), run_dir)
+    ckpt = run_dir / "checkpoints" / "step-4"
+    adapters = load_file(ckpt / "adapter_model.safetensors")
+    q2_b = [v for k, v in adapters.items() if "q2_proj.lora_B" in k]
+    assert q2_b and all(v.abs().max() > 0 for v in q2_b), "the negative map's adapters never moved"
+    assert any("k2_proj.lora_A" in k for k in adapters)
+    base = AutoModelForCausalLM.from_pretrained(run_dir / "base_model").eval()  # the converted base, at step 0
+    assert base.config.diff_attention["mode"] == "retrofit"
+    trained_lambda = {k: v for k, v in adapters.items() if "diff_lambda" in k}
+    base_lambda = dict(base.named_parameters())
+    assert trained_lambda and all(not torch.equal(v, base_lambda[k.replace("base_model.model.", "")
+                                                                  .replace(".modules_to_save.default", "")])
+                                  for k, v in trained_lambda.items() if "modules_to_save" in k)
+
+    peft_model = load_checkpoint_model(ckpt, merge_lora=False)
+    merged = load_checkpoint_model(ckpt)
+    assert all(float(m.lambda_ramp) == 1.0 for m in merged.modules() if hasattr(m, "lambda_ramp"))
+    ids = tokens(batch=2, length=20) % base.config.vocab_size
+    with torch.no_grad():
+        want = peft_model(ids).logits
+        torch.testing.assert_close(merged(ids).logits, want, atol=1e-5, rtol=0)
+        assert (want - base(ids).logits).abs().max() > 1e-3  # the adapters changed the function
+    # merged weight = base weight + (alpha / r) B A, for the zero-initialized negative query
+    attn, scale = merged.model.layers[0].self_attn, 16 / 8
+    a = next(v for k, v in adapters.items() if "layers.0.self_attn.q2_proj.lora_A" in k)
+    b = next(v for k, v in adapters.items() if "layers.0.self_attn.q2_proj.lora_B" in k)
+    torch.testing.assert_close(attn.q2_proj.weight, base.model.layers[0].self_attn.q2_proj.weight + scale * b @ a,
+                               atol=1e-6, rtol=0)
