@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from models.checkpoint import load_model_weights
+from models.loss import causal_lm_loss
 
 
 class Precision(StrEnum):
@@ -166,9 +167,8 @@ class TorchEngine:
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Loss of one micro-batch (unscaled, detached); its gradient is accumulated."""
-        batch = {k: v.to(self.device) for k, v in batch.items()}
         with self._autocast:
-            loss = self.model(**batch).loss
+            loss = causal_lm_loss(self.model, batch, self.device)
         if torch.isfinite(loss):
             (loss / self.grad_accum).backward()
         return loss.detach()
@@ -309,8 +309,7 @@ class DeepSpeedEngine:
         return self.engine
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        loss = self.engine(**batch).loss
+        loss = causal_lm_loss(self.engine, batch, self.device)
         # Every rank must take part in the backward collectives, so a non-finite loss anywhere
         # skips the micro-step on all ranks.
         if all_finite(loss.detach(), self.device):

@@ -1,0 +1,76 @@
+"""The training loss without the full logits tensor: vocabulary logits only where a label is.
+
+An IN2 sample's loss covers its answer and eos tokens, a few dozen of up to 32K positions, yet a plain
+`model(**batch).loss` projects every position onto the vocabulary: (B, L, V) fp32 logits, ~4 GiB per
+32K sample with a 32K vocabulary. `causal_lm_loss` computes the same number (the mean next-token
+cross-entropy over labelled tokens, as transformers' causal-LM loss) in one of two ways:
+
+- sparse labels (IN2, probes): transformers' `logits_to_keep` with the positions whose next token is
+  labelled in some row of the batch, so the LM head runs only there;
+- dense labels (language-model windows, every token labelled): the model's last hidden states are
+  projected and scored `LOSS_CHUNK` positions at a time, each chunk under activation checkpointing,
+  so at most one chunk's logits exist at once, in the forward and in the backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+LOSS_CHUNK = 1024  # positions per chunk of the dense path: (LOSS_CHUNK, V) fp32 logits at a time
+# Above this share of labelled positions the mask saves little, and the chunked path saves more.
+DENSE_SHARE = 0.5
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside a DeepSpeed engine and/or a peft model (adapters stay injected)."""
+    model = getattr(model, "module", model)  # DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")
+
+
+def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
+                 chunk: int = LOSS_CHUNK) -> tuple[torch.Tensor, int]:
+    """(summed next-token NLL over the labelled tokens, their count) of one batch.
+
+    `model`: what the caller runs forward (an HF causal LM, or a peft model / DeepSpeed engine around
+    one). `batch`: input_ids, attention_mask and labels (B, L), IGNORE where no loss is; moved to
+    `device` after the labels were counted where they are (on the host: no device sync).
+    """
+    labels = batch["labels"]
+    labelled = labels[:, 1:] != IGNORE  # (B, L-1): position p predicts token p + 1
+    count = int(labelled.sum())
+    positions = labelled.any(dim=0).nonzero().squeeze(1)  # (K,) positions where some row has a label
+    batch = {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+    targets = batch["labels"][:, 1:]  # (B, L-1)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if positions.numel() <= DENSE_SHARE * targets.shape[1]:
+        positions = positions.to(targets.device)
+        # the same positions for every row (what `logits_to_keep` takes in every transformers version)
+        logits = model(**inputs, logits_to_keep=positions).logits  # (B, K, V)
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=IGNORE,
+                              reduction="sum")
+        return nll, count
+    # Through the model's own forward (a DeepSpeed engine hooks it), with no logits kept; transformers
+    # gives the last (normed) hidden states as hidden_states[-1].
+    out = model(**inputs, logits_to_keep=positions[:0].to(targets.device), output_hidden_states=True)
+    hidden = out.hidden_states[-1][:, :-1]  # (B, L-1, H)
+    hidden, targets = hidden.flatten(0, 1), targets.flatten()  # (B(L-1), H), (B(L-1),)
+    head = unwrap(model).get_output_embeddings()
+    nll = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        piece = slice(start, start + chunk)
+        nll = nll + checkpoint(_chunk_nll, head, hidden[piece], targets[piece], use_reentrant=False)
+    return nll, count
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
+                   chunk: int = LOSS_CHUNK) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled tokens (transformers' causal-LM loss), without the
+    full logits tensor; NaN for a batch without labels. Arguments as in `labelled_nll`."""
+    nll, count = labelled_nll(model, batch, device, chunk)
+    return nll / count  # 0 / 0 = NaN
