@@ -2,8 +2,10 @@
 
 The library behind `python -m analysis.compare` (many PATHs, one report) and
 `python -m scripts.eval_checkpoint` (one checkpoint, eval JSONs). A PATH is a run directory (its
-latest checkpoint) or a checkpoint folder (`save_pretrained` with a tokenizer, or LoRA adapters);
-every failure is a `CompareError` whose message names the PATH.
+latest checkpoint), a checkpoint folder (`save_pretrained` with a tokenizer, or LoRA adapters), or a
+hub id (`name` or `org/name` that is no local path: a model never trained here, loaded with
+`from_pretrained` from the hub or its cache); every failure is a `CompareError` whose message names
+the PATH.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from huggingface_hub import constants as hub_constants  # a dependency of transformers
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -51,6 +54,18 @@ POSITION_AXIS = {
     "in2": "gold depth bin (lower edge)",
 }
 RUN_CONFIG = Path(".hydra") / "config.yaml"
+# `name` or `org/name` as the hub spells repo ids; a PATH starting with . / or ~, or with two
+# slashes, is meant as a local path.
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+class CheckpointDType(StrEnum):
+    """Weights dtype of a loaded checkpoint; auto = the dtype its weights were saved in."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 class CompareError(Exception):
@@ -63,13 +78,26 @@ class Target:
 
     path: Path  # as given
     label: str  # short unique name in tables and legends
-    checkpoint: Path
+    checkpoint: Path | str  # a folder, or (str) the hub id of a model that was never trained here
     run_dir: Path | None
     step: int | None  # training step of the checkpoint, when known
 
     @property
     def slug(self) -> str:
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.label)
+
+    @property
+    def hub_id(self) -> str | None:
+        """The hub id the checkpoint is loaded by; None for a local folder."""
+        return self.checkpoint if isinstance(self.checkpoint, str) else None
+
+    def where(self) -> str:
+        """Where the checkpoint is read from, for messages: the folder, or how a hub id is looked up."""
+        if self.hub_id is None:
+            return str(self.checkpoint)
+        how = (f"HF_HUB_OFFLINE is set: only the hub cache {hub_constants.HF_HUB_CACHE} is read"
+               if hub_constants.HF_HUB_OFFLINE else "HF_HUB_OFFLINE is not set: the hub is asked")
+        return f"hub id {self.hub_id} (no local folder of that name, so it is treated as a hub id; {how})"
 
 
 def _checkpoint_step(folder: Path) -> int | None:
@@ -79,14 +107,27 @@ def _checkpoint_step(folder: Path) -> int | None:
     return int(json.loads(state.read_text())["step"]) if state.is_file() else None
 
 
-def resolve_target(path: str | Path, label: str) -> Target:
-    """The checkpoint a PATH stands for: a run directory's latest, or the folder itself."""
+def looks_like_hub_id(path: str) -> bool:
+    """`name` or `org/name`, not spelled as a local path (./x, ../x, /x, ~/x, x/y/z)."""
+    return bool(HUB_ID.fullmatch(path)) and not path.startswith(".") and ".." not in path and "--" not in path
+
+
+def resolve_target(path: str | Path, label: str | None = None) -> Target:
+    """The checkpoint a PATH stands for: a run directory's latest, the folder itself, or a hub id.
+
+    A PATH that does not exist locally but looks like a hub id (`looks_like_hub_id`) is one: nothing
+    is downloaded here, loading it is what fails when the hub has no such model. `label`: None = the
+    hub id, or the PATH's last component.
+    """
     given = Path(path)
     try:
         if not given.exists():
+            if looks_like_hub_id(str(path)):
+                return Target(given, label or str(path), str(path), None, None)
             raise CompareError(f"{path}: no such file or directory")
         if not given.is_dir():
             raise CompareError(f"{path}: not a directory (expected a run directory or a checkpoint folder)")
+        label = label or given.name
         checkpoints = list_checkpoints(given)
         if checkpoints:
             return Target(given, label, checkpoints[-1], given, _checkpoint_step(checkpoints[-1]))
@@ -111,12 +152,12 @@ def reference_run(targets: Sequence[Target]) -> tuple[Target, DictConfig] | None
     return None
 
 
-def load_checkpoint_tokenizer(target: Target) -> PreTrainedTokenizerBase:
+def load_checkpoint_tokenizer(target: Target, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer saved with the checkpoint, with a pad token (eos when it has none)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target.checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(target.checkpoint, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise CompareError(f"{target.path}: no readable tokenizer in {target.checkpoint}: {err}") from err
+        raise CompareError(f"{target.path}: no readable tokenizer in {target.where()}: {err}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -127,15 +168,27 @@ def count_layers(target: Target) -> int:
     try:
         return int(checkpoint_config(target.checkpoint, target.run_dir).num_hidden_layers)
     except (OSError, ValueError, KeyError, AttributeError) as err:
-        raise CompareError(f"{target.path}: unreadable model config in {target.checkpoint}: {err}") from err
+        raise CompareError(f"{target.path}: unreadable model config in {target.where()}: {err}") from err
 
 
-def load_model(target: Target, device: str, dtype: DType | str) -> PreTrainedModel:
-    """The checkpoint's model in eval mode on `device` (LoRA adapters merged into their base)."""
+def load_model(
+    target: Target,
+    device: str,
+    dtype: DType | str,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """The checkpoint's model in eval mode on `device` (LoRA adapters merged into their base).
+
+    `dtype`: a `CheckpointDType` value (auto = as saved); `attn_implementation`: transformers' (eager,
+    sdpa, flash_attention_2, ...), None = its default.
+    """
     try:
-        model = load_checkpoint_model(target.checkpoint, target.run_dir, dtype)
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
-        raise CompareError(f"{target.path}: cannot load the model from {target.checkpoint}: {err}") from err
+        model = load_checkpoint_model(target.checkpoint, target.run_dir, dtype,
+                                      attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
+        # ImportError: an attention implementation whose package is missing (flash_attention_2)
+        raise CompareError(f"{target.path}: cannot load the model from {target.where()}: {err}") from err
     return model.to(resolve_device(device))
 
 
@@ -188,10 +241,16 @@ def answer_probes(
     probes: Mapping[str, Sequence[ProbeItem]],
     max_new_tokens: int | None,
     batch_size: int,
+    chat_template: bool = False,
 ) -> dict[str, ProbeResult]:
-    """Greedy answers to every probe's items, scored; `max_new_tokens` None = each probe's `NEW_TOKENS`."""
+    """Greedy answers to every probe's items, scored; `max_new_tokens` None = each probe's `NEW_TOKENS`.
+
+    `chat_template`: text prompts (kv, mdqa, needle) go through the tokenizer's chat template as one
+    user turn; token-id prompts (in2) are always used as they are.
+    """
     results = {}
     for probe, items in probes.items():
-        cfg = EvalConfig(max_new_tokens=max_new_tokens or NEW_TOKENS[probe], batch_size=batch_size)
+        cfg = EvalConfig(max_new_tokens=max_new_tokens or NEW_TOKENS[probe], batch_size=batch_size,
+                         chat_template=chat_template)
         results[probe] = evaluate_probes(model, tokenizer, {probe: items}, cfg)[1][probe]
     return results

@@ -2,15 +2,23 @@
 
     python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa,needle] examples=20 data_dir=../shared/data
     python -m scripts.eval_checkpoint outputs/in2/<run> probes=[needle,in2] out=evals/run needle_lens=[128,256]
+    python -m scripts.eval_checkpoint Qwen/Qwen2-0.5B-Instruct chat_template=true dtype=bfloat16 probes=[kv,needle]
+    python -m scripts.eval_checkpoint merged/ dtype=auto attn_implementation=eager device=cuda
 
 (`python scripts/eval_checkpoint.py ...` works the same once the project is installed: pip install -e .;
 quote list values in zsh: 'probes=[kv,needle]')
 
-CKPT is a checkpoint folder (`save_pretrained` + tokenizer) or a run directory (its latest checkpoint).
-The key=value arguments after it are Hydra-style overrides of `EvalCheckpointConfig` (lists in
-brackets; an unknown key or a wrong type fails naming it). mdqa needs `data_dir`; in2 needs the run
-config (`.hydra/config.yaml`) of the checkpoint's run. With N the checkpoint's training step (0 for
-a folder without trainer_state.json), it writes
+CKPT is a checkpoint folder (`save_pretrained` + tokenizer, or LoRA adapters), a run directory (its
+latest checkpoint), or a hub id (`name` or `org/name` with no local folder of that name: a model never
+trained here, e.g. to measure a vanilla model's position curve before fine-tuning; downloaded by
+`from_pretrained`, or read from the hub cache only with HF_HUB_OFFLINE=1). A missing PATH spelled
+as a local one (./x, /x, ~/x, x/y/z) fails as such. The key=value arguments after it are Hydra-style
+overrides of `EvalCheckpointConfig` (lists in brackets; an unknown key or a wrong type fails naming
+it). `chat_template=true` wraps the text prompts (kv, mdqa, needle) in the tokenizer's chat template
+as one user turn (instruct models; fails when the tokenizer has none); in2 prompts are the run's own
+token ids and are never wrapped. mdqa needs `data_dir`; in2 needs the run config
+(`.hydra/config.yaml`) of the checkpoint's run. With N the checkpoint's training step (0 for a
+folder without trainer_state.json, and for a hub id), it writes
 
 - `<out>/eval/<probe>_step<N>.json`: per-query outcomes and accuracy by gold position;
 - `<out>/eval/metrics_step<N>.json`: the `eval/<probe>/acc@<position>` and `eval/<probe>/acc_mean` values;
@@ -18,7 +26,8 @@ a folder without trainer_state.json), it writes
 
 and prints a summary table. `out` defaults to the checkpoint's run directory (where
 `python -m analysis.compare` then reuses the JSONs; an existing file of the same probe and step is
-replaced), or `eval_<checkpoint folder name>/` under the current directory for a checkpoint outside a run.
+replaced), or `eval_<checkpoint folder name>/` under the current directory for a checkpoint outside a run
+(`eval_<org>_<name>/` for a hub id).
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from analysis.checkpoints import (
     POSITION_AXIS,
+    CheckpointDType,
     CheckpointProbe,
     CompareError,
     ProbeBank,
@@ -46,7 +56,6 @@ from analysis.checkpoints import (
 from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import EvalConfig, ProbeResult, write_eval_json
 from data_builders.files import atomic_write_text
-from models.build import DType
 from models.distributed import Device
 
 
@@ -62,7 +71,10 @@ class EvalCheckpointConfig:
     max_new_tokens: Optional[int] = None  # greedy budget for every probe; None = analysis.checkpoints.NEW_TOKENS
     batch_size: int = 16  # prompts per generate call
     device: Device = Device.auto
-    dtype: DType = DType.float32  # weights dtype
+    dtype: CheckpointDType = CheckpointDType.float32  # weights dtype; auto = the dtype they were saved in
+    attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
+    chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
+    trust_remote_code: bool = False  # run the model repository's own code (hub models that need it)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
@@ -85,8 +97,11 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
 
 def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Path, dict[str, ProbeResult]]:
     """Answer the probes with the checkpoint and write JSONs, metrics and PNGs; the output folder and results."""
-    target = resolve_target(ckpt, Path(ckpt).name)
-    tokenizer = load_checkpoint_tokenizer(target)
+    target = resolve_target(ckpt)
+    tokenizer = load_checkpoint_tokenizer(target, cfg.trust_remote_code)
+    if cfg.chat_template and not tokenizer.chat_template:
+        raise CompareError(f"{ckpt}: chat_template=true, but its tokenizer has no chat template (a base model's "
+                           "usually has none: use chat_template=false)")
     in2 = None
     if CheckpointProbe.in2 in cfg.probes:
         reference = reference_run([target])
@@ -98,12 +113,13 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
     for probe in [p for p, its in items.items() if not its]:
         print(f"{probe}: skipped (mdqa needs data_dir)", file=sys.stderr)
-    model = load_model(target, cfg.device, cfg.dtype)
+    model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
     results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, cfg.max_new_tokens,
-                            cfg.batch_size)
+                            cfg.batch_size, cfg.chat_template)
 
     step = 0 if target.step is None else target.step
-    out = Path(cfg.out) if cfg.out else target.run_dir or Path(f"eval_{target.checkpoint.name}")
+    default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")
+    out = Path(cfg.out) if cfg.out else target.run_dir or default_out
     metrics: dict[str, float] = {}
     for probe, result in results.items():
         write_eval_json(out, step, probe, result)

@@ -1,0 +1,157 @@
+"""scripts/eval_checkpoint on any model: a hub id (read offline from a hub cache), chat templates, load options."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from analysis import positional_eval
+from analysis.checkpoints import resolve_target
+from analysis.positional_eval import ProbeResult
+from data_builders.probes import synthetic_filler
+from data_builders.tokenizer import train_bpe_tokenizer
+from scripts import eval_checkpoint
+from tests.conftest import ROOT
+
+HUB_ID = "org/tiny"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+USER, ASSISTANT = "<|user|>", "<|assistant|>"
+CHAT_TEMPLATE = ("{% for m in messages %}" + USER + "{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
+# Ten needle prompts of 64 tokens and 4 answer tokens: a CLI run is a few seconds.
+ARGS = ["probes=[needle]", "examples=2", "needle_lens=[64]", "max_new_tokens=4", "device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A `save_pretrained` folder: a random tiny Qwen2 saved in bfloat16, a BPE tokenizer with a chat template."""
+    corpus = synthetic_filler(200) + [f"The secret code of word{i} is {10007 * i % 100000:05d}." for i in range(50)]
+    tokenizer = train_bpe_tokenizer(corpus, 300, tmp_path_factory.mktemp("bpe"))
+    tokenizer.add_tokens([USER, ASSISTANT], special_tokens=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("models") / "tiny"
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub_cache(model_dir, tmp_path_factory) -> Path:
+    """An HF_HUB_CACHE holding the model of `model_dir` as the hub id org/tiny at revision main."""
+    hub = tmp_path_factory.mktemp("hf") / "hub"
+    repo = hub / "models--org--tiny"
+    shutil.copytree(model_dir, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return hub
+
+
+@pytest.fixture
+def generate_calls(monkeypatch) -> list[dict]:
+    """Replace generation with a stub that records what reaches the model: prompts, attention, dtype."""
+    calls: list[dict] = []
+
+    def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True):
+        calls.append({"prompts": [list(p) for p in prompts], "attn": model.config._attn_implementation,
+                      "dtype": model.dtype})
+        return [""] * len(prompts)
+
+    monkeypatch.setattr(positional_eval, "greedy_generate", fake_generate)
+    return calls
+
+
+def test_hub_id_is_read_offline_from_the_hub_cache(model_dir, hub_cache, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "scripts.eval_checkpoint", HUB_ID, *ARGS], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    out = work / "eval_org_tiny"  # step 0: a hub model was never trained here
+    assert f"wrote {Path('eval_org_tiny') / 'eval'}" in run.stdout and "needle" in run.stdout
+    with Image.open(out / "plots" / "needle_accuracy_step0.png") as im:
+        assert im.format == "PNG"
+    hub_metrics = json.loads((out / "eval" / "metrics_step0.json").read_text())
+    assert "eval/needle/acc_mean" in hub_metrics
+
+    # The same model evaluated from its local folder gives the same answers, item by item.
+    local_out = tmp_path / "local"
+    assert eval_checkpoint.main([str(model_dir), *ARGS, f"out={local_out}"]) == 0
+    hub = ProbeResult.load_json(out / "eval" / "needle_step0.json")
+    local = ProbeResult.load_json(local_out / "eval" / "needle_step0.json")
+    assert len(hub.outcomes) == 10 and hub.outcomes == local.outcomes
+    assert hub_metrics == json.loads((local_out / "eval" / "metrics_step0.json").read_text())
+
+
+def test_missing_hub_id_offline_fails_naming_it(tmp_path, monkeypatch, capsys):
+    # transformers reads these at call time through huggingface_hub.constants (the env only at import).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.chdir(tmp_path)
+    assert eval_checkpoint.main(["org/no-such-model", *ARGS]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: org/no-such-model: ")
+    assert "treated as a hub id" in err and "HF_HUB_OFFLINE is set" in err
+    assert not (tmp_path / "eval_org_no-such-model").exists()
+
+
+@pytest.mark.parametrize("path", ["./nope", "no/such/folder", "/no-such-dir/tiny", "~/no-such-dir", "../nope"])
+def test_missing_local_path_says_no_such_file(path, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert eval_checkpoint.main([path, *ARGS]) == 1
+    assert f"error: {path}: no such file or directory" in capsys.readouterr().err
+
+
+def test_resolve_target_hub_ids_and_local_folders_first(model_dir, tmp_path, monkeypatch):
+    for hub_id in ("org/name", "gpt2", "Qwen/Qwen2-0.5B-Instruct"):
+        target = resolve_target(hub_id)
+        assert (target.hub_id, target.checkpoint, target.run_dir, target.step) == (hub_id, hub_id, None, None)
+    assert resolve_target("Qwen/Qwen2-0.5B-Instruct").slug == "Qwen_Qwen2-0.5B-Instruct"
+    assert resolve_target("org/name", "short").label == "short"  # analysis.compare's labels stay
+    # A folder of that name wins over the hub.
+    shutil.copytree(model_dir, tmp_path / "org" / "name")
+    monkeypatch.chdir(tmp_path)
+    local = resolve_target("org/name")
+    assert local.hub_id is None and local.checkpoint == Path("org/name") and local.label == "name"
+
+
+def test_chat_template_attention_and_dtype_reach_the_model(model_dir, tmp_path, generate_calls):
+    chat = [*ARGS, "chat_template=true", "attn_implementation=eager", "dtype=auto", f"out={tmp_path / 'chat'}"]
+    assert eval_checkpoint.main([str(model_dir), *chat]) == 0
+    assert eval_checkpoint.main([str(model_dir), *ARGS, f"out={tmp_path / 'plain'}"]) == 0
+    (templated,), (plain,) = generate_calls[:1], generate_calls[1:]
+    assert (templated["attn"], templated["dtype"]) == ("eager", torch.bfloat16)  # auto = as saved
+    assert plain["attn"] != "eager" and plain["dtype"] == torch.float32  # the defaults
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    user, assistant = tokenizer.convert_tokens_to_ids([USER, ASSISTANT])
+    assert len(templated["prompts"]) == len(plain["prompts"]) == 10
+    for wrapped, bare in zip(templated["prompts"], plain["prompts"]):
+        assert user not in bare and wrapped == [user, *bare, assistant]
+
+
+def test_chat_template_without_one_fails(model_dir, tmp_path, generate_calls, capsys):
+    folder = tmp_path / "no-template"
+    shutil.copytree(model_dir, folder)
+    for f in folder.glob("chat_template*"):
+        f.unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert AutoTokenizer.from_pretrained(folder).chat_template is None
+
+    assert eval_checkpoint.main([str(folder), *ARGS, "chat_template=true", f"out={tmp_path / 'out'}"]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder}: chat_template=true, but its tokenizer has no chat template" in err
+    assert not generate_calls and not (tmp_path / "out").exists()
