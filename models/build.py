@@ -5,6 +5,7 @@ top of it by their own modules, so the loop never needs to know how the model wa
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -28,6 +29,15 @@ class Attention(StrEnum):
 class DiffMode(StrEnum):
     scratch = "scratch"  # paper initialization, for random-init models
     retrofit = "retrofit"  # pretrained attention kept as the positive map: exact at step 0
+
+
+class AttnImplementation(StrEnum):
+    """transformers' attention kernels (`attn_implementation`); diff attention runs on every one."""
+
+    sdpa = "sdpa"  # torch's scaled_dot_product_attention: fused kernels on GPU and CPU
+    eager = "eager"  # the explicit softmax(QKᵀ)V: the reference, and the only one that returns the maps
+    flash_attention_2 = "flash_attention_2"  # CUDA with the flash-attn package; bf16/fp16 weights
+    flex_attention = "flex_attention"  # torch's FlexAttention (its backward needs a GPU)
 
 
 class DType(StrEnum):
@@ -55,6 +65,7 @@ class ModelConfig:
     init: dict[str, Any] = field(default_factory=dict)  # config kwargs for random init (hidden_size, ...)
     tokenizer: Optional[str] = None  # tokenizer id/folder; None = the pretrained model's, or a BPE trained on the data
     attention: Attention = Attention.standard
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
     diff: DiffConfig = field(default_factory=DiffConfig)
     dtype: DType = DType.float32  # weights dtype
     gradient_checkpointing: bool = False
@@ -73,6 +84,13 @@ def validate_model(cfg: ModelConfig) -> None:
                          f"{cfg.pretrained} loads trained weights: drop one of them")
     if cfg.attention != Attention.standard and not cfg.pretrained and cfg.arch not in DIFF_ARCHS:
         raise ValueError(f"model.attention={cfg.attention} supports model.arch in {DIFF_ARCHS}, got {cfg.arch!r}")
+    if cfg.attn_implementation == AttnImplementation.flash_attention_2:
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("model.attn_implementation=flash_attention_2 needs the flash-attn package "
+                             "(pip install flash-attn --no-build-isolation) and a CUDA device; or use sdpa")
+        if cfg.dtype == DType.float32:
+            raise ValueError("model.attn_implementation=flash_attention_2 runs on bf16/fp16 weights: set "
+                             "model.dtype=bfloat16 (trainer.precision=bf16 keeps fp32 master weights)")
     if cfg.pretrained:
         return
     if cfg.arch not in CONFIG_MAPPING:
@@ -107,16 +125,16 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
     it loads (ZeRO-3: `models.distributed.gathered`); the diff attention retrofit reads the
     pretrained projections inside it.
     """
-    dtype = DType(cfg.dtype).torch
+    dtype, attention = DType(cfg.dtype).torch, str(cfg.attn_implementation)
     if cfg.pretrained:
         # Importing models.diff_attention registers the diff model types with the Auto classes, so a
         # checkpoint saved with differential attention restores its diff layers (and weights) here.
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.pretrained, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+            cfg.pretrained, dtype=dtype, trust_remote_code=cfg.trust_remote_code, attn_implementation=attention
         )
     else:
         config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **_plain(cfg.init))
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     already_diff = getattr(model.config, "diff_attention", None) is not None
     if cfg.attention != Attention.standard and not already_diff:
         convert_to_diff_attention(

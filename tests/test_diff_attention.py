@@ -1,6 +1,7 @@
 """Differential attention: paper equations, causality, retrofit exactness, checkpoints, LoRA, init prior."""
 
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -489,3 +490,38 @@ def test_lora_run_trains_the_new_maps_and_its_checkpoint_merges(tmp_path):
     b = next(v for k, v in adapters.items() if "layers.0.self_attn.q2_proj.lora_B" in k)
     torch.testing.assert_close(attn.q2_proj.weight, base.model.layers[0].self_attn.q2_proj.weight + scale * b @ a,
                                atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- attention kernels
+
+
+@pytest.mark.parametrize("impl", ["eager", "flex_attention"])
+def test_model_attn_implementation_reaches_the_diff_layers_and_computes_the_same(impl):
+    """`model.attn_implementation` is passed to transformers and kept by the conversion; every kernel
+    computes what sdpa computes, padding included (flex forward only: its backward needs a GPU)."""
+    from models.build import ModelConfig, build_model
+
+    init = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2)
+    ids = tokens(batch=2, length=20)
+    mask = torch.ones_like(ids)
+    mask[1, 14:] = 0
+    for attention in ("diff_v1", "diff_v2"):
+        logits = {}
+        for kernel in ("sdpa", impl):
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(init=init, attention=attention, attn_implementation=kernel), VOCAB).eval()
+            assert {m.config._attn_implementation for m in model.modules() if hasattr(m, "q2_proj")} == {kernel}
+            with torch.no_grad():
+                logits[kernel] = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(logits[impl][0], logits["sdpa"][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits[impl][1, :14], logits["sdpa"][1, :14], atol=1e-5, rtol=0)
+
+
+def test_flash_attention_without_its_package_fails_at_start_up():
+    from models.build import ModelConfig, validate_model
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed: nothing to refuse")
+    with pytest.raises(ValueError, match="flash_attention_2 needs the flash-attn package"):
+        validate_model(ModelConfig(attn_implementation="flash_attention_2", dtype="bfloat16"))

@@ -51,6 +51,24 @@ def test_diff_attention_in_bf16_on_cuda_follows_fp32_on_the_cpu(version):
     assert (bf16 - reference).abs().max() < 0.05 * reference.abs().max()
 
 
+@pytest.mark.parametrize("kernel", ["flash_attention_2", "flex_attention"])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_diff_attention_trains_on_every_cuda_kernel_like_sdpa(kernel, version):
+    """Loss and gradients of a bf16 diff model under flash / flex attention follow sdpa's."""
+    if kernel == "flash_attention_2":
+        pytest.importorskip("flash_attn", reason="flash-attn is not installed on this machine")
+    results = {}
+    for impl in ("sdpa", kernel):
+        model = convert_to_diff_attention(tiny_model(), version=version).to("cuda", torch.bfloat16).train()
+        model.set_attn_implementation(impl)
+        batch = ids().cuda()
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        results[impl] = (loss.float().item(), model.model.layers[0].self_attn.q2_proj.weight.grad.float().norm().item())
+    (loss_sdpa, grad_sdpa), (loss_k, grad_k) = results["sdpa"], results[kernel]
+    assert loss_k == pytest.approx(loss_sdpa, rel=2e-2) and grad_k == pytest.approx(grad_sdpa, rel=5e-2)
+
+
 def test_two_bf16_steps_on_cuda_train_and_save(compose_cfg, tmp_path):
     run(compose_cfg(*TINY, "trainer=gpu", "trainer.max_steps=2"), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
