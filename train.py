@@ -9,6 +9,7 @@ The config is converted once into the typed `TrainConfig` and checked by `valida
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -26,12 +27,21 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.jacobian import JacobianConfig, JacobianRecorder, build_eval_sequences, measure_sets
-from analysis.metrics_log import LoggerConfig, MetricsLogger, NullLogger, profile_charts
+from analysis.metrics_log import (
+    RUN_ID_KEY,
+    LoggerConfig,
+    MetricsLogger,
+    NullLogger,
+    accuracy_chart,
+    profile_charts,
+    run_names,
+)
 from analysis.plots import (
     plot_depth_accuracy,
     plot_evolution,
@@ -53,7 +63,13 @@ from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.tokenizer import load_tokenizer
 from models.build import ModelConfig, build_model, differs_from_pretrained, validate_model
-from models.checkpoint import atomic_checkpoint, load_trainer_state, resolve_checkpoint, save_trainer_state
+from models.checkpoint import (
+    TRAINER_STATE,
+    atomic_checkpoint,
+    load_trainer_state,
+    resolve_checkpoint,
+    save_trainer_state,
+)
 from models.diff_attention import diff_lambda_stats, set_diff_step
 from models.distributed import (
     DeepSpeedEngine,
@@ -75,6 +91,7 @@ from models.distributed import (
     resolve_device,
     zero3_load_context,
 )
+from models.loss import labelled_nll
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 
 log = logging.getLogger("train")
@@ -353,22 +370,31 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
                                 jac.chunk_len) if jac.every > 0 else {}
     recorder = JacobianRecorder(run_dir / "jacobian.npz", {k: v.shape[0] for k, v in seqs.items()},
                                 jac.seq_len) if seqs and info.is_main_process else None
-    logger = (MetricsLogger(cfg.logger, run_dir, dataclasses.asdict(cfg)) if info.is_main_process
-              else NullLogger())
-    run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, logger,
-              {k: v.to(engine.device) for k, v in seqs.items()}, recorder,
-              bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
-              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}, zero3=zero3)
+    ckpt = None
     if t.resume_from:
         # Every rank looks (a missing checkpoint fails on all of them), then takes the main process's
         # answer: `auto` compares run directories that another job may be writing into meanwhile.
         ckpt = broadcast_object(resolve_checkpoint(t.resume_from, run_dir), engine.device)
-        if ckpt is not None:
-            resume(run, ckpt)
-        elif info.is_main_process:
+        if ckpt is None and info.is_main_process:
             log.info("trainer.resume_from=auto: no checkpoint of any %s run under %s: starting fresh",
                      cfg.exp_name, run_dir.parent)
+    # The logger continues the wandb run of the checkpoint resumed from (before `resume`: it needs the id).
+    logger = (MetricsLogger(cfg.logger, run_dir, dataclasses.asdict(cfg), wandb_run_id(ckpt))
+              if info.is_main_process else NullLogger())
+    run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, logger,
+              {k: v.to(engine.device) for k, v in seqs.items()}, recorder,
+              bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
+              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}, zero3=zero3)
+    if ckpt is not None:
+        resume(run, ckpt)
     return run
+
+
+def wandb_run_id(ckpt: Optional[Path]) -> Optional[str]:
+    """The wandb run a checkpoint's run logged to (trainer_state.json), or None."""
+    if ckpt is None:
+        return None
+    return json.loads((ckpt / TRAINER_STATE).read_text()).get(RUN_ID_KEY)
 
 
 def resume(run: Run, ckpt: Path) -> None:
@@ -424,13 +450,8 @@ def heldout_loss(run: Run) -> float:
     total, count = 0.0, 0
     for start in range(0, len(dataset), size):
         batch = collate(dataset.select(range(start, min(len(dataset), start + size))), run.tokenizer.pad_token_id)
-        batch = {k: v.to(run.engine.device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, L, V)
-        labels = batch["labels"][:, 1:]  # (B, L-1)
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        total += nll.item()
-        count += int((labels != -100).sum())
+        nll, n = labelled_nll(model, batch, run.engine.device)
+        total, count = total + nll.item(), count + n
     model.train(was_training)
     return total / max(1, count)
 
@@ -442,7 +463,20 @@ def depth_accuracy(run: Run, step: int) -> dict[str, float]:
     metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval)
     if run.is_main:
         write_eval_json(run.run_dir, step, "in2", result)
+        log_accuracy(run, "in2", result, step)
     return metrics
+
+
+def log_accuracy(run: Run, name: str, result: ProbeResult, step: int, png: Optional[Path] = None) -> None:
+    """wandb only: a probe's accuracy by position as a chart over its table (`eval/<probe>/accuracy_by_position`,
+    comparable across runs) and its PNG (`eval/<probe>/accuracy_plot`)."""
+    if run.logger.wandb_run is None:
+        return
+    media = {f"eval/{name}/accuracy_by_position": accuracy_chart(
+        result.accuracy_by_position(), result.labels(), f"{name} accuracy by gold position, step {step}")}
+    if png is not None:
+        media[f"eval/{name}/accuracy_plot"] = run.logger.image(png)
+    run.logger.log_media(media, step=step)
 
 
 def run_probes(run: Run, step: int) -> dict[str, float]:
@@ -451,8 +485,10 @@ def run_probes(run: Run, step: int) -> dict[str, float]:
     if run.is_main:
         for name, result in results.items():
             write_eval_json(run.run_dir, step, name, result)
-            plot_position_accuracy({f"step {step}": result}, run.run_dir / "plots" / f"{name}_accuracy_step{step}.png",
-                                   title=f"{run.cfg.exp_name}: {name} accuracy by gold position, step {step}")
+            png = plot_position_accuracy({f"step {step}": result},
+                                         run.run_dir / "plots" / f"{name}_accuracy_step{step}.png",
+                                         title=f"{run.cfg.exp_name}: {name} accuracy by gold position, step {step}")
+            log_accuracy(run, name, result, step, png)
     return metrics
 
 
@@ -471,7 +507,10 @@ def save(run: Run, step: int) -> Path:
 
     def write(folder: Path) -> None:
         run.engine.save(folder, run.tokenizer)
-        save_trainer_state(folder, step, run.info.rank, {"stream_position": run.stream.position})
+        extra = {"stream_position": run.stream.position}
+        if run.logger.run_id is not None:
+            extra[RUN_ID_KEY] = run.logger.run_id  # a run resumed from this checkpoint continues its wandb run
+        save_trainer_state(folder, step, run.info.rank, extra)
 
     return atomic_checkpoint(run.run_dir, step, write, run.cfg.trainer.keep_last_n, run.is_main, barrier)
 
@@ -555,8 +594,10 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     plots = run.run_dir / "plots"
     if run.has_questions:
         run.accuracy_curves[f"step {final}"] = depth_curve(acc)
-        plot_depth_accuracy(run.accuracy_curves, plots / "in2_accuracy_by_depth.png",
-                            title=f"{cfg.exp_name}: exact match by gold depth")
+        png = plot_depth_accuracy(run.accuracy_curves, plots / "in2_accuracy_by_depth.png",
+                                  title=f"{cfg.exp_name}: exact match by gold depth")
+        if run.logger.wandb_run is not None:
+            run.logger.log_media({"eval/in2/accuracy_plot": run.logger.image(png)}, step=final)
     if run.recorder is not None:
         run.recorder.close()  # jacobian.npz now holds every step on its own
         for name in run.jacobian_seqs:
@@ -590,8 +631,14 @@ def main(cfg: DictConfig) -> None:
     info = dist_info()
     if not info.is_main_process:
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story; the others warn and fail
+    hydra_cfg = HydraConfig.get()
+    # wandb: named from the experiment and the overrides, grouped per sweep (unless logger.name/group are set)
+    sweep_dir = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
+    name, group = run_names(cfg.exp_name, list(hydra_cfg.overrides.task), sweep_dir)
+    cfg.logger.name = cfg.logger.name or name
+    cfg.logger.group = cfg.logger.group or group
     try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run(cfg, Path(hydra_cfg.runtime.output_dir))
     except Exception as exc:
         # With several ranks, say which one failed: the launcher interleaves their output.
         if info.world_size > 1:

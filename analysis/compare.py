@@ -17,8 +17,9 @@ Only what is missing is computed:
 IN2 records are token ids, so the in2 probe needs one tokenizer for all PATHs; they come from the
 runs' own `eval/in2_step<N>.json` when those agree, else are rebuilt from the first run config's data
 section (`build_datasets`, cached). Writes `<out>/report.md` and its PNGs; nothing reads wandb unless
---wandb is given. Resolving PATHs, loading checkpoints and answering probes is `analysis.checkpoints`;
-this module is the report and its CLI.
+--wandb is given, nothing is logged to wandb unless --wandb-log is (the report's PNGs and accuracy
+tables as one wandb run of job type `report`, written under `<out>/wandb/`). Resolving PATHs, loading
+checkpoints and answering probes is `analysis.checkpoints`; this module is the report and its CLI.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from analysis.checkpoints import (
     resolve_target,
 )
 from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
-from analysis.metrics_log import read_metrics
+from analysis.metrics_log import NAME_MAX, LoggerConfig, LoggerMode, log_report, read_metrics
 from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import EvalConfig, ProbeResult
 from analysis.prior import scaled_prior
@@ -385,11 +386,16 @@ def _topology_table(entries: Sequence[Entry], set_name: str) -> list[str]:
     return _table(["metric", *(e.target.label for e in entries)], rows)
 
 
+def _last_value(value: Any) -> Any:
+    """A summary value: a `define_metric` summary is a dict ({"min": ..., "last": ...}): its last value."""
+    return value.get("last") if isinstance(value, dict) else value
+
+
 def _wandb_table(entries: Sequence[Entry]) -> list[str]:
     rows = []
     for e in entries:
         where, summary = _wandb_summary(e.target)
-        values = [summary.get(k) for k in ("train/loss", "eval/loss")]
+        values = [_last_value(summary.get(k)) for k in ("train/loss", "eval/loss")]
         rows.append([e.target.label, where, *(_fmt(v if isinstance(v, (int, float)) else None) for v in values)])
     return _table(["PATH", "summary", "train/loss", "eval/loss"], rows)
 
@@ -440,6 +446,34 @@ def write_report(
     return report
 
 
+def report_images(report: Path) -> dict[str, Path]:
+    """The PNGs a report shows (its `![name](file.png)` lines), keyed `compare/<file stem>`."""
+    links = [line.split("](", 1)[1].rstrip(")") for line in report.read_text().splitlines() if line.startswith("![")]
+    return {f"compare/{Path(link).stem}": report.parent / link for link in links}
+
+
+def accuracy_rows(entries: Sequence[Entry]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """(mean accuracy rows [path, probe, accuracy], accuracy-by-position rows [path, probe, position, label,
+    accuracy]) of every PATH and probe; position -1 is mdqa's closed-book baseline."""
+    means, by_position = [], []
+    for e in entries:
+        for probe, result in e.results.items():
+            means.append([e.target.label, probe, result.mean])
+            labels = result.labels()
+            by_position += [[e.target.label, probe, p, labels[p], acc] for p, acc in result.accuracy_by_position().items()]
+    return means, by_position
+
+
+def log_report_to_wandb(report: Path, entries: Sequence[Entry], mode: str, config: dict[str, Any]) -> str | None:
+    """The report's PNGs and accuracy tables as one wandb run (job type `report`) under `<out>/wandb/`."""
+    means, by_position = accuracy_rows(entries)
+    name = "compare " + " ".join(e.target.label for e in entries)
+    cfg = LoggerConfig(mode=LoggerMode(mode), name=name if len(name) <= NAME_MAX else name[:NAME_MAX - 1] + "…")
+    tables = {"compare/probe_accuracy": (["path", "probe", "accuracy"], means),
+              "compare/accuracy_by_position": (["path", "probe", "position", "label", "accuracy"], by_position)}
+    return log_report(cfg, report.parent, report_images(report), tables, config)
+
+
 def compare(
     paths: Sequence[str | Path],
     out: str | Path = "compare",
@@ -454,6 +488,7 @@ def compare(
     device: str = "auto",
     dtype: str = "float32",
     use_wandb: bool = False,
+    log_wandb: str | None = None,
 ) -> Path:
     """Evaluate what the PATHs lack and write `<out>/report.md` with its PNGs; returns the report's path.
 
@@ -461,6 +496,7 @@ def compare(
     `max_new_tokens`: one greedy budget for every probe; None = `NEW_TOKENS`. `seq_len`: L of measured
     Jacobian profiles; None = the reference run's `jacobian.seq_len` (256 without one). Every PATH's
     probe results are also saved as `<out>/eval/<PATH label>_<probe>.json`.
+    `log_wandb`: offline | online: also log the report's PNGs and accuracy tables as a wandb run.
     Raises CompareError naming the PATH that cannot be read or compared.
     """
     if not paths:
@@ -492,7 +528,12 @@ def compare(
     for e in entries:
         for probe, result in e.results.items():
             result.save_json(out / "eval" / f"{e.target.slug}_{probe}.json")
-    return write_report(out, entries, probes, notes, use_wandb)
+    report = write_report(out, entries, probes, notes, use_wandb)
+    if log_wandb is not None:
+        config = {"paths": [str(p) for p in paths], "probes": list(probes), "examples": examples,
+                  "data_dir": None if data_dir is None else str(data_dir)}
+        log_report_to_wandb(report, entries, log_wandb, config)
+    return report
 
 
 def _probe_list(text: str) -> list[str]:
@@ -548,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype (default float32)")
     parser.add_argument("--wandb", action="store_true",
                         help="also read each run's wandb summary (optional; metrics.jsonl has the same numbers)")
+    parser.add_argument("--wandb-log", choices=[LoggerMode.offline.value, LoggerMode.online.value], default=None,
+                        metavar="MODE", help="also log the report's PNGs and accuracy tables to a wandb run: "
+                                             "offline (OUT/wandb/, `wandb sync` uploads it) or online (default: off)")
     return parser
 
 
@@ -558,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = compare(
             args.paths, args.out, args.probes, args.examples, args.data_dir, needle_lens=args.needle_lens,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
-            device=args.device, dtype=args.dtype, use_wandb=args.wandb,
+            device=args.device, dtype=args.dtype, use_wandb=args.wandb, log_wandb=args.wandb_log,
         )
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)

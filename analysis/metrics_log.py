@@ -2,14 +2,21 @@
 
 The JSONL file is the source of truth for `analysis.compare`; wandb is a viewer. Only the main
 process creates a logger; the other ranks get `NullLogger`. `profile_charts` builds the wandb line
-charts of the Jacobian profiles against the prior.
+charts of the Jacobian profiles against the prior, `accuracy_chart` those of accuracy by position.
+
+wandb as its users expect: the environment's `WANDB_MODE` applies unless `logger.mode` is set
+(`resolve_mode`); a resumed run continues the wandb run of the checkpoint (its id is kept in
+`run_dir/wandb_run.json` and in every checkpoint's trainer_state.json); runs are named from the
+experiment and the overrides and grouped per sweep (`run_names`); the run table shows the best
+accuracy, the lowest loss and the last valley depth (`SUMMARIES`).
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -18,8 +25,22 @@ from typing import Any, Optional
 import numpy as np
 
 from analysis.prior import log10_profile, scaled_prior
+from data_builders.files import atomic_write_text
 
 CHART_POINTS = 128  # positions per curve in the wandb profile chart (jacobian.npz keeps all L)
+WANDB_RUN_FILE = "wandb_run.json"  # run_dir/wandb_run.json: the id of the wandb run the directory logs to
+RUN_ID_KEY = "wandb_run_id"  # the same id in a checkpoint's trainer_state.json
+NAME_MAX = 128  # characters of a wandb run name
+# Run-table summaries (`wandb.define_metric`) of the logged keys matching each pattern (fnmatch: `*` spans
+# `/`). wandb 0.31 globs only a trailing `*` ("eval/*"), so each key is defined when it is first logged.
+SUMMARIES = {
+    "eval/*/acc_mean": "max,last",  # best and final mean accuracy of every probe, in2 included
+    "train/loss": "min,last",
+    "eval/loss": "min,last",
+    "valley/*/*_to_trough_log10": "last,min",  # valley depths of each Jacobian set: final and shallowest
+}
+# Overrides left out of a run's name: the experiment (its name leads), where it resumes from, how it logs.
+NAME_SKIPPED = ("exp", "exp_name", "trainer.resume_from", "logger", "hydra")
 
 
 class LoggerMode(StrEnum):
@@ -28,13 +49,112 @@ class LoggerMode(StrEnum):
     disabled = "disabled"  # metrics.jsonl only
 
 
+WANDB_MODE_ALIASES = {"dryrun": LoggerMode.offline, "run": LoggerMode.online}  # wandb's older spellings
+
+
 @dataclass
 class LoggerConfig:
-    mode: LoggerMode = LoggerMode.offline
+    mode: Optional[LoggerMode] = None  # None = the environment's WANDB_MODE when set, else offline
     project: str = "posdebias"
     entity: Optional[str] = None
-    name: Optional[str] = None  # wandb run name; None = the run directory's name
+    # wandb run name; None = `train.py` names it from the experiment and the overrides (`run_names`),
+    # a programmatic `train.run` after the run directory
+    name: Optional[str] = None
+    group: Optional[str] = None  # wandb group; None = `train.py`: the experiment, or the sweep of a -m run
     tags: list[str] = field(default_factory=list)
+
+
+def resolve_mode(mode: Optional[str], environ: Mapping[str, str] = os.environ) -> LoggerMode:
+    """`logger.mode` when set, else the environment's `WANDB_MODE` when set, else offline.
+
+    wandb itself lets an explicit `mode=` beat WANDB_MODE, so the environment is read here.
+    """
+    if mode is not None:
+        return LoggerMode(mode)
+    env = environ.get("WANDB_MODE", "").strip().lower()
+    if not env:
+        return LoggerMode.offline
+    try:
+        return WANDB_MODE_ALIASES.get(env) or LoggerMode(env)
+    except ValueError:
+        raise ValueError(f"WANDB_MODE={environ['WANDB_MODE']!r} is not one of "
+                         f"{', '.join(LoggerMode)} (or {', '.join(WANDB_MODE_ALIASES)}); unset it or set "
+                         f"logger.mode") from None
+
+
+def stored_run_id(run_dir: str | Path) -> Optional[str]:
+    """The id of the wandb run `run_dir` logged to (its wandb_run.json), or None."""
+    path = Path(run_dir) / WANDB_RUN_FILE
+    return json.loads(path.read_text()).get("id") if path.is_file() else None
+
+
+def _split_overrides(text: str) -> list[str]:
+    """Hydra's `override_dirname` ("a=1,b=[x,y]") back into overrides: commas inside brackets or quotes stay."""
+    items, depth, quote, current = [], 0, None, ""
+    for char in text:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(current)
+            current = ""
+            continue
+        current += char
+    return [item for item in [*items, current] if item]
+
+
+def run_names(exp_name: str, overrides: str | Sequence[str], sweep_dir: Optional[str | Path] = None,
+              max_len: int = NAME_MAX) -> tuple[str, str]:
+    """(name, group) of a wandb run, from the experiment, the job's overrides and the sweep.
+
+    name: `<exp_name>` and the overrides that change what is trained, as Hydra's override_dirname writes
+    them (`in2 trainer.lr=0.001,model=qwen2_0.5b`): `+exp=`, `exp_name=`, `trainer.resume_from=`, `logger.*`
+    and `hydra.*` left out, a path value shortened to its last component, at most `max_len` characters.
+    group: `<exp_name>/<sweep folder name>` for a job of a `-m` sweep (`sweep_dir`), else `<exp_name>`.
+    `overrides`: a list (`HydraConfig.get().overrides.task`) or an override_dirname string.
+    """
+    if isinstance(overrides, str):
+        overrides = _split_overrides(overrides)
+    kept = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        bare = key.lstrip("+~")  # +key=v adds, ++key=v forces, ~key deletes
+        if bare in NAME_SKIPPED or bare.split(".")[0] in NAME_SKIPPED:
+            continue
+        if "/" in value and not value.startswith(("[", "{", "'", '"')):
+            value = Path(value.rstrip("/")).name or value  # a path: its last component
+        kept.append(f"{key.lstrip('+')}{sep}{value}")
+    name = f"{exp_name} {','.join(kept)}" if kept else exp_name
+    if len(name) > max_len:
+        name = name[:max_len - 1] + "…"
+    group = f"{exp_name}/{Path(sweep_dir).name}" if sweep_dir else exp_name
+    return name, group
+
+
+def init_wandb(cfg: LoggerConfig, mode: LoggerMode, folder: Path, config: dict[str, Any],
+               run_id: Optional[str] = None, name: Optional[str] = None, job_type: Optional[str] = None):
+    """`wandb.init` into `folder`/wandb: continues the run `run_id` when given (any mode), else a new one."""
+    import wandb  # optional heavy dependency: imported only when a run logs to it
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=name or cfg.name,
+        group=cfg.group,
+        tags=list(cfg.tags),
+        mode=mode.value,
+        dir=str(folder),
+        config=config,
+        id=run_id,
+        resume="allow",
+        job_type=job_type,
+    )
 
 
 def _jsonable(value: Any) -> Any:
@@ -46,33 +166,44 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends one JSON object per `log` call to metrics.jsonl and mirrors scalars to wandb."""
+    """Appends one JSON object per `log` call to metrics.jsonl and mirrors scalars to wandb.
 
-    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any]):
-        mode = LoggerMode(cfg.mode)
-        self.path = Path(run_dir) / "metrics.jsonl"
+    The wandb run continues `run_id` (the id a resumed checkpoint carries), else the run this
+    directory logged to before (wandb_run.json), else is a new one; its id is then kept in
+    wandb_run.json and as `run_id` (for checkpoints). A disabled logger writes no wandb file but
+    still hands on a `run_id` it was given.
+    """
+
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: Optional[str] = None):
+        mode = resolve_mode(cfg.mode)
+        run_dir = Path(run_dir)
+        self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         self._wandb = None
+        self._defined: set[str] = set()  # keys whose summaries are set (`SUMMARIES`)
+        self.run_id = run_id or stored_run_id(run_dir)
         if mode != LoggerMode.disabled:
-            import wandb  # optional heavy dependency: imported only when a run logs to it
+            self._wandb = init_wandb(cfg, mode, run_dir, config, self.run_id, cfg.name or run_dir.name)
+            self.run_id = self._wandb.id
+            atomic_write_text(run_dir / WANDB_RUN_FILE, json.dumps(
+                {"id": self.run_id, "project": cfg.project, "entity": cfg.entity, "name": self._wandb.name,
+                 "group": cfg.group, "mode": mode.value}, indent=2))
 
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(
-                project=cfg.project,
-                entity=cfg.entity,
-                name=cfg.name or Path(run_dir).name,
-                tags=list(cfg.tags),
-                mode=mode.value,
-                dir=str(run_dir),
-                config=config,
-                resume="allow",
-            )
+    def _define_summaries(self, keys) -> None:
+        for key in keys:
+            if key in self._defined:
+                continue
+            self._defined.add(key)
+            summary = next((s for pattern, s in SUMMARIES.items() if fnmatch.fnmatchcase(key, pattern)), None)
+            if summary is not None:
+                self._wandb.define_metric(key, summary=summary)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         if self._wandb is not None:
+            self._define_summaries(metrics)
             self._wandb.log(metrics, step=step)
 
     def log_media(self, media: dict[str, Any], step: int) -> None:
@@ -100,6 +231,7 @@ class NullLogger:
     """What non-main ranks log to."""
 
     wandb_run = None
+    run_id = None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
@@ -140,3 +272,37 @@ def profile_charts(
             title=f"log10 Jacobian profile, {name}, step {step}", xname="relative position (j-1)/(L-1)",
         )
     return charts
+
+
+def accuracy_chart(accuracy: Mapping[int, float], labels: Mapping[int, str], title: str):
+    """A wandb line chart of accuracy by gold position, over its table (position, label, accuracy).
+
+    Logged under one key per probe, its table can be drawn for several runs in one wandb panel.
+    Positions below 0 (mdqa's closed-book baseline) are left out: their accuracy is a scalar of its own.
+    """
+    import wandb  # optional heavy dependency: imported only when a run logs to it
+
+    rows = [[int(p), str(labels.get(p, p)), float(a)] for p, a in sorted(accuracy.items()) if p >= 0]
+    table = wandb.Table(columns=["position", "label", "accuracy"], data=rows)
+    return wandb.plot.line(table, "position", "accuracy", title=title)
+
+
+def log_report(cfg: LoggerConfig, folder: str | Path, images: Mapping[str, str | Path],
+               tables: Mapping[str, tuple[Sequence[str], Sequence[Sequence[Any]]]],
+               config: Optional[dict[str, Any]] = None) -> Optional[str]:
+    """Log a report's PNGs (`key -> path`) and tables (`key -> (columns, rows)`) as one wandb run of
+    job type `report`, written under `folder`/wandb; returns its id (None when the mode is disabled)."""
+    mode = resolve_mode(cfg.mode)
+    if mode == LoggerMode.disabled:
+        return None
+    import wandb  # optional heavy dependency: imported only when a run logs to it
+
+    run = init_wandb(cfg, mode, Path(folder), config or {}, name=cfg.name or Path(folder).resolve().name,
+                     job_type="report")
+    try:
+        run.log({**{key: wandb.Image(str(png)) for key, png in images.items()},
+                 **{key: wandb.Table(columns=list(columns), data=[list(r) for r in rows])
+                    for key, (columns, rows) in tables.items()}})
+        return run.id
+    finally:
+        run.finish()

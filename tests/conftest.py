@@ -35,10 +35,12 @@ TINY = [
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Tokenizer caches go to a per-session temporary folder, never the user's ~/.cache."""
+    """Tokenizer and wandb caches go to per-session temporary folders, never the user's ~/.cache."""
     mp = pytest.MonkeyPatch()
     mp.setenv("POSDEBIAS_CACHE", str(tmp_path_factory.mktemp("cache")))
     mp.setenv("WANDB_MODE", "offline")
+    for key in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # wandb's own files, off ~/
+        mp.setenv(key, str(tmp_path_factory.mktemp(key.lower())))
     yield
     mp.undo()
 

@@ -11,7 +11,16 @@ import pytest
 from PIL import Image
 
 from analysis.checkpoints import Target
-from analysis.compare import Entry, JacobianProfiles, compare, main, profiles_figure, short_labels
+from analysis.compare import (
+    Entry,
+    JacobianProfiles,
+    _wandb_table,
+    build_parser,
+    compare,
+    main,
+    profiles_figure,
+    short_labels,
+)
 from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import ProbeResult
 from analysis.prior import fit_alpha, prior_profile
@@ -46,12 +55,15 @@ def test_short_labels_tell_paths_apart():
     assert short_labels(["/a/runA", "/b/runA"]) == ["a/runA", "b/runA"]
 
 
-def test_report_has_every_section(run_dir, tmp_path):
+def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):  # not $HOME
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     # A checkpoint outside any run (profiles measured), one inside the run (its npz), the run itself.
     standalone = tmp_path / "standalone"
     shutil.copytree(run_dir / "checkpoints" / "step-1", standalone)
     paths = [standalone, run_dir / "checkpoints" / "step-1", run_dir]
-    report = compare(paths, tmp_path / "cmp", ["needle", "in2"], examples=2, use_wandb=True, **FAST)
+    report = compare(paths, tmp_path / "cmp", ["needle", "in2"], examples=2, use_wandb=True, log_wandb="offline",
+                     **FAST)
 
     text = report.read_text()
     for heading in ["# Checkpoint comparison", "## Inputs", "## Probe accuracy", "## Accuracy by gold position",
@@ -74,6 +86,29 @@ def test_report_has_every_section(run_dir, tmp_path):
     saved = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "standalone_in2.json")
     reused = ProbeResult.load_json(run_dir / "eval" / "in2_step2.json")
     assert {o["id"] for o in saved.outcomes} == {o["id"] for o in reused.outcomes}  # the same records
+    # --wandb-log offline: the report's PNGs and accuracy tables as one offline wandb run under <out>/wandb/.
+    (logged,) = (tmp_path / "cmp" / "wandb").glob("offline-run-*")
+    media = logged / "files" / "media"
+    assert sorted(p.name.rsplit("_", 2)[0] for p in media.glob("images/compare/*.png")) == sorted(
+        name.removesuffix(".png") for name in images)
+    (table,) = media.glob("table/compare/accuracy_by_position_*.table.json")
+    rows = json.loads(table.read_text())["data"]  # path, probe, position, label, accuracy
+    labels, probes = ("standalone", "step-1", "runA"), ("needle", "in2")
+    assert {(r[0], r[1]) for r in rows} == {(label, probe) for label in labels for probe in probes}
+    assert [r[4] for r in rows if r[:2] == ["runA", "in2"]] == list(reused.accuracy_by_position().values())
+
+
+def test_wandb_options_log_and_read_summaries(tmp_path):
+    assert build_parser().parse_args(["runA", "--wandb-log", "offline"]).wandb_log == "offline"
+    assert build_parser().parse_args(["runA"]).wandb_log is None  # off by default
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["runA", "--wandb-log", "disabled"])
+    # A define_metric summary is a dict ({"min": ..., "last": ...}): the table shows its last value.
+    files = tmp_path / "run" / "wandb" / "run-20260101_000000-abc" / "files"
+    files.mkdir(parents=True)
+    (files / "wandb-summary.json").write_text(json.dumps({"train/loss": {"min": 1.0, "last": 1.25}, "eval/loss": 2.5}))
+    entry = Entry(Target(tmp_path / "run", "run", tmp_path / "run", tmp_path / "run", 3), 2, 100)
+    assert _wandb_table([entry])[-1].endswith("| 1.250 | 2.500 |")
 
 
 def test_closed_book_line_and_intervals_plot(tmp_path):

@@ -307,3 +307,42 @@ def test_offline_wandb_run_logs_profile_charts(compose_cfg, tmp_path):
     assert {p.parent.name for p in tables} == {"vanilla", "chunked"}
     chart = json.loads(tables[0].read_text())
     assert len(chart["data"]) == 2 * 64  # two curves over every position of L = 64 (<= CHART_POINTS)
+
+
+def _wandb_home(monkeypatch, folder):
+    """wandb's settings, cache (its service's debug logs) and data folders under `folder`, never $HOME."""
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(folder / "wandb-home" / var.lower()))
+
+
+def _wandb_run_ids(run_dir):
+    """Run ids of the offline wandb runs in a run directory (`wandb/offline-run-<time>-<id>`)."""
+    return [p.name.split("-")[3] for p in sorted((run_dir / "wandb").glob("offline-run-*"))]
+
+
+def test_resume_into_a_new_run_directory_continues_the_wandb_run(compose_cfg, tmp_path, monkeypatch):
+    """The checkpoint carries the wandb run id: a run resumed from it elsewhere logs to the same run."""
+    _wandb_home(monkeypatch, tmp_path)
+    first, second = tmp_path / "first", tmp_path / "second"
+    run(compose_cfg(*TINY, "trainer.max_steps=2", "trainer.save_every=1", "logger.mode=offline"), first)
+    ckpt = first / "checkpoints" / "step-1"
+    run_id = json.loads((ckpt / "trainer_state.json").read_text())["wandb_run_id"]
+    assert _wandb_run_ids(first) == [run_id]
+    run(compose_cfg(*TINY, "trainer.max_steps=2", "logger.mode=offline", f"trainer.resume_from={ckpt}"), second)
+    assert _wandb_run_ids(second) == [run_id]
+    assert json.loads((second / "checkpoints" / "step-2" / "trainer_state.json").read_text())["wandb_run_id"] == run_id
+    # Accuracy by depth reaches wandb as a table (comparable across runs) and as the PNG of the run directory.
+    media = next((second / "wandb").glob("offline-run-*")) / "files" / "media"
+    assert list(media.glob("table/eval/in2/accuracy_by_position_table_*.table.json"))
+    assert list(media.glob("images/eval/in2/accuracy_plot_*.png"))
+
+
+def test_the_cli_names_a_wandb_run_from_its_overrides_and_groups_it_by_sweep(tmp_path, monkeypatch):
+    _wandb_home(monkeypatch, tmp_path)
+    quiet = [o for o in TINY if not o.startswith("logger.")]
+    subprocess.run([sys.executable, "train.py", "-m", *quiet, "trainer.max_steps=1", "seed=3",
+                    "logger.mode=offline", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                   cwd=ROOT, capture_output=True, text=True, check=True)
+    stored = json.loads((tmp_path / "sweep" / "0" / "wandb_run.json").read_text())
+    assert stored["group"] == "default/sweep"
+    assert stored["name"].startswith("default model.init.hidden_size=32,") and "logger" not in stored["name"]
