@@ -62,7 +62,7 @@ from data_builders.build import DataBundle, build_datasets
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.tokenizer import load_tokenizer
-from models.build import ModelConfig, build_model, differs_from_pretrained, validate_model
+from models.build import AttnImplementation, ModelConfig, build_model, differs_from_pretrained, validate_model
 from models.checkpoint import (
     TRAINER_STATE,
     atomic_checkpoint,
@@ -204,6 +204,10 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     for key in ("plot_every", "chart_every"):  # cadences of measured steps
         if getattr(jac, key) < 1:
             raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
+    if cfg.model.attn_implementation == AttnImplementation.flex_attention and t.device != Device.cuda and (
+            t.device == Device.cpu or not torch.cuda.is_available()):
+        raise ValueError(f"model.attn_implementation=flex_attention has no backward on the CPU (torch "
+                         f"{torch.__version__}): train with sdpa here, or on a CUDA device")
     if cfg.eval.probes and cfg.eval.probe_every < 1:
         raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
 
@@ -359,7 +363,8 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     # A curriculum lives in the split's stored order: the build's own setting (a prebuilt folder's too).
     curriculum = bundle.stats.get("config", {}).get("in2", {}).get("curriculum", 0.0)
     stream = BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
-                         info.world_size, label_context=cfg.data.in2.label_context, ordered_first_epoch=curriculum > 0)
+                         info.world_size, label_context=cfg.data.in2.label_context, ordered_first_epoch=curriculum > 0,
+                         pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None)
     if info.is_main_process:
         log.info("global batch = %d micro x %d accumulation x %d ranks = %d samples", t.micro_batch_size,
                  t.grad_accum, info.world_size, t.micro_batch_size * t.grad_accum * info.world_size)
@@ -520,7 +525,7 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict
     t0, tokens, losses = time.perf_counter(), 0, []
     for _ in range(run.cfg.trainer.grad_accum):
         batch = next(batches)
-        tokens += int(batch["attention_mask"].sum())
+        tokens += int(batch["num_tokens"])
         losses.append(run.engine.forward_backward(batch))
     loss = all_mean(torch.stack(losses).mean().item(), run.engine.device)
     finite = math.isfinite(loss)

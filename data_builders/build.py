@@ -74,7 +74,7 @@ def dataset_digest(ds: Dataset) -> str:
 
 def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> str:
     """Fingerprint of an IN2 build: config, input files, tokenizer and the builder code itself."""
-    skip = ("cache", "num_proc", "prebuilt", "format", "windows")  # no effect on an IN2 build's bytes
+    skip = ("cache", "num_proc", "prebuilt", "format", "windows", "packing", "pack_len")  # no effect on the bytes
     settings = {k: v for k, v in config_dict(cfg).items() if k not in skip}
     here = Path(__file__).resolve().parent
     code = [(here / name).read_bytes() for name in _CODE]

@@ -1,4 +1,12 @@
-"""Batching: a seeded, resumable, rank-sharded stream of padded micro-batches."""
+"""Batching: a seeded, resumable, rank-sharded stream of padded or packed micro-batches.
+
+Padded: each micro-batch is B samples right-padded to the longest (`attention_mask` marks the real
+tokens). Packed (`data.packing`): each micro-batch is B rows of `pack_len` tokens, each row several
+samples end to end with `position_ids` restarting at 0 per sample and no `attention_mask`, from
+which transformers builds a block-diagonal causal mask (sdpa, eager, flex) or the sequence
+boundaries (flash_attention_2): no token attends across samples, and no compute goes to padding
+beyond each row's tail. Either way `num_tokens` counts the real tokens (it is not a model input).
+"""
 from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
@@ -17,18 +25,69 @@ def collate(rows: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tens
         input_ids[i, :n] = torch.as_tensor(r["input_ids"])
         labels[i, :n] = torch.as_tensor(r.get("labels", r["input_ids"]))
         attention_mask[i, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+            "num_tokens": attention_mask.sum()}
+
+
+def collate_packed(packs: Sequence[Sequence[dict[str, Any]]], pack_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One row of `pack_len` tokens per pack: its samples end to end, then padding (-100 labels).
+
+    `position_ids` count from 0 in every sample and in the padding tail, which is thereby a segment
+    of its own (attended only by itself, never labelled).
+    """
+    input_ids = torch.full((len(packs), pack_len), pad_id, dtype=torch.long)  # (R, P)
+    labels = torch.full((len(packs), pack_len), -100, dtype=torch.long)  # (R, P)
+    position_ids = torch.zeros((len(packs), pack_len), dtype=torch.long)  # (R, P)
+    real = 0
+    for i, pack in enumerate(packs):
+        start = 0
+        for r in pack:
+            n = len(r["input_ids"])
+            input_ids[i, start:start + n] = torch.as_tensor(r["input_ids"])
+            labels[i, start:start + n] = torch.as_tensor(r.get("labels", r["input_ids"]))
+            position_ids[i, start:start + n] = torch.arange(n)
+            start += n
+        if start > pack_len:
+            raise ValueError(f"a pack of {start} tokens exceeds pack_len={pack_len}")
+        position_ids[i, start:] = torch.arange(pack_len - start)
+        real += start
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "num_tokens": torch.tensor(real)}
+
+
+def pack_in_order(lengths: Sequence[int], order: Sequence[int], pack_len: int) -> list[list[int]]:
+    """Sample indices per pack: `order` read in turn, a pack closed when the next sample does not fit.
+
+    Reading in order (no best-fit search) keeps a curriculum's order and makes the packs a function
+    of the order alone, which is what an exact resume needs.
+    """
+    packs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        n = lengths[i]
+        if n > pack_len:
+            raise ValueError(f"sample {i} has {n} tokens, more than data.pack_len={pack_len}")
+        if used + n > pack_len:
+            packs.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        packs.append(current)
+    return packs
 
 
 class BatchStream:
     """Endless micro-batches over epochs; each epoch is a permutation seeded by (seed, epoch).
 
-    Global micro-batch g is the slice [g*B*w, (g+1)*B*w) of the permutation (B = micro-batch
-    size, w = world size) and rank r takes its r-th block of B samples. So ranks see distinct
-    shards, and w ranks with accumulation a see exactly the samples, in the same micro-batch
-    blocks, that one process sees with accumulation a*w. `position` counts micro-batches drawn by
-    this rank; restoring it continues the exact same order after a resume. With `ordered_first_epoch`
-    epoch 0 reads the dataset in stored order (a curriculum's short-first order), later epochs shuffle.
+    The permutation is read as units: single samples (padded batches), or packs of samples that fill
+    `pack_len` tokens (`pack_in_order`; packed batches). Global micro-batch g is the slice
+    [g*B*w, (g+1)*B*w) of an epoch's units (B = micro-batch size, w = world size) and rank r takes its
+    r-th block of B units. So ranks see distinct shards, and w ranks with accumulation a see exactly
+    the units, in the same micro-batch blocks, that one process sees with accumulation a*w. Units
+    left over at the end of an epoch are skipped. `position` counts micro-batches drawn by this rank;
+    restoring it continues the exact same order after a resume. With `ordered_first_epoch` epoch 0
+    reads the dataset in stored order (a curriculum's short-first order), later epochs shuffle.
     """
 
     def __init__(
@@ -41,19 +100,28 @@ class BatchStream:
         world_size: int = 1,
         label_context: bool = False,
         ordered_first_epoch: bool = False,
+        pack_len: int | None = None,
     ):
-        if len(dataset) < micro_batch_size * world_size:
-            raise ValueError(
-                f"{len(dataset)} training samples cannot fill one global micro-batch of "
-                f"{micro_batch_size} x {world_size} ranks (raise data.num_train)"
-            )
         self.dataset, self.micro_batch_size, self.pad_id = dataset, micro_batch_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.label_context, self.ordered_first_epoch = label_context, ordered_first_epoch
+        self.label_context, self.ordered_first_epoch, self.pack_len = label_context, ordered_first_epoch, pack_len
         # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
         self._columns = dataset.select_columns(["input_ids", "labels"]) if hasattr(dataset, "column_names") else None
-        self.per_epoch = len(dataset) // (micro_batch_size * world_size)
+        self._lengths = self._sample_lengths() if pack_len else None
+        self._epochs: dict[int, list[list[int]]] = {}  # epoch -> its units, for the epochs in use
         self.position = 0
+        if self.per_epoch(0) < 1:
+            packs = f" ({len(self._units(0))} packs of {pack_len} tokens)" if pack_len else ""
+            what = f"{len(dataset)} training samples{packs}"
+            raise ValueError(f"{what} cannot fill one global micro-batch of {micro_batch_size} x {world_size} ranks "
+                             "(raise data.num_train)")
+
+    def _sample_lengths(self) -> list[int]:
+        if self._columns is not None:  # the lengths from Arrow, without reading the tokens into Python
+            import pyarrow.compute as pc
+
+            return pc.list_value_length(self._columns.with_format("arrow")["input_ids"]).to_pylist()
+        return [len(r["input_ids"]) for r in self.dataset]
 
     def _permutation(self, epoch: int) -> list[int]:
         if epoch == 0 and self.ordered_first_epoch:
@@ -61,17 +129,41 @@ class BatchStream:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.dataset), generator=g).tolist()
 
+    def _units(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epochs:
+            perm = self._permutation(epoch)
+            self._epochs = {epoch: pack_in_order(self._lengths, perm, self.pack_len) if self.pack_len
+                            else [[i] for i in perm]}
+        return self._epochs[epoch]
+
+    def per_epoch(self, epoch: int) -> int:
+        """Micro-batches per rank in `epoch` (with packing the number of packs varies by epoch)."""
+        if not self.pack_len:
+            return len(self.dataset) // (self.micro_batch_size * self.world_size)
+        return len(self._units(epoch)) // (self.micro_batch_size * self.world_size)
+
+    def _locate(self, position: int) -> tuple[int, int]:
+        """(epoch, micro-batch index in it) of the `position`-th micro-batch."""
+        if not self.pack_len:
+            return divmod(position, self.per_epoch(0))
+        epoch = 0
+        while position >= (n := self.per_epoch(epoch)):
+            position, epoch = position - n, epoch + 1
+        return epoch, position
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        cached_epoch, perm = -1, []
         B = self.micro_batch_size
         while True:
-            epoch, k = divmod(self.position, self.per_epoch)
-            if epoch != cached_epoch:
-                cached_epoch, perm = epoch, self._permutation(epoch)
+            epoch, k = self._locate(self.position)
             start = (k * self.world_size + self.rank) * B
-            chunk = perm[start : start + B]
+            units = self._units(epoch)[start : start + B]
             self.position += 1
-            yield collate(self._rows(chunk), self.pad_id)
+            rows = self._rows([i for unit in units for i in unit])
+            if not self.pack_len:
+                yield collate(rows, self.pad_id)
+                continue
+            row = iter(rows)
+            yield collate_packed([[next(row) for _ in unit] for unit in units], self.pack_len, self.pad_id)
 
     def _rows(self, indices: list[int]) -> list[dict[str, Any]]:
         if self._columns is not None:  # one columnar read per batch

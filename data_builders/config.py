@@ -106,6 +106,10 @@ class DataConfig:
     hf_split: str = "train"  # split of an hf hub dataset
     filler_path: Optional[str] = None  # extra distractor text: a .txt file, or a data file with filler_field
     filler_field: str = "text"  # text column of a non-.txt filler_path
+    # Batching, not building: samples packed end to end into rows of pack_len tokens (None = context_len),
+    # no attention across samples (data_builders.collate); trainer.micro_batch_size counts rows.
+    packing: bool = False
+    pack_len: Optional[int] = None
     in2: In2Config = field(default_factory=In2Config)
     windows: WindowsConfig = field(default_factory=WindowsConfig)
 
@@ -196,6 +200,9 @@ def validate_data(cfg: DataConfig) -> None:
     for key in ("context_len", "num_train", "num_eval"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"data.{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.pack_len is not None and cfg.pack_len < cfg.context_len:
+        raise ValueError(f"data.pack_len={cfg.pack_len} is shorter than data.context_len={cfg.context_len}, "
+                         "a sample's budget: a longest sample would fit no pack")
     if cfg.format == DataFormat.in2:
         _validate_in2(cfg)
     else:

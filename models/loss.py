@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 IGNORE = -100
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 LOSS_CHUNK = 1024  # positions per chunk of the dense path: (LOSS_CHUNK, V) fp32 logits at a time
 # Above this share of labelled positions the mask saves little, and the chunked path saves more.
 DENSE_SHARE = 0.5
@@ -29,8 +30,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, fp64 kept
+
+
 def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(_at_least_fp32(head(hidden)), targets, ignore_index=IGNORE, reduction="sum")
 
 
 def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
@@ -38,7 +43,8 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     """(summed next-token NLL over the labelled tokens, their count) of one batch.
 
     `model`: what the caller runs forward (an HF causal LM, or a peft model / DeepSpeed engine around
-    one). `batch`: input_ids, attention_mask and labels (B, L), IGNORE where no loss is; moved to
+    one). `batch`: input_ids, labels (B, L) (IGNORE where no loss is) and attention_mask (padded) or
+    position_ids (packed, see `data_builders.collate`); moved to
     `device` after the labels were counted where they are (on the host: no device sync).
     """
     labels = batch["labels"]
@@ -47,13 +53,15 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     positions = labelled.any(dim=0).nonzero().squeeze(1)  # (K,) positions where some row has a label
     batch = {k: v.to(device) for k, v in batch.items()} if device is not None else batch
     targets = batch["labels"][:, 1:]  # (B, L-1)
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    # the model's inputs only (a batch also carries `num_tokens`); no KV cache: with one, transformers
+    # would not read packed sequences' boundaries from `position_ids`
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch} | {"use_cache": False}
     if positions.numel() <= DENSE_SHARE * targets.shape[1]:
         positions = positions.to(targets.device)
         # the same positions for every row (what `logits_to_keep` takes in every transformers version)
         logits = model(**inputs, logits_to_keep=positions).logits  # (B, K, V)
-        nll = F.cross_entropy(logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=IGNORE,
-                              reduction="sum")
+        nll = F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), targets[:, positions].flatten(),
+                              ignore_index=IGNORE, reduction="sum")
         return nll, count
     # Through the model's own forward (a DeepSpeed engine hooks it), with no logits kept; transformers
     # gives the last (normed) hidden states as hidden_states[-1].
@@ -61,7 +69,7 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     hidden = out.hidden_states[-1][:, :-1]  # (B, L-1, H)
     hidden, targets = hidden.flatten(0, 1), targets.flatten()  # (B(L-1), H), (B(L-1),)
     head = unwrap(model).get_output_embeddings()
-    nll = hidden.new_zeros((), dtype=torch.float32)
+    nll = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, hidden.shape[0], chunk):
         piece = slice(start, start + chunk)
         nll = nll + checkpoint(_chunk_nll, head, hidden[piece], targets[piece], use_reentrant=False)

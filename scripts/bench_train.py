@@ -56,14 +56,14 @@ def _minimal(cfg, skip: int) -> float:
     for step, batch in enumerate(batches):
         if step == skip:
             start = time.perf_counter()
-        loss = model(**batch).loss
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step >= skip:
-            tokens += int(batch["attention_mask"].sum())
+            tokens += int(batch["num_tokens"])
     return tokens / (time.perf_counter() - start)
 
 

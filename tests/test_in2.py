@@ -184,11 +184,11 @@ def test_curriculum_ramps_training_budgets_and_training_reads_them_in_order():
 
     stream = BatchStream(ramped.train, 4, ramped.tokenizer.pad_token_id, seed=0, ordered_first_epoch=True)
     batches = iter(stream)
-    for k in range(stream.per_epoch):  # epoch 0: stored order, so short contexts come first
+    for k in range(stream.per_epoch(0)):  # epoch 0: stored order, so short contexts come first
         batch = next(batches)
         rows = [ramped.train[i]["input_ids"] for i in range(4 * k, 4 * k + 4)]
         assert [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])] == rows
-    epoch1 = torch.cat([next(batches)["attention_mask"].sum(1) for _ in range(stream.per_epoch)])
+    epoch1 = torch.cat([next(batches)["attention_mask"].sum(1) for _ in range(stream.per_epoch(1))])
     assert sorted(epoch1.tolist()) == sorted(lengths.tolist()) and epoch1.tolist() != lengths.tolist()
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -176,15 +177,17 @@ def test_nested_init_values_reach_the_model_config(compose_cfg):
     assert model.config.rope_parameters["rope_theta"] == 500.0
 
 
-def test_resume_matches_uninterrupted_run(compose_cfg, tmp_path):
+@pytest.mark.parametrize("batching", [[], ["data.packing=true", "trainer.micro_batch_size=2"]],
+                         ids=["padded", "packed"])
+def test_resume_matches_uninterrupted_run(compose_cfg, tmp_path, batching):
     full, part = tmp_path / "full", tmp_path / "part"
-    run(compose_cfg(*TINY, "trainer.max_steps=4"), full)
-    run(compose_cfg(*TINY, "trainer.max_steps=4", "trainer.save_every=2"), part)
+    run(compose_cfg(*TINY, *batching, "trainer.max_steps=4"), full)
+    run(compose_cfg(*TINY, *batching, "trainer.max_steps=4", "trainer.save_every=2"), part)
     # Drop everything after step 2 as if the run had been killed there, then resume.
     shutil.rmtree(part / "checkpoints" / "step-4")
     lines = [line for line in (part / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
     (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    run(compose_cfg(*TINY, "trainer.max_steps=4", "trainer.resume_from=latest"), part)
+    run(compose_cfg(*TINY, *batching, "trainer.max_steps=4", "trainer.resume_from=latest"), part)
     expected, resumed = _losses(full), _losses(part)
     assert [resumed[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]  # bitwise on CPU
 
@@ -270,6 +273,26 @@ def test_gradient_checkpointing_gives_the_same_losses(compose_cfg, tmp_path, mon
     assert list(plain) == [1, 2, 3]
     assert checkpointed == pytest.approx(plain, rel=1e-5)
     assert plain[3] != plain[1]  # the parameters moved: gradients reached them through the recomputation
+
+
+def test_flex_attention_on_the_cpu_fails_at_start_up(compose_cfg, tmp_path):
+    with pytest.raises(ValueError, match="flex_attention has no backward on the CPU"):
+        run(compose_cfg(*TINY, "model.attn_implementation=flex_attention", "trainer.device=cpu"), tmp_path)
+    assert not (tmp_path / "tokenizer").exists()  # nothing was built
+
+
+def test_packed_training_runs_on_rows_of_pack_len_tokens(compose_cfg, tmp_path, monkeypatch):
+    import train
+
+    seen = []
+    step = train.optimizer_step
+    monkeypatch.setattr(train, "optimizer_step", lambda run, batches: step(run, iter(
+        seen.append(b) or b for b in batches)))
+    run(compose_cfg(*TINY, "data.packing=true", "data.pack_len=256", "trainer.micro_batch_size=1",
+                    "trainer.max_steps=2"), tmp_path)
+    assert seen and all(b["input_ids"].shape == (1, 256) and "attention_mask" not in b for b in seen)
+    assert all((b["position_ids"] == 0).sum() >= 2 for b in seen)  # several samples (or one and a tail) per row
+    assert all(math.isfinite(v) for v in _losses(tmp_path).values())
 
 
 def test_bad_jacobian_cadence_fails_at_start_up_naming_the_key(compose_cfg, tmp_path):
