@@ -92,6 +92,7 @@ from models.distributed import (
     zero3_load_context,
 )
 from models.loss import labelled_nll
+from models.packed_attention import SDPA_PACKED
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 
 log = logging.getLogger("train")
@@ -322,6 +323,8 @@ def load_model(cfg: TrainConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBa
     """
     zero3 = zero3_load_context(ds_config) if cfg.model.pretrained else None
     model = build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id, gather=gathered)
+    if cfg.data.packing and cfg.model.attn_implementation == AttnImplementation.sdpa:
+        model.set_attn_implementation(SDPA_PACKED)  # each packed sample on its own, like flash's varlen
     if zero3 is not None and info.is_main_process:
         n, total = partitioned_count(model)
         log.info("ZeRO-3: %d of %d parameter tensors partitioned at load (zero.Init)", n, total)

@@ -10,10 +10,12 @@ are shared and noisy: an absolute time alone means little.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,8 +27,32 @@ BENCHMARKS = {
     "jacobian": ("scripts.bench_jacobian", "bench_jacobian"),
     "diff": ("scripts.bench_diff", "bench_diff"),
     "data": ("scripts.bench_data", "bench_data"),
+    "long": ("scripts.bench_long", "bench_long"),
 }
 ROOT = Path(__file__).resolve().parents[1]
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def extra_peak_rss_mib(op: Callable[[], object]) -> float | None:
+    """Peak RSS that `op()` adds to this process, in MiB; None without /proc.
+
+    Run it in a fresh process (spawn): memory an earlier operation freed into the allocator's cache
+    would otherwise be reused unseen.
+    """
+    if not CLEAR_REFS.exists():
+        return None
+    gc.collect()
+    CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+    before = _status_kb("VmRSS")
+    op()
+    return (_status_kb("VmHWM") - before) / 1024
 
 
 def _fmt(value) -> str:

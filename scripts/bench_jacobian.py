@@ -18,21 +18,18 @@ the operation needs on top of the loaded model, allocator overhead included (Lin
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
-from pathlib import Path
 
 import torch
 import transformers
 
 from analysis.jacobian import jacobian_profile
-
-CLEAR_REFS = Path("/proc/self/clear_refs")
+from scripts.bench import extra_peak_rss_mib
 
 
 @dataclass(frozen=True)
@@ -73,24 +70,10 @@ def _operations(model: torch.nn.Module, ids: torch.Tensor, setup: BenchSetup) ->
     }
 
 
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
 def _peak_mb(name: str, setup: BenchSetup) -> float | None:
     """Extra peak RSS of one run of ``name`` in this (fresh) process, in MiB; None without /proc."""
-    if not CLEAR_REFS.exists():
-        return None
     model, ids = _build(setup)
-    op = _operations(model, ids, setup)[name]
-    gc.collect()
-    CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
-    before = _status_kb("VmRSS")
-    op()
-    return (_status_kb("VmHWM") - before) / 1024
+    return extra_peak_rss_mib(_operations(model, ids, setup)[name])
 
 
 def bench_jacobian(setup: BenchSetup = BenchSetup(), repeats: int = 7, exact_repeats: int = 2) -> list[dict]:

@@ -8,6 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from data_builders.collate import BatchStream, collate, collate_packed, pack_in_order
 from models.diff_attention import convert_to_diff_attention
 from models.loss import IGNORE, causal_lm_loss
+from models.packed_attention import SDPA_PACKED
 
 VOCAB = 200
 
@@ -43,7 +44,7 @@ def token_nll(model, batch) -> torch.Tensor:
     return nll * (targets != IGNORE)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", "sdpa+diff"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "sdpa+diff", "sdpa_packed", "sdpa_packed+diff"])
 @torch.no_grad()
 def test_per_sample_losses_equal_the_unpacked_ones(attention):
     model, rows = tiny(attention), samples()
@@ -115,3 +116,24 @@ def test_a_pack_len_below_the_sample_budget_fails_at_start_up():
 
     with pytest.raises(ValueError, match=r"data.pack_len=100 is shorter than data.context_len=256"):
         validate_data(DataConfig(context_len=256, packing=True, pack_len=100))
+
+
+def test_packed_sdpa_attends_sample_by_sample_and_masks_padded_batches(monkeypatch):
+    """`sdpa_packed` runs causal SDPA on each sample of a packed row (no L x L mask), and is plain SDPA,
+    mask and all, on a padded batch."""
+    import models.packed_attention as packed_attention
+
+    calls = []
+    sdpa = packed_attention.sdpa_attention_forward
+    monkeypatch.setattr(packed_attention, "sdpa_attention_forward", lambda m, q, k, v, mask, **kw: (
+        calls.append((q.shape[2], mask is None)), sdpa(m, q, k, v, mask, **kw))[1])
+    model, rows = tiny(SDPA_PACKED), samples()
+    packs = pack_in_order([len(r["input_ids"]) for r in rows], range(len(rows)), 64)
+    with torch.no_grad():
+        token_nll(model, collate_packed([[rows[i] for i in p] for p in packs], 64, pad_id=0))
+        per_layer = [len(rows[i]["input_ids"]) for p in packs for i in p] + [
+            64 - sum(len(rows[i]["input_ids"]) for i in p) for p in packs if sum(len(rows[i]["input_ids"]) for i in p) < 64]
+        assert sorted(calls) == sorted([(n, True) for n in per_layer] * 2)  # 2 layers
+        calls.clear()
+        token_nll(model, collate(rows[:3], pad_id=0))
+        assert calls == [(max(len(r["input_ids"]) for r in rows[:3]), False)] * 2
