@@ -62,7 +62,14 @@ from data_builders.build import DataBundle, build_datasets
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.tokenizer import load_tokenizer
-from models.build import AttnImplementation, ModelConfig, build_model, differs_from_pretrained, validate_model
+from models.build import (
+    Attention,
+    AttnImplementation,
+    ModelConfig,
+    build_model,
+    differs_from_pretrained,
+    validate_model,
+)
 from models.checkpoint import (
     TRAINER_STATE,
     atomic_checkpoint,
@@ -120,6 +127,8 @@ class TrainerConfig:
     max_bad_steps: int = 10  # non-finite losses tolerated (skipped) before the run stops
     deepspeed: Optional[dict[str, Any]] = None  # DeepSpeed config block (trainer=zero2/zero3/...)
     collective_timeout_s: float = 1800.0  # a collective (or joining the group) that takes longer fails
+    # ranks sharing each sequence (DeepSpeed Ulysses, models/sequence_parallel.py); data-parallel over world/N
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -202,6 +211,7 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
         raise ValueError(f"trainer.lr={t.lr} must be > 0")
     if info.world_size > 1 and not t.deepspeed:
         raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
+    validate_sequence_parallel(cfg, info)
     for key in ("plot_every", "chart_every"):  # cadences of measured steps
         if getattr(jac, key) < 1:
             raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
@@ -211,6 +221,29 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
                          f"{torch.__version__}): train with sdpa here, or on a CUDA device")
     if cfg.eval.probes and cfg.eval.probe_every < 1:
         raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
+
+
+def validate_sequence_parallel(cfg: TrainConfig, info: DistInfo) -> None:
+    """What `trainer.sequence_parallel=N` (Ulysses) can run on, checked before anything is built."""
+    sp = cfg.trainer.sequence_parallel
+    if sp < 1:
+        raise ValueError(f"trainer.sequence_parallel={sp} must be >= 1")
+    if sp == 1:
+        return
+    if not cfg.trainer.deepspeed:
+        raise ValueError(f"trainer.sequence_parallel={sp} runs under DeepSpeed (trainer=zero2|zero3|zero3_offload)")
+    if info.world_size % sp:
+        raise ValueError(f"trainer.sequence_parallel={sp} must divide the {info.world_size} processes")
+    if cfg.model.attention != Attention.standard:
+        raise ValueError(f"trainer.sequence_parallel={sp} with model.attention={cfg.model.attention}: Ulysses splits "
+                         "the model's attention heads, a diff layer computes two maps per head; use one of them")
+    if cfg.model.attn_implementation not in (AttnImplementation.sdpa, AttnImplementation.flash_attention_2):
+        raise ValueError(f"trainer.sequence_parallel={sp} needs model.attn_implementation=sdpa or flash_attention_2 "
+                         f"(got {cfg.model.attn_implementation})")
+    if cfg.data.packing and cfg.model.attn_implementation != AttnImplementation.flash_attention_2:
+        raise ValueError(f"trainer.sequence_parallel={sp} with data.packing=true needs "
+                         "model.attn_implementation=flash_attention_2: with sdpa, samples of a packed row "
+                         "would attend to each other")
 
 
 def seed_everything(seed: int) -> None:
@@ -284,7 +317,7 @@ class Run:
         return self.cfg.data.format == DataFormat.in2
 
 
-def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[dict[str, Any]]
+def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[dict[str, Any]], pad_id: int = 0
                  ) -> TorchEngine | DeepSpeedEngine:
     """Single-process torch or DeepSpeed (`ds_config` of `deepspeed_config`), one AdamW and one schedule for both."""
 
@@ -296,7 +329,7 @@ def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[d
             optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
 
     if ds_config is not None:
-        return DeepSpeedEngine(model, make_optimizer, make_scheduler, ds_config)
+        return DeepSpeedEngine(model, make_optimizer, make_scheduler, ds_config, pad_id)
     return TorchEngine(model, make_optimizer, make_scheduler, resolve_device(t.device), t.precision, t.grad_accum,
                        t.grad_clip)
 
@@ -351,7 +384,7 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     ds_config = None
     if t.deepspeed:
         ds_config = deepspeed_config(t.deepspeed, t.precision, t.micro_batch_size, t.grad_accum, t.grad_clip,
-                                     info.world_size)
+                                     info.world_size, t.sequence_parallel)
         init_distributed(t.collective_timeout_s)
     seed_everything(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -361,16 +394,19 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     if info.is_main_process:
         tokenizer.save_pretrained(run_dir / "tokenizer")
     model, zero3 = load_model(cfg, run_dir, tokenizer, info, ds_config)
-    engine = build_engine(model, t, ds_config)
+    engine = build_engine(model, t, ds_config, tokenizer.pad_token_id)
 
     # A curriculum lives in the split's stored order: the build's own setting (a prebuilt folder's too).
     curriculum = bundle.stats.get("config", {}).get("in2", {}).get("curriculum", 0.0)
-    stream = BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, info.rank,
-                         info.world_size, label_context=cfg.data.in2.label_context, ordered_first_epoch=curriculum > 0,
+    # The ranks of a sequence-parallel group read the same micro-batches: the data is sharded over the groups.
+    groups, group = info.world_size // t.sequence_parallel, info.rank // t.sequence_parallel
+    stream = BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, group, groups,
+                         label_context=cfg.data.in2.label_context, ordered_first_epoch=curriculum > 0,
                          pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None)
     if info.is_main_process:
-        log.info("global batch = %d micro x %d accumulation x %d ranks = %d samples", t.micro_batch_size,
-                 t.grad_accum, info.world_size, t.micro_batch_size * t.grad_accum * info.world_size)
+        log.info("global batch = %d micro x %d accumulation x %d data-parallel ranks = %d samples%s",
+                 t.micro_batch_size, t.grad_accum, groups, t.micro_batch_size * t.grad_accum * groups,
+                 f" (each sequence split over {t.sequence_parallel} ranks)" if t.sequence_parallel > 1 else "")
 
     jac = cfg.jacobian
     # Jacobian sequences come from held-out documents, never from the training split.

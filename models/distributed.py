@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from models import sequence_parallel
 from models.checkpoint import load_model_weights
-from models.loss import causal_lm_loss
+from models.loss import causal_lm_loss, labelled_nll
 
 
 class Precision(StrEnum):
@@ -202,12 +203,13 @@ class TorchEngine:
 
 def deepspeed_config(
     base: Mapping[str, Any], precision: Precision, micro_batch_size: int, grad_accum: int, grad_clip: float,
-    world_size: int,
+    world_size: int, sequence_parallel: int = 1,
 ) -> dict[str, Any]:
     """The complete DeepSpeed config: `trainer.deepspeed` with the keys the loop's settings own filled in.
 
-    Micro-batch, accumulation, clipping and bf16 come from the trainer settings, so the two never
-    disagree; the rest of `base` is passed as is. One config serves both users: `zero3_load_context`
+    Micro-batch, accumulation, clipping, bf16 and the sequence-parallel degree come from the trainer
+    settings, so the two never disagree (a global batch counts sequences, each shared by
+    `sequence_parallel` ranks); the rest of `base` is passed as is. One config serves both users: `zero3_load_context`
     (partitioning at load) and `DeepSpeedEngine`.
     """
     config = copy.deepcopy(dict(base))
@@ -216,8 +218,10 @@ def deepspeed_config(
         gradient_accumulation_steps=grad_accum,
         gradient_clipping=grad_clip,
         bf16={"enabled": Precision(precision) == Precision.bf16},
-        train_batch_size=micro_batch_size * grad_accum * world_size,
+        train_batch_size=micro_batch_size * grad_accum * world_size // sequence_parallel,
     )
+    if sequence_parallel > 1:
+        config["sequence_parallel_size"] = sequence_parallel
     config.setdefault("steps_per_print", 10**9)  # the loop logs; keep DeepSpeed quiet
     config.setdefault("zero_allow_untested_optimizer", True)
     return config
@@ -278,10 +282,17 @@ class DeepSpeedEngine:
         make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
         make_scheduler: Callable[[torch.optim.Optimizer], Any],
         config: dict[str, Any],
+        pad_id: int = 0,
     ):
         import deepspeed
 
         self.info = dist_info()
+        # Ulysses sequence parallelism (models.sequence_parallel): groups of consecutive ranks share each sequence
+        self.sp_size, self.pad_id, self.sp_group, mpu = config.get("sequence_parallel_size", 1), pad_id, None, None
+        if self.sp_size > 1:
+            mpu = sequence_parallel.enable(model, self.sp_size, config["train_micro_batch_size_per_gpu"])
+            self.sp_group = mpu.get_sequence_parallel_group()
+        self.sp_grad_factor = sequence_parallel.grad_factor(self.sp_size, zero_stage(config))
         params = [p for p in model.parameters() if p.requires_grad]
         if config.get("zero_optimization", {}).get("offload_optimizer"):
             # Offloaded optimizer states live in CPU RAM, where DeepSpeed requires its own CPU Adam.
@@ -297,6 +308,7 @@ class DeepSpeedEngine:
             optimizer=make_optimizer(params),
             lr_scheduler=make_scheduler,
             config=config,
+            mpu=mpu,
         )
         self.device = self.engine.device
 
@@ -309,6 +321,8 @@ class DeepSpeedEngine:
         return self.engine
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.sp_size > 1:
+            return self._forward_backward_sharded(batch)
         loss = causal_lm_loss(self.engine, batch, self.device)
         # Every rank must take part in the backward collectives, so a non-finite loss anywhere
         # skips the micro-step on all ranks.
@@ -316,6 +330,21 @@ class DeepSpeedEngine:
             self.engine.backward(loss)
             self.engine.step()
         return loss.detach()
+
+    def _forward_backward_sharded(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of the sequences; the loss is the group's token-weighted mean (see
+        models.sequence_parallel): each rank backpropagates its summed NLL / the group's label count, times
+        what undoes DeepSpeed's reduction over the group (`sequence_parallel.grad_factor`)."""
+        rank = self.info.rank % self.sp_size
+        nll, count = labelled_nll(self.engine, sequence_parallel.shard(batch, rank, self.sp_size, self.pad_id),
+                                  self.device)
+        totals = torch.stack([nll.detach().float(), torch.tensor(float(count), device=self.device)])
+        torch.distributed.all_reduce(totals, group=self.sp_group)
+        loss = totals[0] / totals[1]  # the sequence's mean over its labelled tokens (NaN without any)
+        if all_finite(loss, self.device):
+            self.engine.backward(nll * self.sp_grad_factor / totals[1])
+            self.engine.step()
+        return loss
 
     def optimizer_step(self, skip: bool = False) -> float:
         """DeepSpeed steps inside `forward_backward` at the accumulation boundary; report the norm."""

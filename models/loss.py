@@ -13,6 +13,8 @@ cross-entropy over labelled tokens, as transformers' causal-LM loss) in one of t
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -47,12 +49,15 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     position_ids (packed, see `data_builders.collate`); moved to
     `device` after the labels were counted where they are (on the host: no device sync).
     """
-    labels = batch["labels"]
-    labelled = labels[:, 1:] != IGNORE  # (B, L-1): position p predicts token p + 1
+    # position p predicts token p + 1: `labels` shifted here, or `shift_labels` shifted before a sequence
+    # was cut into sequence-parallel slices (the last position of a slice predicts the next slice's first)
+    shifted = "shift_labels" in batch
+    targets = batch["shift_labels"] if shifted else batch["labels"][:, 1:]  # (B, L) or (B, L-1)
+    labelled = targets != IGNORE
     count = int(labelled.sum())
     positions = labelled.any(dim=0).nonzero().squeeze(1)  # (K,) positions where some row has a label
     batch = {k: v.to(device) for k, v in batch.items()} if device is not None else batch
-    targets = batch["labels"][:, 1:]  # (B, L-1)
+    targets = batch["shift_labels"] if shifted else batch["labels"][:, 1:]
     # the model's inputs only (a batch also carries `num_tokens`); no KV cache: with one, transformers
     # would not read packed sequences' boundaries from `position_ids`
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch} | {"use_cache": False}
@@ -66,14 +71,23 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     # Through the model's own forward (a DeepSpeed engine hooks it), with no logits kept; transformers
     # gives the last (normed) hidden states as hidden_states[-1].
     out = model(**inputs, logits_to_keep=positions[:0].to(targets.device), output_hidden_states=True)
-    hidden = out.hidden_states[-1][:, :-1]  # (B, L-1, H)
-    hidden, targets = hidden.flatten(0, 1), targets.flatten()  # (B(L-1), H), (B(L-1),)
+    hidden = out.hidden_states[-1][:, :targets.shape[1]]  # (B, L-1, H), or (B, L) with shift_labels
+    hidden, targets = hidden.flatten(0, 1), targets.flatten()  # (N, H), (N,)
     head = unwrap(model).get_output_embeddings()
     nll = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-    for start in range(0, hidden.shape[0], chunk):
-        piece = slice(start, start + chunk)
-        nll = nll + checkpoint(_chunk_nll, head, hidden[piece], targets[piece], use_reentrant=False)
+    chunks = _num_chunks(hidden.shape[0], chunk, hidden.device)
+    for piece, piece_targets in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
+        nll = nll + checkpoint(_chunk_nll, head, piece, piece_targets, use_reentrant=False)
     return nll, count
+
+
+def _num_chunks(n: int, chunk: int, device: torch.device) -> int:
+    """ceil(n / chunk), the same on every rank of a distributed run: under ZeRO-3 each call of the head
+    gathers its weight collectively, so every rank must call it equally often (micro-batches differ in length)."""
+    chunks = torch.tensor(max(1, math.ceil(n / chunk)), device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(chunks, op=torch.distributed.ReduceOp.MAX)
+    return int(chunks)
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,

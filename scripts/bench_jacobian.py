@@ -66,6 +66,9 @@ def _operations(model: torch.nn.Module, ids: torch.Tensor, setup: BenchSetup) ->
     return {
         "train_step": train_step,
         f"hutchinson_k{setup.num_probes}": lambda: jacobian_profile(model, ids, num_probes=setup.num_probes),
+        # the same probes one VJP at a time: what batching them into one backward saves
+        f"hutchinson_k{setup.num_probes}_looped": lambda: jacobian_profile(model, ids, num_probes=setup.num_probes,
+                                                                           chunk=1),
         "exact": lambda: jacobian_profile(model, ids, "exact", chunk=setup.exact_chunk),
     }
 
@@ -99,13 +102,19 @@ def bench_jacobian(setup: BenchSetup = BenchSetup(), repeats: int = 7, exact_rep
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
             peaks[name] = pool.submit(_peak_mb, name, setup).result()
     n_params = sum(p.numel() for p in model.parameters())
-    return [
+    rows = [
         dict(
             name=name, ratio=best[name] / best["train_step"], seconds=best[name],
             extra_peak_rss_mib=peaks[name], params=n_params, threads=torch.get_num_threads(), **asdict(setup),
         )
         for name in ops
     ]
+    # batched and looped probes are the same estimator: same probes, same profile up to rounding
+    batched, looped = (ops[f"hutchinson_k{setup.num_probes}{kind}"]().profile for kind in ("", "_looped"))
+    for row in rows:
+        if row["name"].endswith("_looped"):
+            row["max_rel_diff_to_batched"] = float(abs(looped / batched - 1).max())
+    return rows
 
 
 def main() -> None:
