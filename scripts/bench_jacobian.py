@@ -18,12 +18,14 @@ the operation needs on top of the loaded model, allocator overhead included (Lin
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
+from pathlib import Path
 
 import torch
 import transformers
@@ -40,6 +42,10 @@ class BenchSetup:
     vocab: int = 1024
     num_probes: int = 8
     exact_chunk: int = 64
+    device: str = "cpu"
+
+
+TINY = BenchSetup(hidden=32, layers=2, seq_len=64, vocab=128)  # the CPU dry run of scripts/gpu_check.py
 
 
 def _build(setup: BenchSetup) -> tuple[transformers.PreTrainedModel, torch.Tensor]:
@@ -49,8 +55,8 @@ def _build(setup: BenchSetup) -> tuple[transformers.PreTrainedModel, torch.Tenso
         num_key_value_heads=2, intermediate_size=2 * setup.hidden, vocab_size=setup.vocab,
         max_position_embeddings=setup.seq_len,
     )
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, setup.vocab, (1, setup.seq_len))  # (1, L)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(setup.device)
+    ids = torch.randint(0, setup.vocab, (1, setup.seq_len)).to(setup.device)  # (1, L)
     return model, ids
 
 
@@ -89,16 +95,19 @@ def bench_jacobian(setup: BenchSetup = BenchSetup(), repeats: int = 7, exact_rep
     model, ids = _build(setup)
     ops = _operations(model, ids, setup)
     best = {name: float("inf") for name in ops}
+    cuda = setup.device.startswith("cuda")
     for rep in range(repeats + 1):  # round 0 is the warm-up
         for name, op in ops.items():
             if name == "exact" and rep > exact_repeats:
                 continue
             t0 = time.perf_counter()
             op()
+            if cuda:
+                torch.cuda.synchronize()  # kernels run asynchronously: time them to their end
             if rep:
                 best[name] = min(best[name], time.perf_counter() - t0)
-    peaks = {}
-    for name in ops:  # a fresh process each, so no allocator cache from an earlier operation hides the peak
+    peaks = {name: None for name in ops}  # host RSS says nothing about device memory
+    for name in ops if not cuda else ():  # a fresh process each: no allocator cache from an earlier one hides a peak
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
             peaks[name] = pool.submit(_peak_mb, name, setup).result()
     n_params = sum(p.numel() for p in model.parameters())
@@ -117,13 +126,21 @@ def bench_jacobian(setup: BenchSetup = BenchSetup(), repeats: int = 7, exact_rep
     return rows
 
 
-def main() -> None:
-    rows = bench_jacobian()
-    print(f"{'operation':<16}{'seconds':>10}{'x train':>10}{'peak MiB':>10}")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Hutchinson and exact Jacobian profiles against a train step.")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (the dry run of scripts/gpu_check.py)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    setup = replace(TINY if args.tiny else BenchSetup(), device=args.device)
+    rows = bench_jacobian(setup, repeats=2 if args.tiny else 7, exact_repeats=1 if args.tiny else 2)
+    print(f"{'operation':<20}{'seconds':>10}{'x train':>10}{'peak MiB':>10}")
     for r in rows:
         peak = "n/a" if r["extra_peak_rss_mib"] is None else f"{r['extra_peak_rss_mib']:.1f}"
-        print(f"{r['name']:<16}{r['seconds']:>10.4f}{r['ratio']:>10.2f}{peak:>10}")
+        print(f"{r['name']:<20}{r['seconds']:>10.4f}{r['ratio']:>10.2f}{peak:>10}")
     print(json.dumps(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows))
 
 
 if __name__ == "__main__":

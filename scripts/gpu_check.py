@@ -10,10 +10,14 @@ In order, each in its own process (a crash in one is a row, not the end of the c
 2. `in2 bf16`: 20 steps of `+exp=in2 model=qwen2_0.5b_init trainer=gpu` (bf16 autocast, fp32 masters);
 3. `zero3 lora`: the same through the `deepspeed` launcher on 1 GPU with ZeRO-3 and LoRA;
 4. `micro100`: `+exp=micro100` at the paper's scale (Qwen2-0.5B architecture at random init,
-   L = 2048, 10 vanilla + 10 chunked sequences, the Jacobian before each of 100 updates).
+   L = 2048, 10 vanilla + 10 chunked sequences, the Jacobian before each of 100 updates);
+5. `jacobian k=8`: `scripts.bench_jacobian` on the device: a hutchinson profile with its 8 probes in
+   one batched backward, and looped one VJP at a time, each against a batch-1 training step (the
+   goal on a GPU: batched <= 1.0x).
 
 It prints (and with --out writes as `gpu_check.md`) one table: exit status, wall time, median step
-time, tokens/s, peak memory and the step-0 Spearman / W1 of the vanilla profile against the prior.
+time, tokens/s, peak memory, the step-0 Spearman / W1 of the vanilla profile against the prior, and
+the Jacobian's cost in training steps.
 Runs go to `--out` (default: a temporary folder). Record the table in BENCHMARKS.md with the date.
 """
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Check:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     run_dir: Path | None = None  # where train.py writes metrics.jsonl (None: not a training run)
+    bench_json: Path | None = None  # where a benchmark writes its rows
 
 
 def checks(out: Path, dry_run: bool) -> list[Check]:
@@ -68,12 +73,19 @@ def checks(out: Path, dry_run: bool) -> list[Check]:
         train("in2 bf16", [*in2, *device], [sys.executable]),
         train("zero3 lora", zero3, ["deepspeed", "--num_gpus", "1", "--master_port", "29533"], ds_env),
         train("micro100", micro, [sys.executable]),
+        Check("jacobian k=8", [sys.executable, "-m", "scripts.bench_jacobian", "--device", "cpu" if dry_run else "cuda",
+                               *(["--tiny"] if dry_run else []), "--json", str(out / "jacobian.json")],
+              bench_json=out / "jacobian.json"),
     ]
 
 
 def summarize(check: Check, returncode: int, wall_s: float) -> dict[str, str]:
     """One table row from a finished check (and its metrics.jsonl, for training runs)."""
     row = {"check": check.name, "exit": str(returncode), "wall s": f"{wall_s:.0f}"}
+    if check.bench_json is not None and check.bench_json.is_file():
+        ratios = {r["name"]: r["ratio"] for r in json.loads(check.bench_json.read_text())}
+        row.update({"hutchinson k8 / train step": f"{ratios['hutchinson_k8']:.2f}",
+                    "looped / train step": f"{ratios['hutchinson_k8_looped']:.2f}"})
     metrics = check.run_dir / "metrics.jsonl" if check.run_dir else None
     if metrics is None or not metrics.is_file():
         return row
