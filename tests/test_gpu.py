@@ -69,6 +69,36 @@ def test_diff_attention_trains_on_every_cuda_kernel_like_sdpa(kernel, version):
     assert loss_k == pytest.approx(loss_sdpa, rel=2e-2) and grad_k == pytest.approx(grad_sdpa, rel=5e-2)
 
 
+@pytest.mark.parametrize("kernel", ["flash_attention_2", "sdpa_packed"])
+def test_packed_rows_on_cuda_give_each_sample_its_unpacked_loss(kernel):
+    """A packed row through flash's varlen kernel or `sdpa_packed`: every sample's loss is what it
+    gets alone (bf16, so to bf16 accuracy)."""
+    if kernel == "flash_attention_2":
+        pytest.importorskip("flash_attn", reason="flash-attn is not installed on this machine")
+    from data_builders.collate import collate, collate_packed
+    from models.packed_attention import SDPA_PACKED
+
+    model = tiny_model().to("cuda", torch.bfloat16)
+    model.set_attn_implementation(SDPA_PACKED if kernel == "sdpa_packed" else kernel)
+    gen = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": torch.randint(0, 100, (n,), generator=gen).tolist()} for n in (17, 30, 9)]
+    packed = collate_packed([rows], 64, pad_id=0)
+
+    def token_nll(batch):
+        inputs = {k: batch[k].cuda() for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        with torch.no_grad():
+            logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:].cuda(),
+                                                 reduction="none")  # (B, L-1)
+
+    nll, start = token_nll(packed)[0], 0
+    for row in rows:
+        n = len(row["input_ids"])
+        alone = token_nll(collate([row], pad_id=0))[0]
+        torch.testing.assert_close(nll[start:start + n - 1], alone, rtol=0.05, atol=0.05)
+        start += n
+
+
 def test_two_bf16_steps_on_cuda_train_and_save(compose_cfg, tmp_path):
     run(compose_cfg(*TINY, "trainer=gpu", "trainer.max_steps=2"), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
