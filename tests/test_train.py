@@ -136,7 +136,7 @@ def test_init_with_pretrained_weights_is_an_error(compose_cfg, tmp_path):
 def test_the_cli_run_writes_its_log_to_train_log(tmp_path):
     subprocess.run([sys.executable, "train.py", *TINY, "trainer.max_steps=1", f"hydra.run.dir={tmp_path}"],
                    cwd=ROOT, capture_output=True, text=True, check=True)
-    assert "global batch = 4 micro x 1 accumulation x 1 ranks" in (tmp_path / "train.log").read_text()
+    assert "global batch = 4 micro x 1 accumulation x 1 data-parallel ranks" in (tmp_path / "train.log").read_text()
 
 
 def test_smoke_three_steps(compose_cfg, tmp_path):
