@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 IGNORE = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 LOSS_CHUNK = 1024  # positions per chunk of the dense path: (LOSS_CHUNK, V) fp32 logits at a time
-# Above this share of labelled positions the mask saves little, and the chunked path saves more.
+# Above this share of positions kept, keeping them saves little and the chunked path saves more.
 DENSE_SHARE = 0.5
 
 

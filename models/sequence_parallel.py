@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from models.loss import IGNORE
 
 
 def shard(batch: dict[str, torch.Tensor], rank: int, size: int, pad_id: int) -> dict[str, torch.Tensor]:
