@@ -40,6 +40,7 @@ from analysis.metrics_log import (
     NullLogger,
     accuracy_chart,
     profile_charts,
+    resolve_mode,
     run_names,
 )
 from analysis.plots import (
@@ -203,6 +204,7 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     """Every check that needs no data or model, run before any is built; errors name the key."""
     validate_data(cfg.data)
     validate_model(cfg.model)
+    resolve_mode(cfg.logger.mode)  # a WANDB_MODE that is no mode fails here, not after the data is built
     t, jac = cfg.trainer, cfg.jacobian
     for key in ("max_steps", "micro_batch_size", "grad_accum"):
         if getattr(t, key) < 1:

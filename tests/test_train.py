@@ -369,3 +369,11 @@ def test_the_cli_names_a_wandb_run_from_its_overrides_and_groups_it_by_sweep(tmp
     stored = json.loads((tmp_path / "sweep" / "0" / "wandb_run.json").read_text())
     assert stored["group"] == "default/sweep"
     assert stored["name"].startswith("default model.init.hidden_size=32,") and "logger" not in stored["name"]
+
+
+def test_a_wandb_mode_in_the_environment_that_is_no_mode_fails_at_start_up(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    cfg = compose_cfg(*[o for o in TINY if not o.startswith("logger.mode")])
+    with pytest.raises(ValueError, match="WANDB_MODE='ofline' is not one of"):
+        run(cfg, tmp_path)
+    assert not (tmp_path / "tokenizer").exists()
