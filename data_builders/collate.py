@@ -108,7 +108,8 @@ class BatchStream:
         # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
         self._columns = dataset.select_columns(["input_ids", "labels"]) if hasattr(dataset, "column_names") else None
         self._lengths = self._sample_lengths() if pack_len else None
-        self._epochs: dict[int, list[list[int]]] = {}  # epoch -> its units, for the epochs in use
+        self._epochs: dict[int, list[list[int]]] = {}  # epoch -> its units, for the epoch in use
+        self._counts: dict[int, int] = {}  # epoch -> micro-batches per rank (packing: they vary by epoch)
         self.position = 0
         if self.per_epoch(0) < 1:
             packs = f" ({len(self._units(0))} packs of {pack_len} tokens)" if pack_len else ""
@@ -140,7 +141,9 @@ class BatchStream:
         """Micro-batches per rank in `epoch` (with packing the number of packs varies by epoch)."""
         if not self.pack_len:
             return len(self.dataset) // (self.micro_batch_size * self.world_size)
-        return len(self._units(epoch)) // (self.micro_batch_size * self.world_size)
+        if epoch not in self._counts:  # kept: `_locate` walks every epoch before the current one
+            self._counts[epoch] = len(self._units(epoch)) // (self.micro_batch_size * self.world_size)
+        return self._counts[epoch]
 
     def _locate(self, position: int) -> tuple[int, int]:
         """(epoch, micro-batch index in it) of the `position`-th micro-batch."""
