@@ -51,7 +51,8 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     """
     if attention_mask is not None or position_ids is None or kwargs.get("sliding_window"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    rows = segments(position_ids.expand(query.shape[0], -1))
+    rows = segments(position_ids)  # the forward's own tensor: the cache above keys on it
+    rows = rows * query.shape[0] if len(rows) == 1 else rows  # (1, L) position_ids serve every row
     if all(len(row) == 1 for row in rows):
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
     out = torch.cat([
