@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from data_builders.files import atomic_file
+from models.loss import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 def _final_norm(model: nn.Module) -> nn.Module:
     """The norm applied after the last decoder layer (Llama/Qwen2/Mistral ``model.norm`` and kin)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    base = unwrap(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
     for name in _FINAL_NORM_NAMES:
         norm = getattr(decoder, name, None)
@@ -99,8 +100,7 @@ def _final_norm(model: nn.Module) -> nn.Module:
 
 
 def _input_embeddings(model: nn.Module) -> nn.Module:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PeftModel lacks the method
-    return base.get_input_embeddings()
+    return unwrap(model).get_input_embeddings()  # PeftModel lacks the method
 
 
 def _last_position_forward(model: nn.Module, embeds: torch.Tensor, **kwargs):
