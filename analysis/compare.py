@@ -57,7 +57,7 @@ from analysis.checkpoints import (
     resolve_target,
 )
 from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
-from analysis.metrics_log import NAME_MAX, LoggerConfig, LoggerMode, log_report, read_metrics
+from analysis.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
 from analysis.plots import plot_position_accuracy
 from analysis.positional_eval import EvalConfig, ProbeResult
 from analysis.prior import scaled_prior
@@ -468,7 +468,7 @@ def log_report_to_wandb(report: Path, entries: Sequence[Entry], mode: str, confi
     """The report's PNGs and accuracy tables as one wandb run (job type `report`) under `<out>/wandb/`."""
     means, by_position = accuracy_rows(entries)
     name = "compare " + " ".join(e.target.label for e in entries)
-    cfg = LoggerConfig(mode=LoggerMode(mode), name=name if len(name) <= NAME_MAX else name[:NAME_MAX - 1] + "…")
+    cfg = LoggerConfig(mode=LoggerMode(mode), name=shorten(name))
     tables = {"compare/probe_accuracy": (["path", "probe", "accuracy"], means),
               "compare/accuracy_by_position": (["path", "probe", "position", "label", "accuracy"], by_position)}
     return log_report(cfg, report.parent, report_images(report), tables, config)

@@ -108,6 +108,11 @@ def _split_overrides(text: str) -> list[str]:
     return [item for item in [*items, current] if item]
 
 
+def shorten(name: str, max_len: int = NAME_MAX) -> str:
+    """`name` cut to `max_len` characters, an ellipsis marking the cut."""
+    return name if len(name) <= max_len else name[:max_len - 1] + "…"
+
+
 def run_names(exp_name: str, overrides: str | Sequence[str], sweep_dir: Optional[str | Path] = None,
               max_len: int = NAME_MAX) -> tuple[str, str]:
     """(name, group) of a wandb run, from the experiment, the job's overrides and the sweep.
@@ -129,9 +134,7 @@ def run_names(exp_name: str, overrides: str | Sequence[str], sweep_dir: Optional
         if "/" in value and not value.startswith(("[", "{", "'", '"')):
             value = Path(value.rstrip("/")).name or value  # a path: its last component
         kept.append(f"{key.lstrip('+')}{sep}{value}")
-    name = f"{exp_name} {','.join(kept)}" if kept else exp_name
-    if len(name) > max_len:
-        name = name[:max_len - 1] + "…"
+    name = shorten(f"{exp_name} {','.join(kept)}" if kept else exp_name, max_len)
     group = f"{exp_name}/{Path(sweep_dir).name}" if sweep_dir else exp_name
     return name, group
 
