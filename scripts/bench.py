@@ -16,7 +16,10 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +34,7 @@ BENCHMARKS = {
 }
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR_REFS = Path("/proc/self/clear_refs")
+T = TypeVar("T")
 
 
 def _status_kb(key: str) -> int:
@@ -38,6 +42,12 @@ def _status_kb(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise KeyError(key)
+
+
+def in_fresh_process(fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` in a freshly spawned interpreter (what a peak-memory measurement needs, see below)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def extra_peak_rss_mib(op: Callable[[], object]) -> float | None:

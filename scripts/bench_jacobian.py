@@ -22,16 +22,14 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
 import transformers
 
 from analysis.jacobian import jacobian_profile
-from scripts.bench import extra_peak_rss_mib
+from scripts.bench import extra_peak_rss_mib, in_fresh_process
 
 
 @dataclass(frozen=True)
@@ -108,8 +106,7 @@ def bench_jacobian(setup: BenchSetup = BenchSetup(), repeats: int = 7, exact_rep
                 best[name] = min(best[name], time.perf_counter() - t0)
     peaks = {name: None for name in ops}  # host RSS says nothing about device memory
     for name in ops if not cuda else ():  # a fresh process each: no allocator cache from an earlier one hides a peak
-        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-            peaks[name] = pool.submit(_peak_mb, name, setup).result()
+        peaks[name] = in_fresh_process(_peak_mb, name, setup)
     n_params = sum(p.numel() for p in model.parameters())
     rows = [
         dict(

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 import torch
 import transformers
@@ -26,7 +24,7 @@ from data_builders.config import DataConfig, In2Config
 from models.distributed import Precision, TorchEngine
 from models.loss import IGNORE, causal_lm_loss
 from models.packed_attention import SDPA_PACKED
-from scripts.bench import extra_peak_rss_mib
+from scripts.bench import extra_peak_rss_mib, in_fresh_process
 
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
             tie_word_embeddings=True)
@@ -60,8 +58,7 @@ def bench_logits(length: int = 8192, vocab: int = 32768) -> list[dict]:
     for answer_only, what in ((True, "IN2 sample (answer labelled)"), (False, "LM window (all labelled)")):
         peaks = {}
         for ours in (False, True):
-            with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-                peaks[ours] = pool.submit(_logits_peak, ours, answer_only, length, vocab).result()
+            peaks[ours] = in_fresh_process(_logits_peak, ours, answer_only, length, vocab)
         full_logits_mib = length * vocab * 4 / 2**20
         rows.append({
             "name": f"peak train-step memory, {what}, L={length}, V={vocab}, qwen2_tiny shape",

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 GiB, MiB = 2**30, 2**20
 
@@ -57,9 +55,10 @@ def _packed_peak(packed_attention: bool, length: int, vocab: int, checkpointing:
 
 def _fresh(fn, *args) -> tuple[float | None, float]:
     """(fn(*args), wall seconds) in a fresh spawned process."""
+    from scripts.bench import in_fresh_process  # torch only for measurements: `plan` needs none
+
     start = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        value = pool.submit(fn, *args).result()
+    value = in_fresh_process(fn, *args)
     return value, time.perf_counter() - start
 
 
