@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
-from matplotlib.colors import Normalize
+from matplotlib.colors import Colormap, Normalize
 from matplotlib.figure import Figure
+from matplotlib.image import AxesImage
 
 from analysis.jacobian import read_jacobian
 from analysis.prior import fit_alpha, scaled_prior
@@ -209,3 +211,110 @@ def plot_position_accuracy(
 ) -> Path:
     """`position_accuracy_figure` as a PNG."""
     return _save(position_accuracy_figure(results, title, xlabel), out_png)
+
+
+def needle_grid(result: "ProbeResult") -> tuple[list[int], list[float], np.ndarray, np.ndarray]:
+    """Needle accuracy by requested context length x depth.
+
+    Returns the sorted distinct lengths (n_len,), the sorted distinct depths (n_depth,), the mean
+    correctness per cell (n_len, n_depth) float64 with NaN where no item, and the item count per cell
+    (n_len, n_depth) int. Outcomes without extra["context_len"] and extra["depth"] are skipped.
+    """
+    cells = [(int(o["extra"]["context_len"]), float(o["extra"]["depth"]), float(o["correct"]))
+             for o in result.outcomes
+             if "context_len" in (o.get("extra") or {}) and "depth" in (o.get("extra") or {})]
+    if not cells:
+        raise ValueError(f"probe {result.probe!r} has no outcome with extra['context_len'] and extra['depth']; "
+                         f"the needle grid needs a needle-probe result")
+    lengths = sorted({length for length, _, _ in cells})
+    depths = sorted({depth for _, depth, _ in cells})
+    row = {length: i for i, length in enumerate(lengths)}
+    col = {depth: j for j, depth in enumerate(depths)}
+    total = np.zeros((len(lengths), len(depths)), dtype=np.float64)
+    counts = np.zeros((len(lengths), len(depths)), dtype=int)
+    for length, depth, correct in cells:
+        total[row[length], col[depth]] += correct
+        counts[row[length], col[depth]] += 1
+    with np.errstate(invalid="ignore"):
+        accuracy = total / counts  # (n_len, n_depth); 0/0 leaves NaN in empty cells
+    return lengths, depths, accuracy, counts
+
+
+def _on_axes(
+    grid: tuple[list[int], list[float], np.ndarray, np.ndarray], lengths: list[int], depths: list[float]
+) -> np.ndarray:
+    """A needle grid's accuracy (n_len, n_depth) placed on the given (wider) length and depth axes."""
+    own_lengths, own_depths, accuracy, _ = grid
+    out = np.full((len(lengths), len(depths)), np.nan)
+    rows = [lengths.index(length) for length in own_lengths]
+    cols = [depths.index(depth) for depth in own_depths]
+    out[np.ix_(rows, cols)] = accuracy
+    return out
+
+
+def _annotated_grid(ax: Axes, values: np.ndarray, cmap: Colormap, norm: Normalize, fmt: str) -> AxesImage:
+    """Draw a (n_len, n_depth) grid as an image, smallest length at the bottom, each cell labelled."""
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, origin="lower", aspect="auto",
+                      interpolation="nearest")
+    for (i, j), v in np.ndenumerate(values):
+        if np.isnan(v):
+            ax.text(j, i, "–", ha="center", va="center", fontsize=8, color="k")
+            continue
+        r, g, b, _ = cmap(norm(v))
+        ink = "w" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "k"  # legible on dark and light cells
+        ax.text(j, i, format(v, fmt).replace("-", "−"), ha="center", va="center", fontsize=8, color=ink)
+    return image
+
+
+def needle_grid_figure(results: Mapping[str, "ProbeResult"], title: str = "") -> Figure:
+    """Needle accuracy heatmaps (context length x depth), one panel per label, on a fixed 0..1 scale.
+
+    With 2+ results a second row draws, under each later result, its difference from the first
+    ("<label> − <first label>", fixed −1..1 diverging scale). All panels share the union of the
+    results' lengths and depths; cells a result lacks are blank ("–").
+    """
+    if not results:
+        raise ValueError("no results to plot")
+    grids = {label: needle_grid(result) for label, result in results.items()}
+    lengths = sorted({length for grid in grids.values() for length in grid[0]})
+    depths = sorted({depth for grid in grids.values() for depth in grid[1]})
+    accuracy = {label: _on_axes(grid, lengths, depths) for label, grid in grids.items()}  # (n_len, n_depth)
+    labels = list(results)
+    n_cols, n_rows = len(labels), 1 if len(labels) == 1 else 2
+
+    panel_w = max(3.5, 1.3 + 0.6 * len(depths))
+    panel_h = max(2.8, 1.1 + 0.45 * len(lengths))
+    fig = Figure(figsize=(n_cols * panel_w + 1.3, n_rows * panel_h + 0.6), layout="constrained")
+    gs = fig.add_gridspec(n_rows, n_cols)
+    acc_cmap = colormaps["viridis"].with_extremes(bad="0.85")
+    diff_cmap = colormaps["RdBu"].with_extremes(bad="0.85")
+    acc_norm, diff_norm = Normalize(0.0, 1.0), Normalize(-1.0, 1.0)
+
+    acc_axes, diff_axes = [], []
+    for k, label in enumerate(labels):
+        ax = fig.add_subplot(gs[0, k])
+        _annotated_grid(ax, accuracy[label], acc_cmap, acc_norm, ".2f")
+        ax.set_title(label)
+        acc_axes.append(ax)
+    first = labels[0]
+    for k, label in enumerate(labels[1:], start=1):
+        ax = fig.add_subplot(gs[1, k])
+        _annotated_grid(ax, accuracy[label] - accuracy[first], diff_cmap, diff_norm, "+.2f")
+        ax.set_title(f"{label} − {first}")
+        diff_axes.append(ax)
+
+    depth_ticks = [f"{100 * d:g}%" for d in depths]
+    for ax in acc_axes + diff_axes:
+        ax.set_xticks(range(len(depths)), depth_ticks, rotation=45 if len(depths) > 12 else 0)
+        ax.set_yticks(range(len(lengths)), [str(length) for length in lengths])
+        ax.set(xlabel="needle depth", ylabel="context length (tokens)")
+    fig.colorbar(ScalarMappable(norm=acc_norm, cmap=acc_cmap), ax=acc_axes, label="accuracy")
+    if diff_axes:
+        fig.colorbar(ScalarMappable(norm=diff_norm, cmap=diff_cmap), ax=diff_axes, label="accuracy difference")
+    fig.suptitle(title or "Needle in a haystack: accuracy by context length and depth")
+    return fig
+
+
+def plot_needle_grid(results: Mapping[str, "ProbeResult"], out_png: str | os.PathLike, title: str = "") -> Path:
+    """`needle_grid_figure` as a PNG."""
+    return _save(needle_grid_figure(results, title), out_png)

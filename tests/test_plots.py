@@ -13,9 +13,12 @@ from analysis.plots import (
     depth_accuracy_figure,
     evolution_figure,
     heatmap_figure,
+    needle_grid,
+    needle_grid_figure,
     plot_depth_accuracy,
     plot_evolution,
     plot_heatmap,
+    plot_needle_grid,
     plot_position_accuracy,
     plot_profile_vs_prior,
     position_accuracy_figure,
@@ -147,3 +150,107 @@ def test_position_accuracy_points_intervals_and_closed_book_line(tmp_path):
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "4", "9"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["A, closed-book", "A"]
     assert_png(plot_position_accuracy({"A": a}, tmp_path / "mdqa.png", "mdqa"))
+
+
+def needle_result(cells: dict[tuple[int, float], list[float]]) -> ProbeResult:
+    """A needle ProbeResult with the given correctness per (context_len, depth) cell, one item per value."""
+    depths = sorted({depth for _, depth in cells})
+    return ProbeResult("needle", [
+        {"id": f"needle-{e}-{length}@{depths.index(depth)}", "query": f"needle-{e}-{length}",
+         "position": depths.index(depth), "label": str(depth), "prediction": "", "answers": ["12345"],
+         "correct": c, "extra": {"example": e, "context_len": length, "depth": depth}}
+        for (length, depth), column in cells.items() for e, c in enumerate(column)
+    ])
+
+
+DEPTHS = [0.0, 0.5, 1.0]
+# Length 256 is right only at depth 0, 512 everywhere; (256, 1.0) holds no item, (256, 0.5) averages 4.
+FIRST = needle_result({(256, 0.0): [1, 1], (256, 0.5): [0, 0, 0, 0], (512, 0.0): [1, 1],
+                       (512, 0.5): [1, 1], (512, 1.0): [1, 1]})
+# A wider grid (an extra depth 0.25 and length 1024) with its own pattern, for the union of axes.
+SECOND = needle_result({(256, 0.0): [1, 0], (256, 0.25): [1, 1], (256, 0.5): [1, 0, 1, 1], (256, 1.0): [1, 1],
+                        (512, 0.5): [0, 0], (1024, 1.0): [0, 1]})
+
+
+def image_data(ax) -> np.ndarray:
+    (image,) = ax.images
+    return np.ma.filled(np.ma.asarray(image.get_array(), dtype=np.float64), np.nan)
+
+
+def panels(fig) -> dict[str, object]:
+    return {ax.get_title(): ax for ax in fig.axes if ax.images}
+
+
+def test_needle_grid_means_counts_and_empty_cells():
+    lengths, depths, acc, counts = needle_grid(FIRST)
+    assert lengths == [256, 512] and depths == DEPTHS
+    np.testing.assert_array_equal(acc, [[1.0, 0.0, np.nan], [1.0, 1.0, 1.0]])
+    np.testing.assert_array_equal(counts, [[2, 4, 0], [2, 2, 2]])
+    assert acc.dtype == np.float64 and counts.dtype.kind == "i"
+
+    lengths, depths, acc, counts = needle_grid(SECOND)
+    assert lengths == [256, 512, 1024] and depths == [0.0, 0.25, 0.5, 1.0]
+    assert acc[0, 2] == 0.75 and counts[0, 2] == 4  # mean over several examples of one cell
+    assert acc[2, 3] == 0.5 and np.isnan(acc[1, 0]) and counts[1, 0] == 0
+
+
+def test_needle_grid_rejects_a_result_without_lengths_and_depths(tmp_path):
+    mdqa = ProbeResult("mdqa", [{"id": "q0@0", "query": "q0", "position": 0, "label": "0", "prediction": "",
+                                 "answers": ["x"], "correct": 1.0, "extra": {}}])
+    with pytest.raises(ValueError, match="'mdqa' has no outcome with extra\\['context_len'\\]"):
+        needle_grid(mdqa)
+    with pytest.raises(ValueError, match="needle-probe result"):
+        plot_needle_grid({"A": FIRST, "B": mdqa}, tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="no results"):
+        needle_grid_figure({})
+
+
+def test_needle_grid_figure_single_result_draws_the_grid_with_labelled_axes():
+    fig = needle_grid_figure({"step 0": FIRST}, title="needle")
+    (ax,) = panels(fig).values()
+    assert ax.get_title() == "step 0" and fig.get_suptitle() == "needle"
+    np.testing.assert_array_equal(image_data(ax), needle_grid(FIRST)[2])
+    assert ax.images[0].get_clim() == (0.0, 1.0)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0%", "50%", "100%"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["256", "512"]
+    assert "depth" in ax.get_xlabel() and "context length" in ax.get_ylabel()
+    # Cell (row i, column j) is annotated at (x=j, y=i); the empty cell shows a dash.
+    texts = {t.get_position(): t.get_text() for t in ax.texts}
+    assert texts == {(0, 0): "1.00", (1, 0): "0.00", (2, 0): "–", (0, 1): "1.00", (1, 1): "1.00", (2, 1): "1.00"}
+    assert len(fig.axes) == 2  # the panel and its colorbar
+
+
+def test_needle_grid_figure_difference_panel_on_the_union_of_axes(tmp_path):
+    fig = needle_grid_figure({"base": FIRST, "tuned": SECOND})
+    shown = panels(fig)
+    assert list(shown) == ["base", "tuned", "tuned − base"]
+    nan = np.nan
+    base = [[1.0, nan, 0.0, nan], [1.0, nan, 1.0, 1.0], [nan, nan, nan, nan]]  # on lengths 256/512/1024
+    tuned = [[0.5, 1.0, 0.75, 1.0], [nan, nan, 0.0, nan], [nan, nan, nan, 0.5]]  # x depths 0/25/50/100%
+    np.testing.assert_array_equal(image_data(shown["base"]), base)
+    np.testing.assert_array_equal(image_data(shown["tuned"]), tuned)
+    np.testing.assert_array_equal(image_data(shown["tuned − base"]), np.subtract(tuned, base))
+    assert shown["tuned − base"].images[0].get_clim() == (-1.0, 1.0)
+    for ax in shown.values():
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0%", "25%", "50%", "100%"]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["256", "512", "1024"]
+    diff_texts = {t.get_position(): t.get_text() for t in shown["tuned − base"].texts}
+    assert diff_texts[(0, 0)] == "−0.50" and diff_texts[(2, 0)] == "+0.75" and diff_texts[(2, 1)] == "−1.00"
+    assert diff_texts[(1, 0)] == "–"
+    # Three panels and two colorbars: accuracy (0..1, shared) and difference (-1..1).
+    colorbars = [ax for ax in fig.axes if not ax.images]
+    assert sorted(cb.get_ylim() for cb in colorbars) == [(-1.0, 1.0), (0.0, 1.0)]
+
+    out = plot_needle_grid({"base": FIRST, "tuned": SECOND}, tmp_path / "plots" / "needle.png", "needle")
+    assert out == tmp_path / "plots" / "needle.png"
+    assert_png(out)
+
+
+def test_needle_grid_figure_size_grows_with_the_grid_and_panels():
+    big = needle_result({(1024 * 2**i, d / 10): [1.0] for i in range(8) for d in range(11)})
+    one = needle_grid_figure({"a": big}).get_size_inches()
+    three = needle_grid_figure({"a": big, "b": big, "c": big}).get_size_inches()
+    small = needle_grid_figure({"a": FIRST}).get_size_inches()
+    assert one[0] >= 7 and one[1] >= 4  # about 0.6 x 0.45 inch per cell for 8 lengths x 11 depths
+    assert three[0] > 2.5 * one[0] - 3 and three[1] > 1.8 * one[1] - 1
+    assert small[0] < one[0] and small[1] < one[1]
