@@ -47,6 +47,7 @@ from analysis.plots import (
     plot_depth_accuracy,
     plot_evolution,
     plot_heatmap,
+    plot_needle_grid,
     plot_position_accuracy,
     plot_profile_vs_prior,
 )
@@ -526,7 +527,8 @@ def log_accuracy(run: Run, name: str, result: ProbeResult, step: int, png: Optio
 
 
 def run_probes(run: Run, step: int) -> dict[str, float]:
-    """Position probes (kv, mdqa, needle) on fixed queries: metrics, per-query JSON, curve plot."""
+    """Position probes (kv, mdqa, needle) on fixed queries: metrics, per-query JSON, curve plot (and the
+    needle's length x depth grid)."""
     metrics, results = evaluate_probes(run.model, run.tokenizer, run.probe_items, run.cfg.eval)
     if run.is_main:
         for name, result in results.items():
@@ -535,6 +537,12 @@ def run_probes(run: Run, step: int) -> dict[str, float]:
                                          run.run_dir / "plots" / f"{name}_accuracy_step{step}.png",
                                          title=f"{run.cfg.exp_name}: {name} accuracy by gold position, step {step}")
             log_accuracy(run, name, result, step, png)
+        if "needle" in results:
+            grid = plot_needle_grid({f"step {step}": results["needle"]},
+                                    run.run_dir / "plots" / f"needle_grid_step{step}.png",
+                                    f"{run.cfg.exp_name}: needle accuracy by context length and depth, step {step}")
+            if run.logger.wandb_run is not None:
+                run.logger.log_media({"eval/needle/grid_plot": run.logger.image(grid)}, step=step)
     return metrics
 
 

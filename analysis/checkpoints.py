@@ -44,9 +44,6 @@ class CheckpointProbe(StrEnum):
 
 
 PROBES = tuple(CheckpointProbe)
-# Greedy answer budgets: a UUID value is up to ~36 tokens, NQ answers are a few words, a needle code
-# is 5 digits, and IN2 answers get the training loop's eval.max_new_tokens default.
-NEW_TOKENS = {"kv": 48, "mdqa": 32, "needle": 16, "in2": EvalConfig.max_new_tokens}
 POSITION_AXIS = {
     "kv": "gold key-value pair index",
     "mdqa": "gold document index",
@@ -239,18 +236,11 @@ def answer_probes(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     probes: Mapping[str, Sequence[ProbeItem]],
-    max_new_tokens: int | None,
-    batch_size: int,
-    chat_template: bool = False,
+    cfg: EvalConfig,
 ) -> dict[str, ProbeResult]:
-    """Greedy answers to every probe's items, scored; `max_new_tokens` None = each probe's `NEW_TOKENS`.
+    """Greedy answers to every probe's items, scored: each probe with its budget and metric in `cfg`.
 
-    `chat_template`: text prompts (kv, mdqa, needle) go through the tokenizer's chat template as one
+    `cfg.chat_template`: text prompts (kv, mdqa, needle) go through the tokenizer's chat template as one
     user turn; token-id prompts (in2) are always used as they are.
     """
-    results = {}
-    for probe, items in probes.items():
-        cfg = EvalConfig(max_new_tokens=max_new_tokens or NEW_TOKENS[probe], batch_size=batch_size,
-                         chat_template=chat_template)
-        results[probe] = evaluate_probes(model, tokenizer, {probe: items}, cfg)[1][probe]
-    return results
+    return evaluate_probes(model, tokenizer, probes, cfg)[1]

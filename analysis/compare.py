@@ -40,7 +40,6 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.checkpoints import (
-    NEW_TOKENS,
     POSITION_AXIS,
     PROBES,
     RUN_CONFIG,
@@ -58,11 +57,23 @@ from analysis.checkpoints import (
 )
 from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
-from analysis.plots import plot_position_accuracy
-from analysis.positional_eval import EvalConfig, ProbeResult
+from analysis.plots import plot_needle_grid, plot_position_accuracy
+from analysis.positional_eval import (
+    EvalConfig,
+    KVProbeConfig,
+    MDQAProbeConfig,
+    NeedleProbeConfig,
+    REFERENCE,
+    ProbeResult,
+    describe_settings,
+    probe_budget,
+    probe_metric,
+    with_budget,
+)
 from analysis.prior import scaled_prior
 from analysis.topology import METRIC_KEYS, topology_metrics
 from data_builders.files import atomic_write_text
+from data_builders.mdqa import Distractors
 from data_builders.probes import NQ_FILE, ProbeItem, nq_filler
 from data_builders.synthetic import generate_documents
 from data_builders.tokenizer import encode_pieces
@@ -124,6 +135,12 @@ def _asked(result: ProbeResult) -> frozenset[tuple[str, tuple[str, ...]]]:
 def _to_ask(items: Iterable[ProbeItem]) -> frozenset[tuple[str, tuple[str, ...]]]:
     """`_asked` of the result these items would give."""
     return frozenset((it.id, tuple(it.answers)) for it in items)
+
+
+def _same_setup(saved: ProbeResult, probe: str, cfg: EvalConfig) -> bool:
+    """Whether a saved result was scored with the metric and budget that `cfg` gives the probe."""
+    return (saved.settings.get("metric") == probe_metric(probe, cfg).name
+            and saved.settings.get("max_new_tokens") == probe_budget(probe, cfg))
 
 
 def saved_result(target: Target, probe: str) -> tuple[ProbeResult, Path] | None:
@@ -243,7 +260,6 @@ def evaluate_target(
     bank: ProbeBank,
     jacobian: JacobianConfig,
     data_dir: str | Path | None,
-    max_new_tokens: int | None,
     device: str,
     dtype: str,
 ) -> Entry:
@@ -256,23 +272,25 @@ def evaluate_target(
         except CompareError as err:  # needle items depend on this PATH's tokenizer
             raise CompareError(f"{target.path}: {err}") from err
         saved = saved_result(target, probe)
-        if saved is not None and (items is None or _asked(saved[0]) == _to_ask(items)):
+        if saved is not None and (items is None or (_asked(saved[0]) == _to_ask(items)
+                                                    and _same_setup(saved[0], probe, bank.cfg))):
             entry.results[probe] = saved[0]
             entry.notes.append(f"{probe}: reused {saved[1]}")
         elif items:
             pending[probe] = items
             if saved is not None:
-                entry.notes.append(f"{probe}: not reusing {saved[1]}, which asked other items")
+                entry.notes.append(f"{probe}: not reusing {saved[1]}, which asked other items or scored them "
+                                   "with another metric or budget")
         else:
-            entry.notes.append(f"{probe}: skipped (no items: mdqa needs --data-dir, in2 a run config)")
+            entry.notes.append(f"{probe}: skipped (no items: mdqa needs --data-dir or --mdqa-path, in2 a run config)")
     profiles = recorded_profiles(target)
     model = None
     if pending or profiles is None:
         model = load_model(target, device, dtype)
-    entry.results.update(answer_probes(model, tokenizer, pending, max_new_tokens, bank.cfg.batch_size))
+    entry.results.update(answer_probes(model, tokenizer, pending, bank.cfg))
     for probe, items in pending.items():
-        budget = max_new_tokens or NEW_TOKENS[probe]
-        entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to {budget} new tokens)")
+        entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to {probe_budget(probe, bank.cfg)} "
+                           "new tokens)")
     if profiles is None:
         profiles = measure_profiles(model, tokenizer, jacobian, data_dir)
     entry.profiles = profiles
@@ -378,6 +396,22 @@ def _accuracy_table(entries: Sequence[Entry], probes: Sequence[str]) -> list[str
     return _table(["probe", *(e.target.label for e in entries)], rows)
 
 
+def _settings_lines(entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
+    """Per probe: each PATH's metric and settings, one line when all PATHs agree."""
+    lines = []
+    for probe in probes:
+        described = {e.target.label: describe_settings(e.results[probe].settings) for e in entries
+                     if probe in e.results}
+        if not described:
+            continue
+        if len(set(described.values())) == 1:
+            lines.append(f"- **{probe}**: {next(iter(described.values()))}")
+        else:
+            lines.append(f"- **{probe}**: the PATHs' settings differ, compare their numbers with care:")
+            lines += [f"  - `{label}`: {text}" for label, text in described.items()]
+    return lines
+
+
 def _topology_table(entries: Sequence[Entry], set_name: str) -> list[str]:
     sources = [e.profiles.source if e.profiles and set_name in e.profiles.latest else "–" for e in entries]
     rows = [["source", *sources]]
@@ -413,6 +447,10 @@ def write_report(
              "## Inputs", "", *_inputs_table(entries), "",
              "## Probe accuracy", "", "Mean accuracy over the gold positions (closed-book left out).", "",
              *_accuracy_table(entries, probes), "",
+             "## Metrics and settings", "",
+             "How each PATH's numbers were made (kv and mdqa: comparable with the published curves of "
+             f"{REFERENCE} only where it says so).", "",
+             *_settings_lines(entries, probes), "",
              "## Accuracy by gold position", "",
              "Error bars: 95% bootstrap intervals over queries; dashed: closed-book accuracy (mdqa).", ""]
     for probe in probes:
@@ -424,6 +462,12 @@ def write_report(
             lines += [f"![{probe}]({png.name})", ""]
         else:
             lines += ["No PATH has results for this probe (see Provenance).", ""]
+    needle = {e.target.label: e.results["needle"] for e in entries if "needle" in e.results}
+    if needle:
+        png = plot_needle_grid(needle, out / "needle_grid.png", "needle: accuracy by context length and depth")
+        lines += ["## Needle grid", "", "Accuracy by context length and needle depth" + (
+            "; bottom row: each PATH minus the first." if len(needle) > 1 else "."), "",
+            f"![needle_grid]({png.name})", ""]
 
     sets = list(dict.fromkeys(name for e in entries if e.profiles for name in e.profiles.latest))
     lines += ["## Jacobian profiles", "",
@@ -481,7 +525,9 @@ def compare(
     examples: int = 20,
     data_dir: str | Path | None = None,
     *,
-    needle_lens: Sequence[int] = (256, 512, 1024),
+    kv: KVProbeConfig | None = None,
+    mdqa: MDQAProbeConfig | None = None,
+    needle: NeedleProbeConfig | None = None,
     max_new_tokens: int | None = None,
     batch_size: int = 16,
     seq_len: int | None = None,
@@ -493,7 +539,8 @@ def compare(
     """Evaluate what the PATHs lack and write `<out>/report.md` with its PNGs; returns the report's path.
 
     `examples`: queries per probe, each asked at every gold position (in2: `examples` x bins records).
-    `max_new_tokens`: one greedy budget for every probe; None = `NEW_TOKENS`. `seq_len`: L of measured
+    `kv`, `mdqa`, `needle`: the probes' settings (None: defaults, the reference's setup for kv and mdqa).
+    `max_new_tokens`: one greedy budget for every probe (not comparable); None = each probe's own. `seq_len`: L of measured
     Jacobian profiles; None = the reference run's `jacobian.seq_len` (256 without one). Every PATH's
     probe results are also saved as `<out>/eval/<PATH label>_<probe>.json`.
     `log_wandb`: offline | online: also log the report's PNGs and accuracy tables as a wandb run.
@@ -516,11 +563,14 @@ def compare(
         in2, in2_source = in2_items(targets, reference, tokenizers[0], examples)
         notes.append(f"in2 items: {in2_source}")
     eval_cfg = EvalConfig(probe_examples=examples, data_dir=None if data_dir is None else str(data_dir),
-                          needle_lens=list(needle_lens), batch_size=batch_size)
+                          batch_size=batch_size, kv=kv or KVProbeConfig(), mdqa=mdqa or MDQAProbeConfig(),
+                          needle=needle or NeedleProbeConfig())
+    if max_new_tokens is not None:
+        eval_cfg = with_budget(eval_cfg, max_new_tokens)
     bank = ProbeBank(eval_cfg, in2)
     jacobian = jacobian_settings(reference, seq_len)
     entries = [
-        evaluate_target(t, tok, probes, bank, jacobian, data_dir, max_new_tokens, device, dtype)
+        evaluate_target(t, tok, probes, bank, jacobian, data_dir, device, dtype)
         for t, tok in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path")
     ]
     out = Path(out)
@@ -555,6 +605,13 @@ def _positive_list(text: str) -> list[int]:
     return [_positive(v) for v in text.split(",")]
 
 
+def _depth_list(text: str) -> list[float]:
+    depths = [float(v) for v in text.split(",")]
+    if not all(0.0 <= d <= 1.0 for d in depths):
+        raise argparse.ArgumentTypeError(f"depths must lie in [0, 1], got {depths}")
+    return depths
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m analysis.compare",
@@ -575,11 +632,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default=None,
                         help="folder with kv-retrieval-75_keys.jsonl.gz and nq-open-oracle.jsonl.gz "
                              "(default: none: synthetic kv, needle filler and Jacobian text; no mdqa)")
-    parser.add_argument("--needle-lens", type=_positive_list, default=[256, 512, 1024],
-                        help="needle context lengths in tokens (default 256,512,1024)")
+    parser.add_argument("--kv-path", default=None,
+                        help="kv records (the reference's 75-, 140- or 300-key file; every pair is asked at the "
+                             "reference's positions); default: --data-dir's 75-key file, else synthetic")
+    parser.add_argument("--mdqa-path", default=None,
+                        help="mdqa records: an oracle file (distractors are added) or the reference's "
+                             "*_gold_at_K files (a quoted glob); default: --data-dir's nq-open-oracle file")
+    parser.add_argument("--distractors", default=Distractors.retrieved.value, choices=[d.value for d in Distractors],
+                        help="mdqa distractors added to an oracle file: retrieved (BM25, the reference's recipe; "
+                             "default) or random (easier, not comparable)")
+    parser.add_argument("--needle-lens", type=_positive_list, default=NeedleProbeConfig().lengths,
+                        help="needle grid context lengths in tokens (default 256,512,1024)")
+    parser.add_argument("--needle-depths", type=_depth_list, default=NeedleProbeConfig().depths,
+                        help="needle grid depths in [0, 1] (default 0,0.1,...,1)")
     parser.add_argument("--max-new-tokens", type=_positive, default=None,
-                        help="greedy answer budget for every probe "
-                             "(default per probe: kv 48, mdqa 32, needle 16, in2 8)")
+                        help="one greedy answer budget for every probe, for a quick look (not comparable; "
+                             "default per probe: kv 100, mdqa 100, needle 16, in2 8)")
     parser.add_argument("--batch-size", type=_positive, default=16, help="prompts per generate call (default 16)")
     parser.add_argument("--seq-len", type=_positive, default=None,
                         help="L of measured Jacobian profiles (default: the first run's jacobian.seq_len, "
@@ -600,7 +668,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         report = compare(
-            args.paths, args.out, args.probes, args.examples, args.data_dir, needle_lens=args.needle_lens,
+            args.paths, args.out, args.probes, args.examples, args.data_dir,
+            kv=KVProbeConfig(path=args.kv_path), mdqa=MDQAProbeConfig(path=args.mdqa_path, distractors=args.distractors),
+            needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
             device=args.device, dtype=args.dtype, use_wandb=args.wandb, log_wandb=args.wandb_log,
         )

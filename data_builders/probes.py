@@ -10,8 +10,10 @@ Scorers: kv and needle use `analysis.scoring.substring_match`, mdqa `best_subspa
 """
 from __future__ import annotations
 
+import glob
 import gzip
 import json
+import os
 import random
 import re
 import uuid
@@ -21,11 +23,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from data_builders.text import normalize_answer
+from data_builders.mdqa import Distractors, build_mdqa_records, passage_pool
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 KV_FILE = "kv-retrieval-75_keys.jsonl.gz"
 NQ_FILE = "nq-open-oracle.jsonl.gz"
+# Gold positions the reference evaluated for each pair / document count (its EXPERIMENTS.md).
+KV_REFERENCE_POSITIONS = {75: (0, 24, 49, 74), 140: (0, 34, 69, 104, 139), 300: (0, 49, 99, 149, 199, 249, 299)}
+MDQA_REFERENCE_POSITIONS = {10: (0, 4, 9), 20: (0, 4, 9, 14, 19), 30: (0, 4, 9, 14, 19, 24, 29)}
 
 # Needle keys never occur in the synthetic filler, so the question has exactly one answer in context.
 NEEDLE_WORDS = (
@@ -73,14 +78,43 @@ def load_template(name: str) -> str:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file, gzipped when the name ends in .gz."""
+    """Records of a JSON-lines file, gzipped when the name ends in .gz; a bad line fails naming file and line."""
+    return [rec for _, rec in read_jsonl_lines(path)]
+
+
+def read_jsonl_lines(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of every non-blank line of a JSON-lines file (.gz: gzipped)."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
     opener = gzip.open if path.suffix == ".gz" else open
+    out = []
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not a JSON object: {err}") from err
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
+            out.append((line_no, rec))
+    return out
 
 
-def _choose(n_total: int, n: int | None, rng: random.Random) -> list[int]:
+def expand_paths(pattern: str | Path) -> list[Path]:
+    """The files a path or glob pattern (`qa_data/20_total_documents/*.jsonl.gz`) names, sorted."""
+    text = str(pattern)
+    if not glob.has_magic(text):
+        return [Path(text)]
+    found = sorted(Path(p) for p in glob.glob(os.path.expanduser(text)))
+    if not found:
+        raise FileNotFoundError(f"{text}: no file matches this pattern")
+    return found
+
+
+def sample_indices(n_total: int, n: int | None, rng: random.Random) -> list[int]:
     """Indices of a seeded sample of n records (all when n is None), in file order."""
     if n is None or n >= n_total:
         return list(range(n_total))
@@ -107,37 +141,78 @@ def _synthetic_kv(n_pairs: int, rng: random.Random) -> tuple[list[tuple[str, str
     return pairs, key, value
 
 
+def reference_positions(n_slots: int, probe: str) -> tuple[int, ...]:
+    """The gold positions the reference evaluated for `n_slots` kv pairs or mdqa documents; for another
+    size: the first, the last and three evenly spaced between."""
+    table = KV_REFERENCE_POSITIONS if probe == "kv" else MDQA_REFERENCE_POSITIONS
+    if n_slots in table:
+        return table[n_slots]
+    return tuple(sorted({0, *(max(round(k * n_slots / 4) - 1, 0) for k in range(1, 5))}))
+
+
+def _kv_examples(
+    path: str | Path, n_examples: int | None, rng: random.Random
+) -> list[tuple[str, int, list[tuple[str, str]], str, str]]:
+    """(where, record index, pairs, key, value) of the chosen records; `where` is `file:line` for messages."""
+    lines = read_jsonl_lines(path)
+    examples = []
+    for i in sample_indices(len(lines), n_examples, rng):
+        line_no, rec = lines[i]
+        where = f"{path}:{line_no}"
+        try:
+            pairs, key, value = [tuple(p) for p in rec["ordered_kv_records"]], rec["key"], rec["value"]
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{where}: not a kv record (needs ordered_kv_records, key, value): {err!r}") from err
+        if (key, value) not in pairs:
+            raise ValueError(f"{where}: its key and value are not a pair of its ordered_kv_records")
+        examples.append((where, i, pairs, key, value))
+    return examples
+
+
 def kv_probe(
     path: str | Path | None = None,
-    n_pairs: int = 75,
-    positions: Sequence[int] = (0, 24, 49, 74),
+    n_pairs: int | None = None,
+    positions: Sequence[int] | None = None,
     n_examples: int | None = None,
     seed: int = 0,
 ) -> list[ProbeItem]:
-    """Key-value retrieval: find the value of one UUID key among `n_pairs` UUID pairs.
+    """Key-value retrieval: find the value of one UUID key among UUID pairs (Liu et al.'s probe).
 
-    Reads records with `ordered_kv_records`, `key`, `value` from `path`, or synthesizes UUID pairs
-    when `path` is None. n_examples=None takes every record (500 when synthesizing, the published
-    size); otherwise a seeded sample. The gold pair is moved to each of `positions`; the other pairs
-    keep their order (the first n_pairs-1 of them).
+    Reads records with `ordered_kv_records`, `key`, `value` from `path` (any pair count: the reference's
+    75-, 140- and 300-key files), or synthesizes UUID pairs when `path` is None (n_pairs default 75).
+    n_pairs=None takes every pair of a file's records, which must then all have the same count; a set
+    n_pairs takes the gold and the first n_pairs-1 other pairs of each record (fewer pairs fail).
+    positions=None: the reference's for that count (`reference_positions`). As the reference does, the
+    gold pair is moved to each position and the other pairs keep their order. n_examples=None takes
+    every record (500 when synthesizing, the published size); otherwise a seeded sample. Any record,
+    count or position that does not fit fails with a ValueError naming the file, line and reason.
     """
-    _check_positions(positions, n_pairs)
     rng = random.Random(seed)
     if path is None:
+        n_pairs = 75 if n_pairs is None else n_pairs
         n = 500 if n_examples is None else n_examples
-        examples = [(i, *_synthetic_kv(n_pairs, rng)) for i in range(n)]
+        examples = [(f"synthetic example {i}", i, *_synthetic_kv(n_pairs, rng)) for i in range(n)]
     else:
-        records = read_jsonl(path)
-        examples = [
-            (i, records[i]["ordered_kv_records"], records[i]["key"], records[i]["value"])
-            for i in _choose(len(records), n_examples, rng)
-        ]
+        examples = _kv_examples(path, n_examples, rng)
+        if not examples:
+            raise ValueError(f"{path}: no kv records")
+        if n_pairs is None:
+            n_pairs = len(examples[0][2])
+            for where, _, pairs, _, _ in examples:
+                if len(pairs) != n_pairs:
+                    raise ValueError(f"{where}: {len(pairs)} pairs, but {examples[0][0]} has {n_pairs}; set "
+                                     "n_pairs to ask every record with the same count")
+    positions = reference_positions(n_pairs, "kv") if positions is None else tuple(positions)
+    bad = [p for p in positions if not 0 <= p < n_pairs]
+    if bad:
+        raise ValueError(f"{examples[0][0] if examples else path}: gold positions {bad} do not fit "
+                         f"{n_pairs} pairs (positions run 0..{n_pairs - 1})")
     template = load_template("kv_retrieval")
     items = []
-    for i, pairs, key, value in examples:
-        others = [tuple(p) for p in pairs if p[0] != key][: n_pairs - 1]
-        if len(others) < n_pairs - 1:
-            raise ValueError(f"kv example {i} has {len(others) + 1} pairs, fewer than n_pairs={n_pairs}")
+    for where, i, pairs, key, value in examples:
+        if len(pairs) < n_pairs:
+            raise ValueError(f"{where}: {len(pairs)} pairs, fewer than n_pairs={n_pairs}")
+        others = [p for p in pairs if p[0] != key][: n_pairs - 1]
         for pos in positions:
             kv = format_kv_records(others[:pos] + [(key, value)] + others[pos:])
             items.append(
@@ -159,75 +234,136 @@ def _format_documents(docs: Sequence[Mapping[str, str]]) -> str:
     return "\n".join(f"Document [{k + 1}](Title: {d['title']}) {d['text']}" for k, d in enumerate(docs))
 
 
+def _qa_item(
+    i: int, rec: Mapping[str, Any], ctxs: Sequence[Mapping[str, str]], position: int, label: str | None,
+    extra: Mapping[str, Any],
+) -> ProbeItem:
+    """One mdqa item: the question over `ctxs` (the closed-book prompt when there are none)."""
+    prompt = (load_template("mdqa").format(documents=_format_documents(ctxs), question=rec["question"]) if ctxs
+              else load_template("closedbook_qa").format(question=rec["question"]))
+    return ProbeItem(
+        id=f"mdqa-{i}@{label or position}",
+        prompt=prompt,
+        answers=list(rec["answers"]),
+        position=position,
+        n_positions=len(ctxs),
+        probe="mdqa",
+        extra=dict(extra),
+        label=label,
+        query=f"mdqa-{i}",
+    )
+
+
+def _check_qa_record(where: str, rec: Mapping[str, Any]) -> None:
+    if not isinstance(rec.get("question"), str) or not rec["question"]:
+        raise ValueError(f"{where}: not a QA record: needs a non-empty `question`")
+    if not isinstance(rec.get("answers"), list) or not all(isinstance(a, str) for a in rec["answers"]):
+        raise ValueError(f"{where}: `answers` must be a list of strings")
+    for k, c in enumerate(rec.get("ctxs") or []):
+        if not isinstance(c, dict) or not isinstance(c.get("title"), str) or not isinstance(c.get("text"), str):
+            raise ValueError(f"{where}: ctxs[{k}] needs a `title` and a `text`")
+
+
+def _built_qa_items(
+    file: Path, lines: Sequence[tuple[int, dict[str, Any]]], chosen: Sequence[int], n_docs: int | None,
+    positions: Sequence[int] | None, distractors: str, pool: str | Path | None, seed: int,
+) -> list[ProbeItem]:
+    """Items of an oracle file (one gold passage per question): distractors added, gold at each position."""
+    n_docs = 20 if n_docs is None else n_docs
+    positions = reference_positions(n_docs, "mdqa") if positions is None else tuple(positions)
+    bad = [p for p in positions if not 0 <= p < n_docs]
+    if bad:
+        raise ValueError(f"{file}: gold positions {bad} do not fit n_docs={n_docs} (positions run 0..{n_docs - 1})")
+    records = [rec for _, rec in lines]
+    pool_passages = passage_pool(read_jsonl(pool)) if pool is not None else None
+    try:
+        built = build_mdqa_records(records, n_docs, positions, distractors, pool_passages, chosen, seed)
+    except ValueError as err:
+        raise ValueError(f"{file}: cannot add {n_docs - 1} {distractors} distractors: {err}") from err
+    items = []
+    for k, i in enumerate(chosen):
+        extra = {"example": i, "question": records[i]["question"], "file": file.name, "distractors": str(distractors)}
+        items += [_qa_item(i, built[pos][k], built[pos][k]["ctxs"], pos, None, extra) for pos in positions]
+    return items
+
+
+def _given_qa_items(
+    file: Path, lines: Sequence[tuple[int, dict[str, Any]]], chosen: Sequence[int], n_docs: int | None,
+    positions: Sequence[int] | None,
+) -> list[ProbeItem]:
+    """Items of a file in the reference format, asked as they are: the gold is where `isgold` says."""
+    items = []
+    for i in chosen:
+        line_no, rec = lines[i]
+        where, ctxs = f"{file}:{line_no}", rec.get("ctxs") or []
+        golds = [k for k, c in enumerate(ctxs) if c.get("isgold") is True]
+        if len(golds) > 1:
+            raise ValueError(f"{where}: {len(golds)} documents are flagged isgold (at {golds}); expected one")
+        if n_docs is not None and ctxs and len(ctxs) != n_docs:
+            raise ValueError(f"{where}: {len(ctxs)} documents, but n_docs={n_docs}")
+        if golds and positions is not None and golds[0] not in positions:
+            raise ValueError(f"{where}: its gold is at index {golds[0]}, not among positions {list(positions)}")
+        position, label = (golds[0], None) if golds else (-1, "nogold" if ctxs else "closedbook")
+        extra = {"example": i, "question": rec["question"], "file": file.name}
+        items.append(_qa_item(i, rec, ctxs, position, label, extra))
+    return items
+
+
 def mdqa_probe(
     path: str | Path,
-    n_docs: int = 10,
-    positions: Sequence[int] = (0, 4, 9),
+    n_docs: int | None = None,
+    positions: Sequence[int] | None = None,
+    distractors: Distractors | str = Distractors.retrieved,
+    pool: str | Path | None = None,
     n_examples: int | None = None,
     seed: int = 0,
     closed_book: bool = True,
 ) -> list[ProbeItem]:
-    """Multi-document QA: a question, its gold passage and n_docs-1 distractor passages.
+    """Multi-document QA (Liu et al.): a question over documents, one of which holds the answer.
 
-    Reads NaturalQuestions-Open oracle records (`question`, `answers`, `ctxs[0]` = gold passage).
-    Distractors are other questions' gold passages, drawn with a seeded RNG, from another Wikipedia
-    article than the gold (the same article may state the answer in other words) and whose
-    normalized title and text contain none of the normalized answers as a substring. One set of
-    distractors per question, in one order, serves every gold position. `closed_book` adds a
-    question-only item (position -1, label "closedbook"), the no-context baseline.
+    `path`: a JSON-lines file, or a glob of several (`qa_data/20_total_documents/*.jsonl.gz`). Each is
+    - an oracle file (every record has one passage, e.g. nq-open-oracle): n_docs-1 distractors are added
+      (`data_builders.mdqa`; `distractors=retrieved`: the best BM25 passages of `pool`, else of the file's
+      own passages, that contain no answer, by score, as the reference built its data) and the gold goes
+      to each of `positions` (None: the reference's for n_docs, default 20 documents);
+    - or a file in the reference format (`ctxs` with `isgold`, e.g. `*_gold_at_9.jsonl.gz`), asked as it
+      is: position = the index of the gold; a record with no gold is asked at position -1, labelled
+      "nogold" (documents) or "closedbook" (none). n_docs and positions, when set, must agree with it.
+    Records pair across files by their index (the reference's files hold one question set in one order);
+    n_examples=None takes every record, otherwise the same seeded sample of each file. `closed_book` adds a
+    question-only item per question (position -1, label "closedbook"), the no-context baseline.
     """
-    _check_positions(positions, n_docs)
-    rng = random.Random(seed)
-    records = read_jsonl(path)
-    passages = [r["ctxs"][0] for r in records]
-    normalized = [normalize_answer(f"{p['title']} {p['text']}") for p in passages]
-    qa_template, cb_template = load_template("mdqa"), load_template("closedbook_qa")
-    items = []
-    for i in _choose(len(records), n_examples, rng):
-        rec, gold = records[i], passages[i]
-        answers = [a for a in map(normalize_answer, rec["answers"]) if a]
-        distractors: list[Mapping[str, str]] = []
-        seen = {gold["text"]}
-        # Rejection sampling: answers are rare in random passages, so a few draws per slot suffice.
-        for _ in range(100 * n_docs):
-            if len(distractors) == n_docs - 1:
-                break
-            p = passages[j := rng.randrange(len(records))]
-            if p["text"] in seen or p["title"] == gold["title"] or any(a in normalized[j] for a in answers):
-                continue
-            seen.add(p["text"])
-            distractors.append({"title": p["title"], "text": p["text"]})
-        if len(distractors) < n_docs - 1:
-            raise ValueError(f"found only {len(distractors)} answer-free distractors for question {i}")
-        extra = {"example": i, "question": rec["question"]}
-        for pos in positions:
-            docs = distractors[:pos] + [gold] + distractors[pos:]
-            items.append(
-                ProbeItem(
-                    id=f"mdqa-{i}@{pos}",
-                    prompt=qa_template.format(documents=_format_documents(docs), question=rec["question"]),
-                    answers=list(rec["answers"]),
-                    position=pos,
-                    n_positions=n_docs,
-                    probe="mdqa",
-                    extra=dict(extra),
-                    query=f"mdqa-{i}",
-                )
-            )
-        if closed_book:
-            items.append(
-                ProbeItem(
-                    id=f"mdqa-{i}@closedbook",
-                    prompt=cb_template.format(question=rec["question"]),
-                    answers=list(rec["answers"]),
-                    position=-1,
-                    n_positions=n_docs,
-                    probe="mdqa",
-                    extra=dict(extra),
-                    label="closedbook",
-                    query=f"mdqa-{i}",
-                )
-            )
+    items: list[ProbeItem] = []
+    asked: dict[str, tuple[str, str]] = {}  # item id -> (file:line, question) of the record that asked it
+    for file in expand_paths(path):
+        lines = read_jsonl_lines(file)
+        for line_no, rec in lines:
+            _check_qa_record(f"{file}:{line_no}", rec)
+        chosen = sample_indices(len(lines), n_examples, random.Random(seed))
+        if lines and all(len(rec.get("ctxs") or []) == 1 for _, rec in lines):
+            file_items = _built_qa_items(file, lines, chosen, n_docs, positions, distractors, pool, seed)
+        else:
+            file_items = _given_qa_items(file, lines, chosen, n_docs, positions)
+        for item in file_items:
+            where = f"{file}:{lines[item.extra['example']][0]}"
+            other = asked.setdefault(item.id, (where, item.extra["question"]))
+            if other[0] != where:
+                raise ValueError(f"{where} and {other[0]}: " + (
+                    "the same record index holds different questions; files asked together must hold one "
+                    "question set in one order" if other[1] != item.extra["question"]
+                    else f"both ask record {item.extra['example']} at {item.label}"))
+        items += file_items
+    if closed_book:
+        has_baseline = {it.query for it in items if it.label == "closedbook"}
+        first_items: dict[str, ProbeItem] = {}
+        for it in items:
+            first_items.setdefault(it.query, it)
+        items += [_qa_item(it.extra["example"], {"question": it.extra["question"], "answers": it.answers}, [],
+                           -1, "closedbook", it.extra) for q, it in first_items.items() if q not in has_baseline]
+    no_gold_labels = sorted({it.label for it in items if it.position < 0})
+    if len(no_gold_labels) > 1:
+        raise ValueError(f"{path}: records without a gold document and closed-book items would share position -1 "
+                         f"(labels {no_gold_labels}): set closed_book=false, or ask such files alone")
     return items
 
 

@@ -1,7 +1,9 @@
 """Evaluate one checkpoint on the position-wise probes: eval JSONs, metrics and an accuracy curve per probe.
 
     python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa,needle] examples=20 data_dir=../shared/data
-    python -m scripts.eval_checkpoint outputs/in2/<run> probes=[needle,in2] out=evals/run needle_lens=[128,256]
+    python -m scripts.eval_checkpoint outputs/in2/<run> probes=[needle,in2] out=evals/run needle.lengths=[128,256]
+    python -m scripts.eval_checkpoint CKPT probes=[kv] kv.path=kv-retrieval-140_keys.jsonl.gz examples=5
+    python -m scripts.eval_checkpoint CKPT probes=[mdqa] 'mdqa.path=qa_data/20_total_documents/*.jsonl.gz'
     python -m scripts.eval_checkpoint Qwen/Qwen2-0.5B-Instruct chat_template=true dtype=bfloat16 probes=[kv,needle]
     python -m scripts.eval_checkpoint merged/ dtype=auto attn_implementation=eager device=cuda
 
@@ -16,13 +18,22 @@ as a local one (./x, /x, ~/x, x/y/z) fails as such. The key=value arguments afte
 overrides of `EvalCheckpointConfig` (lists in brackets; an unknown key or a wrong type fails naming
 it). `chat_template=true` wraps the text prompts (kv, mdqa, needle) in the tokenizer's chat template
 as one user turn (instruct models; fails when the tokenizer has none); in2 prompts are the run's own
-token ids and are never wrapped. mdqa needs `data_dir`; in2 needs the run config
-(`.hydra/config.yaml`) of the checkpoint's run. With N the checkpoint's training step (0 for a
-folder without trainer_state.json, and for a hub id), it writes
+token ids and are never wrapped. mdqa needs `data_dir` or `mdqa.path`; in2 needs the run config
+(`.hydra/config.yaml`) of the checkpoint's run.
+
+kv and mdqa default to the setup of Liu et al. 2023 (Lost in the Middle), so their numbers sit next to the
+published curves: 100 new tokens, the reference's metrics and gold positions, any of its data files as
+they are (`kv.path`: the 75-, 140- or 300-key file, every pair asked; `mdqa.path`: the oracle file, to which
+BM25-retrieved answer-free distractors are added, or its `*_gold_at_K` files), and every eval JSON names
+the metric and settings it was made with. `needle.lengths` x `needle.depths` is the needle grid.
+
+With N the checkpoint's training step (0 for a folder without trainer_state.json, and for a hub id), it
+writes
 
 - `<out>/eval/<probe>_step<N>.json`: per-query outcomes and accuracy by gold position;
 - `<out>/eval/metrics_step<N>.json`: the `eval/<probe>/acc@<position>` and `eval/<probe>/acc_mean` values;
 - `<out>/plots/<probe>_accuracy_step<N>.png`: accuracy by gold position with 95% bootstrap intervals;
+- `<out>/plots/needle_grid_step<N>.png`: needle accuracy by context length x depth (the NIAH heatmap);
 
 and prints a summary table. `out` defaults to the checkpoint's run directory (where
 `python -m analysis.compare` then reuses the JSONs; an existing file of the same probe and step is
@@ -53,8 +64,17 @@ from analysis.checkpoints import (
     reference_run,
     resolve_target,
 )
-from analysis.plots import plot_position_accuracy
-from analysis.positional_eval import EvalConfig, ProbeResult, write_eval_json
+from analysis.plots import plot_needle_grid, plot_position_accuracy
+from analysis.positional_eval import (
+    EvalConfig,
+    KVProbeConfig,
+    MDQAProbeConfig,
+    NeedleProbeConfig,
+    ProbeResult,
+    describe_settings,
+    with_budget,
+    write_eval_json,
+)
 from data_builders.files import atomic_write_text
 from models.distributed import Device
 
@@ -67,8 +87,11 @@ class EvalCheckpointConfig:
     examples: int = 20  # queries per probe, each asked at every gold position (in2: examples x bins records)
     out: Optional[str] = None  # output folder; None = the checkpoint's run directory, else eval_<name>/
     data_dir: Optional[str] = None  # folder of the kv / nq files; None = synthetic kv and filler, no mdqa
-    needle_lens: list[int] = field(default_factory=lambda: [256, 512, 1024])  # needle context lengths, tokens
-    max_new_tokens: Optional[int] = None  # greedy budget for every probe; None = analysis.checkpoints.NEW_TOKENS
+    kv: KVProbeConfig = field(default_factory=KVProbeConfig)  # kv.path, kv.n_pairs, kv.positions, ...
+    mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)  # mdqa.path, mdqa.distractors, ...
+    needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)  # needle.lengths, needle.depths
+    # One greedy budget for every probe (a quick look: not comparable); None = each probe's max_new_tokens.
+    max_new_tokens: Optional[int] = None
     batch_size: int = 16  # prompts per generate call
     device: Device = Device.auto
     dtype: CheckpointDType = CheckpointDType.float32  # weights dtype; auto = the dtype they were saved in
@@ -108,14 +131,16 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
         if reference is None:
             raise CompareError(f"{ckpt}: in2 needs the run config (.hydra/config.yaml) of the checkpoint's run")
         in2 = build_in2_items(reference, tokenizer, cfg.examples)
-    bank = ProbeBank(EvalConfig(probe_examples=cfg.examples, data_dir=cfg.data_dir, needle_lens=cfg.needle_lens,
-                                batch_size=cfg.batch_size), in2)
+    eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=cfg.data_dir, batch_size=cfg.batch_size,
+                          chat_template=cfg.chat_template, kv=cfg.kv, mdqa=cfg.mdqa, needle=cfg.needle)
+    if cfg.max_new_tokens is not None:
+        eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
+    bank = ProbeBank(eval_cfg, in2)
     items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
     for probe in [p for p, its in items.items() if not its]:
-        print(f"{probe}: skipped (mdqa needs data_dir)", file=sys.stderr)
+        print(f"{probe}: skipped (mdqa needs data_dir or mdqa.path)", file=sys.stderr)
     model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
-    results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, cfg.max_new_tokens,
-                            cfg.batch_size, cfg.chat_template)
+    results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg)
 
     step = 0 if target.step is None else target.step
     default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")
@@ -127,17 +152,21 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
                                f"{target.label}, step {step}: {probe} accuracy by gold position",
                                POSITION_AXIS[probe])
         metrics.update(result.to_metrics("eval"))
+    if CheckpointProbe.needle in results:
+        plot_needle_grid({target.label: results[CheckpointProbe.needle]}, out / "plots" / f"needle_grid_step{step}.png",
+                         f"{target.label}, step {step}: needle accuracy by context length and depth")
     atomic_write_text(out / "eval" / f"metrics_step{step}.json", json.dumps(metrics, indent=1))
     return out, results
 
 
 def summary_table(results: dict[str, ProbeResult]) -> str:
-    """Plain-text table: probe, items, mean accuracy, accuracy at each gold position."""
+    """Plain-text table: probe, items, mean accuracy, accuracy at each gold position; then each probe's settings."""
     lines = [f"{'probe':<8} {'items':>5} {'mean':>6}  accuracy by position"]
     for probe, result in results.items():
         labels = result.labels()
         by_position = "  ".join(f"{labels[p]}: {acc:.2f}" for p, acc in result.accuracy_by_position().items())
         lines.append(f"{probe:<8} {len(result.outcomes):>5} {result.mean:>6.3f}  {by_position}")
+    lines += [f"{probe}: {describe_settings(result.settings)}" for probe, result in results.items()]
     return "\n".join(lines)
 
 

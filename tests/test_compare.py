@@ -22,7 +22,7 @@ from analysis.compare import (
     short_labels,
 )
 from analysis.plots import plot_position_accuracy
-from analysis.positional_eval import ProbeResult
+from analysis.positional_eval import NeedleProbeConfig, ProbeResult
 from analysis.prior import fit_alpha, prior_profile
 from analysis.topology import METRIC_KEYS
 from data_builders.tokenizer import train_bpe_tokenizer
@@ -30,7 +30,8 @@ from scripts import eval_checkpoint
 from tests.conftest import ROOT, TINY
 
 JACOBIAN = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2"]
-FAST = {"needle_lens": [64], "device": "cpu"}  # one short needle length keeps generation to seconds
+# One short needle length at three depths keeps generation to seconds.
+FAST = {"needle": NeedleProbeConfig(lengths=[64], depths=[0.0, 0.5, 1.0]), "device": "cpu"}
 
 
 def assert_png(path) -> None:
@@ -66,8 +67,9 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
                      **FAST)
 
     text = report.read_text()
-    for heading in ["# Checkpoint comparison", "## Inputs", "## Probe accuracy", "## Accuracy by gold position",
-                    "### needle", "### in2", "## Jacobian profiles", "### vanilla", "### chunked",
+    for heading in ["# Checkpoint comparison", "## Inputs", "## Probe accuracy", "## Metrics and settings",
+                    "## Accuracy by gold position", "### needle", "### in2", "## Needle grid",
+                    "## Jacobian profiles", "### vanilla", "### chunked",
                     "## Valley and prior metrics", "## Provenance", "## wandb"]:
         assert f"\n{heading}\n" in f"\n{text}", heading
     for key in METRIC_KEYS:
@@ -75,7 +77,10 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
     assert "Δ" in text
     images = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert sorted(images) == ["accuracy_in2.png", "accuracy_needle.png", "jacobian_chunked.png",
-                              "jacobian_vanilla.png"]
+                              "jacobian_vanilla.png", "needle_grid.png"]
+    # Every PATH scored needle alike; in2 too (the run's own JSON was made with the same metric and budget).
+    assert "- **needle**: metric substring_match; 16 new tokens; positions [0, 1, 2]; lengths [64]; " in text
+    assert "- **in2**: metric exact_match; 8 new tokens" in text
     for name in images:
         assert_png(report.parent / name)
     # Only what the run lacks is computed: its own in2 result is reused, its profiles read from the npz.
@@ -177,7 +182,8 @@ def test_incompatible_tokenizers_fail_for_in2(run_dir, tmp_path, capsys):
 
 def test_eval_checkpoint_writes_outputs(run_dir, tmp_path, capsys):
     ckpt, out = run_dir / "checkpoints" / "step-2", tmp_path / "eval-out"
-    argv = [str(ckpt), "probes=[needle,in2]", "examples=1", "needle_lens=[64]", "device=cpu", f"out={out}"]
+    argv = [str(ckpt), "probes=[needle,in2]", "examples=1", "needle.lengths=[64]", "needle.depths=[0.0,1.0]",
+            "device=cpu", f"out={out}"]
     assert eval_checkpoint.main(argv) == 0
     for probe in ("needle", "in2"):
         result = ProbeResult.load_json(out / "eval" / f"{probe}_step2.json")

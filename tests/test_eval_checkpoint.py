@@ -27,8 +27,9 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
 CHAT_TEMPLATE = ("{% for m in messages %}" + USER + "{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
-# Ten needle prompts of 64 tokens and 4 answer tokens: a CLI run is a few seconds.
-ARGS = ["probes=[needle]", "examples=2", "needle_lens=[64]", "max_new_tokens=4", "device=cpu"]
+# Six needle prompts of 64 tokens and 4 answer tokens: a CLI run is a few seconds.
+ARGS = ["probes=[needle]", "examples=2", "needle.lengths=[64]", "needle.depths=[0.0,0.5,1.0]", "max_new_tokens=4",
+        "device=cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def generate_calls(monkeypatch) -> list[dict]:
     """Replace generation with a stub that records what reaches the model: prompts, attention, dtype."""
     calls: list[dict] = []
 
-    def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True):
+    def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True, first_line_only=False):
         calls.append({"prompts": [list(p) for p in prompts], "attn": model.config._attn_implementation,
                       "dtype": model.dtype})
         return [""] * len(prompts)
@@ -91,7 +92,8 @@ def test_hub_id_is_read_offline_from_the_hub_cache(model_dir, hub_cache, tmp_pat
     assert eval_checkpoint.main([str(model_dir), *ARGS, f"out={local_out}"]) == 0
     hub = ProbeResult.load_json(out / "eval" / "needle_step0.json")
     local = ProbeResult.load_json(local_out / "eval" / "needle_step0.json")
-    assert len(hub.outcomes) == 10 and hub.outcomes == local.outcomes
+    assert len(hub.outcomes) == 6 and hub.outcomes == local.outcomes
+    assert (out / "plots" / "needle_grid_step0.png").is_file()
     assert hub_metrics == json.loads((local_out / "eval" / "metrics_step0.json").read_text())
 
 
@@ -136,7 +138,7 @@ def test_chat_template_attention_and_dtype_reach_the_model(model_dir, tmp_path, 
     assert plain["attn"] != "eager" and plain["dtype"] == torch.float32  # the defaults
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     user, assistant = tokenizer.convert_tokens_to_ids([USER, ASSISTANT])
-    assert len(templated["prompts"]) == len(plain["prompts"]) == 10
+    assert len(templated["prompts"]) == len(plain["prompts"]) == 6
     for wrapped, bare in zip(templated["prompts"], plain["prompts"]):
         assert user not in bare and wrapped == [user, *bare, assistant]
 

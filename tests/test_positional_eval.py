@@ -11,8 +11,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from analysis.positional_eval import (
-    SCORERS,
+    METRICS,
     EvalConfig,
+    NeedleProbeConfig,
     Probe,
     ProbeResult,
     build_probes,
@@ -117,7 +118,7 @@ def _kv_items() -> list[ProbeItem]:
 def test_kv_run_gives_scripted_curve(source):
     items = kv_probe(data_file(KV_FILE), n_examples=10) if source == "file" else _kv_items()
     gen = scripted({0, 74}, right='"{}"', wrong="00000000-0000-4000-8000-000000000000")
-    result = run_probe(items, gen, SCORERS["kv"])
+    result = run_probe(items, gen, METRICS["substring_match"])
     assert result.accuracy_by_position() == {0: 1.0, 24: 0.0, 49: 0.0, 74: 1.0}
     assert result.mean == 0.5
     assert result.ci_by_position()[0] == (1.0, 1.0) and result.ci_by_position()[24] == (0.0, 0.0)
@@ -132,8 +133,8 @@ def test_kv_run_gives_scripted_curve(source):
 
 
 def test_mdqa_run_gives_scripted_curve():
-    items = mdqa_probe(data_file(NQ_FILE), n_examples=15, seed=2)
-    result = run_probe(items, scripted({0, 9}, right="I think it is {}."), SCORERS["mdqa"])
+    items = mdqa_probe(data_file(NQ_FILE), n_docs=10, n_examples=15, seed=2)  # the reference's positions 0, 4, 9
+    result = run_probe(items, scripted({0, 9}, right="I think it is {}."), METRICS["best_subspan_em"])
     assert result.accuracy_by_position() == {-1: 0.0, 0: 1.0, 4: 0.0, 9: 1.0}
     metrics = result.to_metrics("eval")
     assert metrics["eval/mdqa/acc@closedbook"] == 0.0 and metrics["eval/mdqa/acc@9"] == 1.0
@@ -142,7 +143,7 @@ def test_mdqa_run_gives_scripted_curve():
 
 def test_in2_run_gives_scripted_curve():
     items = in2_probe(in2_records(40), bins=10)
-    result = run_probe(items, scripted({0, 9}, right=" {}\nQuestion: next", wrong="Red"), SCORERS["in2"])
+    result = run_probe(items, scripted({0, 9}, right=" {}\nQuestion: next", wrong="Red"), METRICS["exact_match"])
     metrics = result.to_metrics()
     assert metrics == {
         **{f"eval/in2/acc@{b / 10}": float(b in (0, 9)) for b in range(10)},
@@ -153,20 +154,22 @@ def test_in2_run_gives_scripted_curve():
 
 def test_run_probe_checks_generator_output():
     with pytest.raises(ValueError):
-        run_probe(_kv_items(), lambda items: ["x"], SCORERS["kv"])
+        run_probe(_kv_items(), lambda items: ["x"], METRICS["substring_match"])
     with pytest.raises(ValueError):
-        run_probe([], lambda items: [], SCORERS["kv"])
+        run_probe([], lambda items: [], METRICS["substring_match"])
 
 
 def test_save_and_load_json(tmp_path):
-    result = run_probe(_kv_items(), scripted({24}), SCORERS["kv"])
+    result = run_probe(_kv_items(), scripted({24}), METRICS["substring_match"])
     path = write_eval_json(tmp_path, 300, "kv", result)
     assert path == tmp_path / "eval" / "kv_step300.json"
     saved = json.loads(path.read_text())
     assert saved["accuracy"] == {"0": 0.0, "24": 1.0, "49": 0.0, "74": 0.0} and saved["mean"] == 0.25
     assert saved["n"] == {"0": 6, "24": 6, "49": 6, "74": 6} and saved["ci95"]["24"] == [1.0, 1.0]
+    assert saved["metric"] == "substring_match" and saved["settings"]["metric"] == "substring_match"
     loaded = ProbeResult.load_json(path)
     assert loaded.outcomes == result.outcomes and loaded.to_metrics() == result.to_metrics()
+    assert loaded.settings == result.settings
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
@@ -230,7 +233,8 @@ def test_evaluate_in2_on_tiny_model(model, tokenizer):
 
 
 def test_build_and_evaluate_probes_without_data(model, tokenizer, caplog):
-    cfg = EvalConfig(probes=["kv", "mdqa", "needle"], probe_examples=2, needle_lens=[40], max_new_tokens=2)
+    needle = NeedleProbeConfig(lengths=[40], depths=[0.0, 0.25, 0.5, 0.75, 1.0], max_new_tokens=2)
+    cfg = EvalConfig(probes=["kv", "mdqa", "needle"], probe_examples=2, needle=needle)
     with caplog.at_level(logging.WARNING):
         probes = build_probes(cfg, tokenizer)
     assert "mdqa is skipped" in caplog.text
@@ -247,4 +251,5 @@ def test_build_probes_from_data_dir(tokenizer):
     data_file(KV_FILE), data_file(NQ_FILE)
     cfg = EvalConfig(probes=["kv", "mdqa"], probe_examples=3, data_dir=str(DATA))
     probes = build_probes(cfg, tokenizer)
-    assert len(probes["kv"]) == 12 and len(probes["mdqa"]) == 12
+    # kv: 3 queries x the 75-key file's 4 reference positions; mdqa: x 20 documents' 5 positions + closed-book
+    assert len(probes["kv"]) == 12 and len(probes["mdqa"]) == 18

@@ -230,7 +230,8 @@ def test_diff_attention_run_logs_lambda_and_restores(compose_cfg, tmp_path):
 
 def test_position_probes_during_training(compose_cfg, tmp_path):
     cfg = compose_cfg(*TINY, "trainer.max_steps=2", "eval.probes=[needle,kv]", "eval.probe_every=2",
-                      "eval.probe_examples=1", "eval.needle_lens=[64,96]")
+                      "eval.probe_examples=1", "eval.needle.lengths=[64,96]", "eval.needle.depths=[0.0,1.0]",
+                      "eval.kv.max_new_tokens=4")
     metrics = run(cfg, tmp_path)
     assert "eval/needle/acc_mean" in metrics and "eval/kv/acc@0" in metrics
     assert (tmp_path / "eval" / "needle_step2.json").is_file()
