@@ -139,6 +139,9 @@ class EvalConfig:
     bins: int = 10  # equal-width gold-depth bins of the IN2 accuracy curve
     max_new_tokens: int = 8  # greedy answer length of IN2 questions, in tokens
     batch_size: int = 16  # prompts per generate call
+    # Padded prompt tokens per generate call: long prompts go in smaller batches (attention memory grows
+    # with batch x length^2: 16 kv prompts of 140 pairs would need tens of GB on a CPU).
+    batch_tokens: int = 16384
     probes: list[Probe] = field(default_factory=list)  # extra probes every probe_every steps
     probe_every: int = 0  # steps between probe runs (0 = off)
     probe_examples: int = 20  # queries per probe; each is asked once per gold position
@@ -275,11 +278,13 @@ def greedy_generate(
     batch_size: int,
     progress: bool = True,
     first_line_only: bool = False,
+    batch_tokens: int | None = None,
 ) -> list[str]:
     """Greedy continuations of token-id prompts, decoded without special tokens, in prompt order.
 
     Batches are left-padded (so every row's last prompt token is at the same column) and run with
-    the KV cache; generation stops at the model's eos ids and the tokenizer's eos, and with
+    the KV cache; a batch holds at most `batch_size` prompts and, when set, at most `batch_tokens`
+    padded prompt tokens (one prompt at least). Generation stops at the model's eos ids and the tokenizer's eos, and with
     `first_line_only` also once a row's first non-blank line is complete (what `first_line` keeps:
     the scores are those of the full budget, for less compute). The model is put in eval mode and
     its previous mode restored.
@@ -297,12 +302,17 @@ def greedy_generate(
         eos.append(tokenizer.eos_token_id)
     # Similar lengths share a batch, so little compute goes to padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches: list[list[int]] = []
+    for i in order:  # ascending lengths: the prompt being added sets the batch's width
+        if not batches or len(batches[-1]) == batch_size or (
+                batch_tokens is not None and (len(batches[-1]) + 1) * len(prompts[i]) > batch_tokens):
+            batches.append([])
+        batches[-1].append(i)
     outputs: list[str] = [""] * len(prompts)
     was_training = model.training
     model.eval()
     try:
-        for start in tqdm(range(0, len(order), batch_size), desc="generate", disable=not progress):
-            rows = order[start : start + batch_size]
+        for rows in tqdm(batches, desc="generate", disable=not progress):
             width = max(len(prompts[i]) for i in rows)
             ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, L)
             mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
@@ -354,13 +364,15 @@ def model_generate_fn(
     chat_template: bool = False,
     progress: bool = True,
     first_line_only: bool = False,
+    batch_tokens: int | None = None,
 ) -> GenerateFn:
     """A `generate_fn` for `run_probe` that answers items with `greedy_generate` on `model`; text prompts go
     through the chat template when `chat_template`, token-id prompts (in2) never do."""
 
     def generate(items: Sequence[ProbeItem]) -> list[str]:
         prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
-        return greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only)
+        return greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                               batch_tokens)
 
     return generate
 
@@ -377,7 +389,7 @@ def evaluate_in2(
     10 bins); a bin without records has no key.
     """
     items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
-    generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size)
+    generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, batch_tokens=cfg.batch_tokens)
     result = run_probe(items, generate, METRICS["exact_match"], probe_settings("in2", cfg, items))
     return result.to_metrics("eval"), result
 
@@ -489,7 +501,7 @@ def evaluate_probes(
     results = {}
     for name, items in probes.items():
         generate = model_generate_fn(model, tokenizer, probe_budget(name, cfg), cfg.batch_size,
-                                     cfg.chat_template, first_line_only=name == "mdqa")
+                                     cfg.chat_template, first_line_only=name == "mdqa", batch_tokens=cfg.batch_tokens)
         results[name] = run_probe(items, generate, probe_metric(name, cfg), probe_settings(name, cfg, items))
     metrics = {k: v for result in results.values() for k, v in result.to_metrics("eval").items()}
     return metrics, results

@@ -93,6 +93,7 @@ class EvalCheckpointConfig:
     # One greedy budget for every probe (a quick look: not comparable); None = each probe's max_new_tokens.
     max_new_tokens: Optional[int] = None
     batch_size: int = 16  # prompts per generate call
+    batch_tokens: int = EvalConfig.batch_tokens  # padded prompt tokens per generate call (long prompts: smaller batches)
     device: Device = Device.auto
     dtype: CheckpointDType = CheckpointDType.float32  # weights dtype; auto = the dtype they were saved in
     attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
@@ -132,6 +133,7 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
             raise CompareError(f"{ckpt}: in2 needs the run config (.hydra/config.yaml) of the checkpoint's run")
         in2 = build_in2_items(reference, tokenizer, cfg.examples)
     eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=cfg.data_dir, batch_size=cfg.batch_size,
+                          batch_tokens=cfg.batch_tokens,
                           chat_template=cfg.chat_template, kv=cfg.kv, mdqa=cfg.mdqa, needle=cfg.needle)
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)

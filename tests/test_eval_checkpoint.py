@@ -64,7 +64,8 @@ def generate_calls(monkeypatch) -> list[dict]:
     """Replace generation with a stub that records what reaches the model: prompts, attention, dtype."""
     calls: list[dict] = []
 
-    def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True, first_line_only=False):
+    def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True, first_line_only=False,
+                      batch_tokens=None):
         calls.append({"prompts": [list(p) for p in prompts], "attn": model.config._attn_implementation,
                       "dtype": model.dtype})
         return [""] * len(prompts)

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from analysis.positional_eval import (
     METRICS,
     EvalConfig,
+    FirstLineComplete,
     NeedleProbeConfig,
     Probe,
     ProbeResult,
@@ -200,6 +201,32 @@ def test_greedy_generate_matches_uncached_argmax_loop(model, tokenizer, monkeypa
     ]
     assert out == expected
     assert any(out)  # the comparison is not between empty strings
+
+
+def test_greedy_generate_caps_padded_tokens_per_batch(model, tokenizer, monkeypatch):
+    ids = [tokenizer(s)["input_ids"] for s in SENTENCES]
+    prompts = [ids[0][:3], ids[4], ids[1][:1], ids[3][:6], ids[2][:4]]  # lengths 3, 11, 1, 6, 4
+    unbounded = greedy_generate(model, tokenizer, prompts, max_new_tokens=4, batch_size=4, progress=False)
+    shapes = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: shapes.append(tuple(kw["input_ids"].shape)) or generate(**kw))
+    capped = greedy_generate(model, tokenizer, prompts, max_new_tokens=4, batch_size=4, progress=False,
+                             batch_tokens=8)
+    assert capped == unbounded  # the same answers, in prompt order
+    # Ascending lengths 1, 3, 4 | 6 | 11: a batch grows while rows x width stays within 8, a longer prompt alone.
+    assert shapes == [(2, 3), (1, 4), (1, 6), (1, 11)]
+
+
+def test_first_line_complete_stops_rows_after_their_first_non_blank_line():
+    class Decoder:
+        texts = {1: "\n", 2: " Paris", 3: "\nmore", 4: " Par"}
+
+        def batch_decode(self, rows, skip_special_tokens):
+            return ["".join(self.texts[int(t)] for t in row) for row in rows]
+
+    stop = FirstLineComplete(Decoder(), prompt_width=1)
+    ids = torch.tensor([[9, 1, 1], [9, 2, 3], [9, 1, 4], [9, 2, 4]])  # prompt column, then new tokens
+    assert stop(ids, None).tolist() == [False, True, False, False]
 
 
 def test_model_generate_fn_text_and_token_prompts(model, tokenizer):

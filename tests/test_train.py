@@ -236,6 +236,7 @@ def test_position_probes_during_training(compose_cfg, tmp_path):
     assert "eval/needle/acc_mean" in metrics and "eval/kv/acc@0" in metrics
     assert (tmp_path / "eval" / "needle_step2.json").is_file()
     assert (tmp_path / "plots" / "kv_accuracy_step2.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "needle_grid_step2.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
