@@ -55,6 +55,7 @@ from analysis.positional_eval import (
     EvalConfig,
     ProbeResult,
     build_probes,
+    check_probe_files,
     evaluate_in2,
     evaluate_probes,
     write_eval_json,
@@ -224,6 +225,8 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
                          f"{torch.__version__}): train with sdpa here, or on a CUDA device")
     if cfg.eval.probes and cfg.eval.probe_every < 1:
         raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
+    if cfg.eval.probes:
+        check_probe_files(cfg.eval)
 
 
 def validate_sequence_parallel(cfg: TrainConfig, info: DistInfo) -> None:

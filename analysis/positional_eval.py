@@ -39,6 +39,7 @@ from data_builders.probes import (
     KV_FILE,
     NQ_FILE,
     ProbeItem,
+    expand_paths,
     in2_probe,
     kv_probe,
     mdqa_probe,
@@ -403,6 +404,30 @@ def probe_source(name: str, cfg: EvalConfig) -> Path | None:
     if cfg.data_dir is None:
         return None
     return Path(cfg.data_dir) / (KV_FILE if name == Probe.kv else NQ_FILE)
+
+
+def check_probe_files(cfg: EvalConfig, prefix: str = "eval.") -> None:
+    """Fail before a model is loaded when a file a requested probe reads is missing, naming its key."""
+    wanted = set(map(Probe, cfg.probes))
+    data_dir = Path(cfg.data_dir) if cfg.data_dir is not None else None
+    files = []
+    if Probe.kv in wanted:
+        files.append(("kv.path", cfg.kv.path) if cfg.kv.path else ("data_dir", data_dir and data_dir / KV_FILE))
+    if Probe.mdqa in wanted:
+        files += [("mdqa.path", cfg.mdqa.path) if cfg.mdqa.path else ("data_dir", data_dir and data_dir / NQ_FILE),
+                  ("mdqa.pool", cfg.mdqa.pool)]
+    if Probe.needle in wanted:
+        files.append(("data_dir", data_dir and data_dir / NQ_FILE))
+    for key, path in files:
+        if path is None:
+            continue
+        try:
+            missing = [f for f in expand_paths(Path(path).expanduser()) if not f.is_file()]
+        except FileNotFoundError:
+            missing = [path]
+        if missing:
+            value = cfg.data_dir if key == "data_dir" else path
+            raise FileNotFoundError(f"{prefix}{key}={value}: {missing[0]} is not a file")
 
 
 def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, list[ProbeItem]]:

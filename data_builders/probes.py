@@ -165,6 +165,9 @@ def _kv_examples(
             raise ValueError(f"{where}: not a kv record (needs ordered_kv_records, key, value): {err!r}") from err
         if (key, value) not in pairs:
             raise ValueError(f"{where}: its key and value are not a pair of its ordered_kv_records")
+        if len({k for k, _ in pairs}) != len(pairs):
+            # The reference's prompt builder rejects these too; dropping them would shift the gold silently.
+            raise ValueError(f"{where}: ordered_kv_records has duplicate keys")
         examples.append((where, i, pairs, key, value))
     return examples
 
@@ -212,7 +215,7 @@ def kv_probe(
     for where, i, pairs, key, value in examples:
         if len(pairs) < n_pairs:
             raise ValueError(f"{where}: {len(pairs)} pairs, fewer than n_pairs={n_pairs}")
-        others = [p for p in pairs if p[0] != key][: n_pairs - 1]
+        others = [p for p in pairs if p != (key, value)][: n_pairs - 1]
         for pos in positions:
             kv = format_kv_records(others[:pos] + [(key, value)] + others[pos:])
             items.append(
@@ -293,9 +296,14 @@ def _given_qa_items(
 ) -> list[ProbeItem]:
     """Items of a file in the reference format, asked as they are: the gold is where `isgold` says."""
     items = []
+    counts: dict[int, str] = {}  # document count -> the first record with it
     for i in chosen:
         line_no, rec = lines[i]
         where, ctxs = f"{file}:{line_no}", rec.get("ctxs") or []
+        if ctxs and counts.setdefault(len(ctxs), where) == where and len(counts) > 1:
+            first = next(w for n, w in counts.items() if n != len(ctxs))
+            raise ValueError(f"{where}: {len(ctxs)} documents, but {first} has another count; positions of "
+                             "different counts do not compare: ask such records separately")
         golds = [k for k, c in enumerate(ctxs) if c.get("isgold") is True]
         if len(golds) > 1:
             raise ValueError(f"{where}: {len(golds)} documents are flagged isgold (at {golds}); expected one")
@@ -334,7 +342,8 @@ def mdqa_probe(
     question-only item per question (position -1, label "closedbook"), the no-context baseline.
     """
     items: list[ProbeItem] = []
-    asked: dict[str, tuple[str, str]] = {}  # item id -> (file:line, question) of the record that asked it
+    asked: dict[str, str] = {}  # item id -> file:line of the record that asked it
+    questions: dict[str, tuple[str, str]] = {}  # query -> (file:line, question) of its first record
     for file in expand_paths(path):
         lines = read_jsonl_lines(file)
         for line_no, rec in lines:
@@ -346,12 +355,13 @@ def mdqa_probe(
             file_items = _given_qa_items(file, lines, chosen, n_docs, positions)
         for item in file_items:
             where = f"{file}:{lines[item.extra['example']][0]}"
-            other = asked.setdefault(item.id, (where, item.extra["question"]))
-            if other[0] != where:
-                raise ValueError(f"{where} and {other[0]}: " + (
-                    "the same record index holds different questions; files asked together must hold one "
-                    "question set in one order" if other[1] != item.extra["question"]
-                    else f"both ask record {item.extra['example']} at {item.label}"))
+            first_where, question = questions.setdefault(item.query, (where, item.extra["question"]))
+            if question != item.extra["question"]:
+                raise ValueError(f"{where} and {first_where}: record {item.extra['example']} holds different "
+                                 "questions; files asked together must hold one question set in one order")
+            if asked.setdefault(item.id, where) != where:
+                raise ValueError(f"{where} and {asked[item.id]}: both ask record {item.extra['example']} at "
+                                 f"{item.label}")
         items += file_items
     if closed_book:
         has_baseline = {it.query for it in items if it.label == "closedbook"}

@@ -303,6 +303,16 @@ def test_bad_jacobian_cadence_fails_at_start_up_naming_the_key(compose_cfg, tmp_
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_missing_probe_file_fails_at_start_up_naming_the_key(compose_cfg, tmp_path):
+    missing = tmp_path / "kv-retrieval-140_keys.jsonl.gz"
+    with pytest.raises(FileNotFoundError, match=f"eval.kv.path={missing}: "):
+        run(compose_cfg(*TINY, "eval.probes=[kv]", "eval.probe_every=1", f"eval.kv.path={missing}"), tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"eval.mdqa.path=.*\*.jsonl.gz: "):
+        run(compose_cfg(*TINY, "eval.probes=[mdqa]", "eval.probe_every=1", f"eval.mdqa.path={tmp_path}/*.jsonl.gz"),
+            tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_jacobian_scalars_are_logged_at_the_step_jacobian_npz_records(compose_cfg, tmp_path):
     """Step s means the weights after s updates, in metrics.jsonl as in jacobian.npz (once per step)."""
     import numpy as np
