@@ -103,6 +103,18 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
     assert [r[4] for r in rows if r[:2] == ["runA", "in2"]] == list(reused.accuracy_by_position().values())
 
 
+def test_probe_options_reach_the_probe_settings():
+    args = build_parser().parse_args(["runA", "--kv-path", "kv-140.jsonl.gz", "--mdqa-path", "qa/*.jsonl.gz",
+                                      "--distractors", "random", "--needle-lens", "128,256", "--needle-depths", "0,0.5,1"])
+    assert (args.kv_path, args.mdqa_path, args.distractors) == ("kv-140.jsonl.gz", "qa/*.jsonl.gz", "random")
+    assert args.needle_lens == [128, 256] and args.needle_depths == [0.0, 0.5, 1.0]
+    defaults = build_parser().parse_args(["runA"])
+    assert defaults.distractors == "retrieved" and defaults.max_new_tokens is None  # the reference's setup
+    for bad in (["--needle-depths", "0,1.5"], ["--distractors", "bm25"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["runA", *bad])
+
+
 def test_wandb_options_log_and_read_summaries(tmp_path):
     assert build_parser().parse_args(["runA", "--wandb-log", "offline"]).wandb_log == "offline"
     assert build_parser().parse_args(["runA"]).wandb_log is None  # off by default
