@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Mapping
 from enum import StrEnum
 
 import numpy as np
@@ -104,17 +105,23 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
     """
     layers = decoder_layers(model)
     n_layers = len(layers)
-    found: dict[str, list] = {k: [None] * n_layers for k in ("maps", "x", "a", "o_in")}
+    found: dict[str, list] = {k: [None] * n_layers for k in ("maps", "x", "a", "strength")}
 
     def on_layer_input(t):
         def hook(module, args, kwargs):
             found["x"][t] = _arg(args, kwargs, "hidden_states", 0).detach()
         return hook
 
+    recomputing = [False]  # the eager recomputation calls o_proj too: only the real forward counts
+
     def on_attention_input(t):
         def hook(module, args, kwargs):
-            found["maps"][t] = _eager_maps(module, _arg(args, kwargs, "hidden_states", 0),
-                                           _arg(args, kwargs, "position_embeddings", 1)).double()
+            recomputing[0] = True
+            try:
+                found["maps"][t] = _eager_maps(module, _arg(args, kwargs, "hidden_states", 0),
+                                               _arg(args, kwargs, "position_embeddings", 1)).double()
+            finally:
+                recomputing[0] = False
         return hook
 
     def on_attention_output(t):
@@ -124,7 +131,14 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
 
     def on_o_proj_input(t):
         def hook(module, args):
-            found["o_in"][t] = args[0].detach()
+            if recomputing[0]:
+                return
+            # Here, inside the forward, the weight is whole even when ZeRO-3 partitions it outside.
+            n_heads = found["maps"][t].shape[1]
+            per_head = args[0].detach().double().unflatten(-1, (n_heads, -1))  # (B, L, nh, dv)
+            w_o = module.weight.detach().double().unflatten(1, (n_heads, -1))  # (d, nh, dv)
+            found["strength"][t] = torch.stack(
+                [(per_head[:, :, h] @ w_o[:, h].T).norm(dim=-1).mean(dim=1) for h in range(n_heads)], dim=1)
         return hook
 
     with ExitStack() as stack, _eval_mode(model):
@@ -143,11 +157,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
         x, a = found["x"][t].double(), found["a"][t].double()  # (B, L, d)
         x_norm, a_norm = x.norm(dim=-1), a.norm(dim=-1)  # (B, L)
         shares.append((a_norm / (x_norm + a_norm).clamp_min(1e-30)).mean(dim=1))  # (B,)
-        n_heads = maps.shape[1]
-        w_o = layer.self_attn.o_proj.weight.double()  # (d, nh * dv)
-        per_head = found["o_in"][t].double().unflatten(-1, (n_heads, -1))  # (B, L, nh, dv)
-        contrib = torch.einsum("blhv,dhv->blhd", per_head, w_o.unflatten(1, (n_heads, -1)))  # (B, L, nh, d)
-        strength = contrib.norm(dim=-1).mean(dim=1)  # (B, nh)
+        strength = found["strength"][t]  # (B, nh): mean norm of what each head adds to the residual
         w = strength / strength.sum(dim=1, keepdim=True).clamp_min(1e-30)  # (B, nh)
         weights.append(w)
         mean_maps.append(maps.mean(dim=1))  # (B, L, L)
@@ -183,3 +193,30 @@ def rollout_metrics(profile: np.ndarray, predicted: np.ndarray) -> dict[str, flo
     resid = log10_profile(profile) - log10_profile(predicted)
     return {"spearman": spearman(profile, predicted), "w1": w1_distance(profile, predicted),
             "rmse_log10": float(resid.std())}
+
+
+ROLLOUT_FILE = "rollout.npz"  # a run's rollouts beside jacobian.npz, in its format: set "<set>.<variant>"
+
+
+def record_name(set_name: str, variant: str) -> str:
+    """The `rollout.npz` set holding one evaluation set's rollouts of one variant."""
+    return f"{set_name}.{variant}"
+
+
+def measure_rollouts(model: nn.Module, seqs: Mapping[str, torch.Tensor]) -> dict[str, dict[str, np.ndarray]]:
+    """{set: {variant: (n_seq, L)}}: every rollout of every sequence of every (non-empty) set."""
+    return {name: {str(v): rows for v, rows in rollouts(capture(model, ids)).items()}
+            for name, ids in seqs.items() if len(ids)}
+
+
+def mean_rollout(rows: np.ndarray) -> np.ndarray:
+    """A set's rollout (L,): the mean magnitude over its sequences, as the measured profile is their mean."""
+    return np.abs(rows).mean(axis=0)
+
+
+def rollout_set_metrics(profiles: Mapping[str, np.ndarray], rolls: Mapping[str, Mapping[str, np.ndarray]]
+                        ) -> dict[str, float]:
+    """``rollout/<set>/<variant>/<metric>``: each set's mean rollout against its mean measured profile (L,)."""
+    return {f"rollout/{name}/{variant}/{metric}": value
+            for name, by_variant in rolls.items() for variant, rows in by_variant.items()
+            for metric, value in rollout_metrics(profiles[name], mean_rollout(rows)).items()}
