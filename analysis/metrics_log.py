@@ -254,25 +254,32 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def profile_charts(
-    profiles: Mapping[str, np.ndarray], alphas: Mapping[str, float], n_layers: int, step: int
+    profiles: Mapping[str, np.ndarray], alphas: Mapping[str, float], n_layers: int, step: int,
+    rollouts: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None,
 ) -> dict[str, Any]:
-    """wandb line charts ``jacobian/<set>/profile``: each set's mean profile (L,) and its scaled prior, log10.
+    """wandb line charts ``jacobian/<set>/profile``: each set's mean profile (L,), its scaled prior and its
+    rollouts (``rollouts[set][variant]``, (L,), `analysis.rollout.mean_rollout`), log10.
 
     ``alphas[set]`` is the prior's residual weight (the fit `topology_metrics` logged), scaled onto the
-    profile by `analysis.prior.scaled_prior`. At most CHART_POINTS positions are drawn, both ends kept.
+    profile by `analysis.prior.scaled_prior`; each rollout is scaled by its own mean log10 offset. At most
+    CHART_POINTS positions are drawn, both ends kept.
     """
     import wandb  # optional heavy dependency: imported only when a run logs to it
 
     charts = {}
     for name, rho in profiles.items():
+        log_rho = log10_profile(rho)
         prior, alpha = scaled_prior(rho, n_layers, alphas[name])  # (L,)
+        curves = {"measured": log_rho, f"prior fit (a={alpha:.3f})": log10_profile(prior)}
+        for variant, curve in (rollouts or {}).get(name, {}).items():
+            log_curve = log10_profile(curve)
+            curves[f"rollout, {variant}"] = log_curve + np.mean(log_rho - log_curve)
         # wandb type-checks every table row (~0.2 ms each): draw at most CHART_POINTS positions, ends kept.
         shown = np.unique(np.linspace(0, len(rho) - 1, min(len(rho), CHART_POINTS)).round().astype(int))
         charts[f"jacobian/{name}/profile"] = wandb.plot.line_series(
-            xs=(shown / max(len(rho) - 1, 1)).tolist(),
-            ys=[log10_profile(rho)[shown].tolist(), log10_profile(prior)[shown].tolist()],
-            keys=["measured", f"prior fit (a={alpha:.3f})"],
-            title=f"log10 Jacobian profile, {name}, step {step}", xname="relative position (j-1)/(L-1)",
+            xs=(shown / max(len(rho) - 1, 1)).tolist(), ys=[c[shown].tolist() for c in curves.values()],
+            keys=list(curves), title=f"log10 Jacobian profile, {name}, step {step}",
+            xname="relative position (j-1)/(L-1)",
         )
     return charts
 

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 
 from analysis.jacobian import read_jacobian
-from analysis.prior import fit_alpha, scaled_prior
+from analysis.prior import fit_alpha, log10_profile, scaled_prior
 
 if TYPE_CHECKING:
     from analysis.positional_eval import ProbeResult
@@ -85,8 +85,14 @@ def plot_evolution(npz_path: str | os.PathLike, out_png: str | os.PathLike, set_
     return _save(evolution_figure(npz_path, set_name), out_png)
 
 
-def profile_vs_prior_figure(profile: np.ndarray, H: int, title: str = "") -> Figure:
-    """A profile (L,) against its best-fitting Cesàro prior with a free scale, raw and anchored."""
+def profile_vs_prior_figure(
+    profile: np.ndarray, H: int, title: str = "", rollouts: Mapping[str, np.ndarray] | None = None
+) -> Figure:
+    """A profile (L,) against its best-fitting Cesàro prior with a free scale, raw and anchored.
+
+    `rollouts` (name -> (L,)): attention rollouts from the model (`analysis.rollout`), drawn like the
+    prior, each on the profile's scale by its own least-squares log10 offset.
+    """
     profile = np.asarray(profile, dtype=np.float64)
     fit = fit_alpha(profile, H)
     prior, _ = scaled_prior(profile, H, fit.alpha)  # (L,)
@@ -100,7 +106,13 @@ def profile_vs_prior_figure(profile: np.ndarray, H: int, title: str = "") -> Fig
     raw.plot(x, prior, lw=1.0, ls="--", color="k", label=prior_label)
     anchored.plot(x, profile / profile[-1], lw=1.0, label="measured")
     anchored.plot(x, prior / prior[-1], lw=1.0, ls="--", color="k", label="prior")
-    raw.set(yscale="log", xlabel=X_LABEL, ylabel=RHO_LABEL, title="raw (prior scaled by the fit)")
+    for k, (name, curve) in enumerate((rollouts or {}).items()):
+        curve = np.abs(np.asarray(curve, dtype=np.float64))
+        scaled = curve * 10.0 ** np.mean(log10_profile(profile) - log10_profile(curve))  # (L,)
+        style = {"lw": 0.9, "ls": "-.", "color": f"C{k + 1}"}
+        raw.plot(x, scaled, label=f"rollout, {name}", **style)
+        anchored.plot(x, scaled / scaled[-1], label=f"rollout, {name}", **style)
+    raw.set(yscale="log", xlabel=X_LABEL, ylabel=RHO_LABEL, title="raw (prior and rollouts scaled by their fit)")
     anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1")
     for ax in (raw, anchored):
         ax.grid(True, which="major", alpha=0.3)
@@ -109,9 +121,12 @@ def profile_vs_prior_figure(profile: np.ndarray, H: int, title: str = "") -> Fig
     return fig
 
 
-def plot_profile_vs_prior(profile: np.ndarray, H: int, out_png: str | os.PathLike, title: str = "") -> Path:
+def plot_profile_vs_prior(
+    profile: np.ndarray, H: int, out_png: str | os.PathLike, title: str = "",
+    rollouts: Mapping[str, np.ndarray] | None = None,
+) -> Path:
     """`profile_vs_prior_figure` as a PNG."""
-    return _save(profile_vs_prior_figure(profile, H, title), out_png)
+    return _save(profile_vs_prior_figure(profile, H, title, rollouts), out_png)
 
 
 def _edges(centres: np.ndarray) -> np.ndarray:

@@ -79,6 +79,17 @@ def test_profile_charts_plot_log10_profile_and_scaled_prior_ends_kept():
         np.testing.assert_allclose([r[2] for r in rows if r[1] == keys[1]], log10_profile(prior)[shown], rtol=1e-12)
 
 
+def test_profile_charts_add_each_rollout_on_the_profiles_scale():
+    rho, rollout = prior_profile(100, H, 0.4) * 30.0, prior_profile(100, H, 0.7)  # <= CHART_POINTS: all drawn
+    charts = profile_charts({"vanilla": rho}, {"vanilla": 0.4}, H, step=1,
+                            rollouts={"vanilla": {"measured": rollout, "attention_only": rollout ** 2}})
+    rows = charts["jacobian/vanilla/profile"].table.data
+    assert list(dict.fromkeys(r[1] for r in rows))[2:] == ["rollout, measured", "rollout, attention_only"]
+    drawn = np.array([r[2] for r in rows if r[1] == "rollout, measured"])  # log10
+    assert np.mean(log10_profile(rho) - drawn) == pytest.approx(0.0, abs=1e-12)  # scaled onto the profile
+    np.testing.assert_allclose(drawn - drawn[0], log10_profile(rollout) - log10_profile(rollout)[0], atol=1e-12)
+
+
 def test_environment_wandb_mode_wins_over_the_default_and_an_explicit_mode_over_both(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     logger = MetricsLogger(LoggerConfig(), tmp_path / "env", {})

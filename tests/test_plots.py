@@ -116,6 +116,20 @@ def test_profile_vs_prior_draws_the_profile_and_its_scaled_fit(tmp_path):
     assert_png(plot_profile_vs_prior(profile, H, tmp_path / "prior.png", title="step 0, vanilla"))
 
 
+def test_profile_vs_prior_draws_rollouts_on_the_profiles_scale(tmp_path):
+    profile = prior_profile(L, H, 0.35) * 50.0
+    rollout = -prior_profile(L, H, 0.5)  # a diff-attention rollout may be negative: its magnitude is drawn
+    raw, anchored = profile_vs_prior_figure(profile, H, rollouts={"measured λ": rollout}).axes
+    assert len(raw.lines) == len(anchored.lines) == 3
+    drawn = raw.lines[2].get_ydata()
+    # On the profile's scale: the mean log10 offset between the two is zero.
+    assert np.mean(np.log10(profile) - np.log10(drawn)) == pytest.approx(0.0, abs=1e-12)
+    np.testing.assert_allclose(drawn / drawn[0], rollout / rollout[0], rtol=1e-12)
+    np.testing.assert_allclose(anchored.lines[2].get_ydata(), drawn / drawn[-1], rtol=1e-12)
+    assert [t.get_text() for t in raw.get_legend().get_texts()][2] == "rollout, measured λ"
+    assert_png(plot_profile_vs_prior(profile, H, tmp_path / "r.png", rollouts={"measured λ": rollout}))
+
+
 def test_depth_accuracy_draws_each_curve_in_its_bins(tmp_path):
     curves = {"step 0": [0.9, 0.5, 0.4, 0.6, 0.95], "step 500": [0.92, 0.8, 0.78, 0.85, 0.96]}
     ax = depth_accuracy_figure(curves, title="IN2 accuracy by depth").axes[0]
