@@ -70,7 +70,16 @@ from analysis.positional_eval import (
     probe_metric,
     with_budget,
 )
-from analysis.prior import scaled_prior
+from analysis.prior import log10_profile, scaled_prior
+from analysis.rollout import (
+    ROLLOUT_FILE,
+    ROLLOUT_METRICS,
+    RolloutVariant,
+    mean_rollout,
+    measure_rollouts,
+    record_name,
+    rollout_metrics,
+)
 from analysis.topology import METRIC_KEYS, topology_metrics
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
@@ -90,6 +99,8 @@ class JacobianProfiles:
     latest: dict[str, np.ndarray]
     initial: dict[str, np.ndarray]  # empty when no step-0 record exists
     source: str  # where `latest` comes from, for the report
+    # {set: {variant: (L,)}}: the checkpoint's attention rollouts (analysis.rollout); empty when unknown
+    rollouts: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -221,7 +232,20 @@ def recorded_profiles(target: Target) -> JacobianProfiles | None:
     initial = {k: v[:, 0].mean(0) for k, v in arrays.items()} if steps[0] == 0 and target.step > 0 else {}
     L = next(iter(arrays.values())).shape[-1]
     return JacobianProfiles({k: v[:, hits[0]].mean(0) for k, v in arrays.items()}, initial,
-                            f"jacobian.npz of its run, step {target.step}, L={L}")
+                            f"jacobian.npz of its run, step {target.step}, L={L}",
+                            recorded_rollouts(target.run_dir / ROLLOUT_FILE, target.step, list(arrays)))
+
+
+def recorded_rollouts(path: Path, step: int, sets: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
+    """{set: {variant: (L,)}} of `step` from a run's rollout.npz; empty when it has none for that step."""
+    if not path.is_file():
+        return {}
+    steps, arrays = read_jacobian(path)
+    hits = np.flatnonzero(steps == step)
+    if not len(hits):
+        return {}
+    return {name: {v: mean_rollout(arrays[record_name(name, v)][:, hits[0]]) for v in RolloutVariant
+                   if record_name(name, v) in arrays} for name in sets}
 
 
 def measure_profiles(
@@ -234,9 +258,12 @@ def measure_profiles(
     n_docs = cfg.n_vanilla + cfg.n_chunked * math.ceil(cfg.seq_len / cfg.chunk_len)
     docs, source = heldout_documents(tokenizer, data_dir, cfg.seq_len, n_docs)
     seqs = build_eval_sequences(docs, cfg.seq_len, cfg.n_vanilla, cfg.n_chunked, cfg.chunk_len)
-    results = measure_sets(model, {k: v for k, v in seqs.items() if len(v)}, cfg)
+    seqs = {k: v for k, v in seqs.items() if len(v)}
+    results = measure_sets(model, seqs, cfg)
+    rolls = {name: {v: mean_rollout(rows) for v, rows in by_variant.items()}
+             for name, by_variant in measure_rollouts(model, seqs).items()}
     return JacobianProfiles({k: r.profile.mean(0) for k, r in results.items()}, {},
-                            f"measured on {source}, L={cfg.seq_len}, {cfg.estimator}")
+                            f"measured on {source}, L={cfg.seq_len}, {cfg.estimator}", rolls)
 
 
 def jacobian_settings(reference: tuple[Target, DictConfig] | None, seq_len: int | None) -> JacobianConfig:
@@ -296,6 +323,9 @@ def evaluate_target(
     entry.profiles = profiles
     entry.notes.append(f"Jacobian: {profiles.source}" + ("" if profiles.initial else "; no step-0 profile"))
     entry.topology = {name: topology_metrics(p, entry.layers) for name, p in profiles.latest.items()}
+    for name, by_variant in profiles.rollouts.items():
+        entry.topology[name].update({f"rollout/{v}/{m}": value for v, curve in by_variant.items()
+                                     for m, value in rollout_metrics(profiles.latest[name], curve).items()})
     return entry
 
 
@@ -314,6 +344,10 @@ def profiles_figure(entries: Sequence[Entry], set_name: str) -> Figure:
                   (f"{label} prior, H={entry.layers}, a={alpha:.3f}", prior, {"lw": 0.9, "ls": "--"})]
         if set_name in entry.profiles.initial:
             curves.append((f"{label} (step 0)", entry.profiles.initial[set_name], {"lw": 0.9, "ls": ":"}))
+        rollout = entry.profiles.rollouts.get(set_name, {}).get(RolloutVariant.measured)
+        if rollout is not None:  # on the profile's scale, by its mean log10 offset
+            scaled = rollout * 10.0 ** np.mean(log10_profile(profile) - log10_profile(rollout))
+            curves.append((f"{label} rollout, measured λ", scaled, {"lw": 0.9, "ls": "-."}))
         for text, curve, style in curves:
             raw.plot(x, curve, color=f"C{i % 10}", label=text, **style)
             anchored.plot(x, curve / curve[-1], color=f"C{i % 10}", label=text, **style)
@@ -415,8 +449,9 @@ def _settings_lines(entries: Sequence[Entry], probes: Sequence[str]) -> list[str
 def _topology_table(entries: Sequence[Entry], set_name: str) -> list[str]:
     sources = [e.profiles.source if e.profiles and set_name in e.profiles.latest else "–" for e in entries]
     rows = [["source", *sources]]
-    rows += [[f"`{key}`", *_row_cells([e.topology.get(set_name, {}).get(key) for e in entries])]
-             for key in METRIC_KEYS]
+    rollout_keys = [f"rollout/{v}/{m}" for v in RolloutVariant for m in ROLLOUT_METRICS]
+    keys = [*METRIC_KEYS, *(k for k in rollout_keys if any(k in e.topology.get(set_name, {}) for e in entries))]
+    rows += [[f"`{key}`", *_row_cells([e.topology.get(set_name, {}).get(key) for e in entries])] for key in keys]
     return _table(["metric", *(e.target.label for e in entries)], rows)
 
 
@@ -472,11 +507,14 @@ def write_report(
     sets = list(dict.fromkeys(name for e in entries if e.profiles for name in e.profiles.latest))
     lines += ["## Jacobian profiles", "",
               "Solid: the checkpoint; dashed: its best-fitting Cesàro prior (free scale); dotted: step 0 of "
-              "its run. Anchored: divided by the last position.", ""]
+              "its run; dash-dot: its attention rollout with measured residual shares (analysis.rollout, free "
+              "scale). Anchored: divided by the last position.", ""]
     for name in sets:
         png = plot_profiles(entries, name, out / f"jacobian_{name}.png")
         lines += [f"### {name}", "", f"![{name}]({png.name})", ""]
-    lines += ["## Valley and prior metrics", ""]
+    lines += ["## Valley, prior and rollout metrics", "",
+              "`rollout/<variant>/*`: how well each attention rollout of the checkpoint predicts its measured "
+              "profile (Spearman, W1, RMSE of log10 with a free scale).", ""]
     for name in sets:
         lines += [f"### {name}", "", *_topology_table(entries, name), ""]
 

@@ -70,10 +70,12 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
     for heading in ["# Checkpoint comparison", "## Inputs", "## Probe accuracy", "## Metrics and settings",
                     "## Accuracy by gold position", "### needle", "### in2", "## Needle grid",
                     "## Jacobian profiles", "### vanilla", "### chunked",
-                    "## Valley and prior metrics", "## Provenance", "## wandb"]:
+                    "## Valley, prior and rollout metrics", "## Provenance", "## wandb"]:
         assert f"\n{heading}\n" in f"\n{text}", heading
     for key in METRIC_KEYS:
         assert f"`{key}`" in text
+    for key in ("rollout/measured/spearman", "rollout/attention_only/w1", "rollout/measured_heads/rmse_log10"):
+        assert f"`{key}`" in text  # the standalone checkpoint's profiles are measured now, with its rollouts
     assert "Δ" in text
     images = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert sorted(images) == ["accuracy_in2.png", "accuracy_needle.png", "jacobian_chunked.png",
