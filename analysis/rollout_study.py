@@ -96,10 +96,11 @@ def reduction_table(rows: Sequence[StudyRow]) -> list[str]:
 
 
 def plot(curves: dict[str, dict[str, dict[str, np.ndarray]]], out_png: Path) -> Path:
-    """Measured profile and every predictor (all scaled to sum 1), one panel per model and set."""
-    panels = [(m, s) for m, sets in curves.items() for s in sets]
-    fig = Figure(figsize=(6 * len(panels), 4.5), layout="constrained")
-    for ax, (model, set_name) in zip(np.atleast_1d(fig.subplots(1, len(panels))), panels):
+    """Measured profile and every predictor (all scaled to sum 1): a row of panels per model, a column per set."""
+    models, sets = list(curves), list(dict.fromkeys(s for by_set in curves.values() for s in by_set))
+    fig = Figure(figsize=(6.5 * len(sets), 4.5 * len(models)), layout="constrained")
+    axes = np.atleast_2d(fig.subplots(len(models), len(sets), squeeze=False))  # rows: models, columns: sets
+    for ax, (model, set_name) in zip(axes.flat, [(m, s) for m in models for s in sets]):
         for k, (name, curve) in enumerate(curves[model][set_name].items()):
             x = np.arange(len(curve)) / max(len(curve) - 1, 1)
             ax.plot(x, curve / curve.sum(), lw=2.0 if name == "measured" else 1.0,

@@ -150,3 +150,23 @@ def test_capture_leaves_the_model_as_it_was():
     capture(model, ids())
     assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_rollout_study_reports_every_predictor_for_both_models(compose_cfg, tmp_path):
+    from analysis.rollout_study import PRIOR_ROW, main
+    from tests.conftest import TINY
+    from train import run
+
+    run(compose_cfg(*TINY, "trainer.max_steps=3"), tmp_path / "run")
+    out = tmp_path / "study"
+    assert main(["--checkpoint", str(tmp_path / "run"), "--out", str(out), "--seq-len", "32", "--n-seq", "1"]) == 0
+    text = (out / "rollout_study.md").read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| trained") or
+            line.startswith("| random")]
+    predictors = [*map(str, RolloutVariant), PRIOR_ROW]
+    table = [r for r in rows if r[2] in predictors]  # model, set, predictor, three metrics
+    assert {(r[0].lstrip("| "), r[1], r[2]) for r in table} == {
+        (m, s, p) for m in ("trained (step 3)", "random init") for s in ("vanilla", "chunked") for p in predictors}
+    assert all(-1.0 <= float(r[3]) <= 1.0 and float(r[4]) >= 0.0 for r in table)
+    assert len([r for r in rows if r[-1].endswith("% |")]) == 4  # a reduction row per model and set
+    assert (out / "rollout_study.png").stat().st_size > 0
