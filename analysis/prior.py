@@ -6,7 +6,8 @@ residual layers is ``p(j) = (N^H)[L, j]`` with ``N = (1-a) I + a M`` and M the C
 2026 (residual-aware rollout) generalize it to ``prod_t ((1-λ_t) I + λ_t A_t)`` with ALiBi, content
 or measured attention. Every profile here is one row vector pushed through the layers, O(L) per
 structured layer, so a prior costs O(H·L) and never an L×L matrix. Also: the continuous large-L
-density, the exact discrete closed form (a cross-check), and least-squares fits of the residual weight.
+density, the exact discrete closed form (a cross-check), least-squares fits of the residual weight in
+log space, and the residual weight nearest a profile in 1-Wasserstein distance.
 """
 
 import argparse
@@ -425,6 +426,56 @@ def fit_alpha(profile, H) -> PriorFit:
     )
     alpha = float(res.x) if res.fun <= losses[k] else float(grid[k])
     return PriorFit(alpha=alpha, **_quality(profile, log_rho, prior_profile(L, H, alpha)))
+
+
+def fit_alpha_w1(profile, H, candidates=()) -> tuple[float, float]:
+    """Constant residual weight a in [0, 1] whose prior is nearest the profile in 1-Wasserstein distance.
+
+    Returns ``(alpha, w1)`` with ``w1 = w1_distance(profile, prior_profile(L, H, alpha))``. Unlike
+    `fit_alpha`'s log-space least squares, which weighs each of the L positions alike and so hardly sees
+    the prior's delta of ``(1-a)^H`` on the last token, W1 compares the mass itself: this is the a at
+    which "the prior's shape is W1 away from the profile" is smallest. W1(a) has a kink at its minimum
+    (an absolute value), so a 33-point grid over [0, 1], quadratic in a (spacing 0.001 near 0, where
+    the recency weight ``(1-a)^H`` changes fastest, 0.06 near 1), picks the basin and a bounded
+    scalar search refines a between the grid neighbours. ``candidates`` are more values of a tried as
+    they are (e.g. `fit_alpha`'s a): the result is never farther than any of them.
+    """
+    log_rho, H = _check_fit_input(profile, H)
+    L = len(log_rho)
+    rho = np.asarray(profile, dtype=np.float64)
+    cdf = np.cumsum(rho / rho.sum())[:-1]  # (L-1,)
+    # As in fit_alpha: each trial a is an (H+1)-term combination of the cached last rows of M^r.
+    cum_powers = np.cumsum(_cesaro_last_rows(L, H)[:, :-1], axis=1)  # (H+1, L-1), CDFs of the M^r rows
+
+    def loss(a):
+        # Every M^r row sums to 1 and so do the weights c_r: the prior's CDF is the mix of the rows' CDFs.
+        return float(np.abs(cdf - _mixture_weights(np.full(H, a)) @ cum_powers).sum() / (L - 1))
+
+    grid = np.linspace(0.0, 1.0, 33) ** 2
+    losses = [loss(a) for a in grid]
+    k = int(np.argmin(losses))
+    res = minimize_scalar(
+        loss, bounds=(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]), method="bounded",
+        options={"xatol": 1e-10},
+    )
+    best = [float(res.x) if res.fun <= losses[k] else float(grid[k])]
+    best += [float(_weights_01(a, "candidate alpha")) for a in candidates]
+    # The reported W1 is w1_distance's own, so it equals what the same a gives anywhere else.
+    scored = [(w1_distance(rho, prior_profile(L, H, a)), a) for a in best]
+    w1, alpha = min(scored, key=lambda s: s[0])  # the first of equal distances: the search's own a
+    return alpha, w1
+
+
+def anchor_mass(profile) -> float:
+    """Share ``rho[L-1] / sum(rho)`` of the last position in a profile (1-D, finite, >= 0, not all 0).
+
+    For the prior ``prior_profile(L, H, a)`` it is ``(1 - a + a/L)^H`` (N is lower triangular, so the
+    last entry of its last row is ``N[L, L]^H``): the recency weight ``(1-a)^H``, the delta at x = 1 of
+    the continuous limit, plus O(1/L).
+    """
+    log10_profile(profile)  # validates
+    rho = np.asarray(profile, dtype=np.float64)
+    return float(rho[-1] / rho.sum())
 
 
 def scaled_prior(profile, H, alpha: float | None = None) -> tuple[np.ndarray, float]:

@@ -10,7 +10,7 @@ the wandb keys of the design; `prefixed` inserts the evaluation set, e.g. ``vall
 
 import numpy as np
 
-from analysis.prior import FLOOR_REL, fit_alpha, log10_profile
+from analysis.prior import FLOOR_REL, anchor_mass, fit_alpha, fit_alpha_w1, log10_profile, prior_profile
 
 METRIC_KEYS = (
     "valley/peak_to_trough_log10",
@@ -18,10 +18,14 @@ METRIC_KEYS = (
     "valley/primacy_to_trough_log10",
     "valley/trough_x",
     "valley/middle_mass",
+    "valley/anchor_mass",
     "prior/alpha",
     "prior/rmse_log10",
     "prior/spearman",
     "prior/w1",
+    "prior/alpha_w1",
+    "prior/w1_logfit",
+    "prior/anchor_mass",
 )
 
 
@@ -48,20 +52,66 @@ def smooth_log10(log_rho: np.ndarray, width: int) -> np.ndarray:
     return (cums[hi] - cums[lo]) / (hi - lo)
 
 
+def _window_centres(L: int, width: int) -> np.ndarray:
+    """Centre ``(first + last) / 2`` of each `smooth_log10` window, truncated windows included."""
+    i = np.arange(L)
+    return (np.maximum(i - (width - 1) // 2, 0) + np.minimum(i + width // 2, L - 1)) / 2
+
+
+def sag_below_chord(smooth: np.ndarray, width: int) -> np.ndarray:
+    """How far each point of a smoothed log profile lies below the chord joining its two ends.
+
+    The chord is the straight line through ``(c[0], smooth[0])`` and ``(c[L-1], smooth[L-1])``, c the
+    window centres of `smooth_log10` of this width; point i is compared with the chord at c[i]. A moving
+    mean of a linear function is that function at the window centre, so a straight line (a pure
+    exponential rho) sags by exactly 0 everywhere, whatever the width and at truncated windows too.
+    Positive = below the chord (a valley), negative = above it (a bulge).
+    """
+    c = _window_centres(len(smooth), width)
+    slope = (smooth[-1] - smooth[0]) / (c[-1] - c[0])
+    return smooth[0] + slope * (c - c[0]) - smooth
+
+
 def topology_metrics(profile, H) -> dict:
     """Valley and prior-fit metrics of a profile, keyed by `METRIC_KEYS`.
 
-    With 0-based indices over the L positions:
+    With 0-based indices over the L positions, ``band = band(L, 5, 95)`` (the middle band) and
+    ``smooth`` = `smooth_log10` of log10 rho with width ``w = max(1, L // 64)`` (windows may reach
+    outside the band):
 
-    - the trough is the minimum, over the middle band ``band(L, 5, 95)``, of the profile smoothed by
-      `smooth_log10` with width ``max(1, L // 64)`` (windows may reach outside the band); ties go to
-      the earliest index;
+    - the trough is the minimum of ``smooth`` over the band; ties go to the earliest index;
     - ``valley/peak_to_trough_log10`` = log10(max rho) - trough,
       ``valley/anchor_to_trough_log10`` = log10(rho[L-1]) - trough,
       ``valley/primacy_to_trough_log10`` = log10(mean rho[0 : max(1, L // 100)]) - trough;
-    - ``valley/trough_x`` = trough index / (L-1);
+    - ``valley/trough_x`` = i / (L-1) for the index i of the band where ``smooth`` sags deepest below
+      the chord (a straight line in log10 space) from the smoothed primacy level ``smooth[0]`` (the mean
+      log10 rho of the first ``w // 2 + 1`` positions) to the smoothed anchor level ``smooth[L-1]`` (the
+      last ``(w - 1) // 2 + 1``): ``sag[i] = chord(c_i) - smooth[i]``, with c_i the centre of the window
+      of index i and the chord through (c_0, smooth[0]) and (c_{L-1}, smooth[L-1]) (`sag_below_chord`).
+      Sags within ``1e-9 · max(1, max |smooth|)`` decades of the deepest tie (rounding), and ties go to
+      the earliest index. Unlike the minimum, which sits at a band edge whenever the profile is
+      monotone, this follows the valley: for a U whose smoothed ends stand level it is the minimum (a
+      tilted chord moves it from the minimum toward the higher end); for a
+      monotone profile convex in log space it is where the local slope equals the chord's (for
+      log10 rho = x^p, x = p^(-1/(p-1))), so it moves with the curvature; for a straight line in log
+      space (all sags 0) it is the first index of the band; for a profile concave in log space (all
+      sags negative, a bulge) it is the band end nearest the chord. The depths above keep using the
+      minimum, not this point;
     - ``valley/middle_mass`` = sum of rho over ``band(L, 25, 75)`` / sum of rho;
-    - ``prior/*`` are the fields of `analysis.prior.fit_alpha` (alpha, rmse_log10, spearman, w1).
+    - ``valley/anchor_mass`` = rho[L-1] / sum of rho (`analysis.prior.anchor_mass`);
+    - ``prior/alpha``, ``prior/rmse_log10``, ``prior/spearman``, ``prior/w1_logfit``: the fields alpha,
+      rmse_log10, spearman and w1 of `analysis.prior.fit_alpha` (log-space least squares with a free
+      scale). That fit weighs every position alike, so it hardly sees the prior's ``(1-a)^H`` of mass on
+      the last token, which can carry most of the W1 at its a. ``prior/spearman`` ranks rho against the
+      prior at that a, but the prior falls with j over positions 1..L-1 in the same order for every
+      a in (0, 1] (strictly for H >= 2; only the last token's rank moves with a): it scores how
+      monotone rho is, and cannot tell one a from another;
+    - ``prior/alpha_w1``, ``prior/w1``: the a in [0, 1] minimising the 1-Wasserstein distance between
+      rho/sum(rho) and the prior over x = (j-1)/(L-1), and that distance
+      (`analysis.prior.fit_alpha_w1`, the log-fit a also tried, so ``prior/w1 <= prior/w1_logfit``);
+      the reading of the paper's "W = 0.02" most comparable with it;
+    - ``prior/anchor_mass`` = the prior's share on the last token at ``prior/alpha``, to set against
+      ``valley/anchor_mass``.
 
     Logs use rho clipped from below at ``FLOOR_REL * max(rho)`` (1e-30), so a zero reads as a trough
     30 decades deep instead of -inf; sums use the raw rho. At tiny L the bands grow to whole positions
@@ -86,22 +136,30 @@ def topology_metrics(profile, H) -> dict:
         raise ValueError(f"topology needs L >= 2 positions, got {L}")
 
     lo, hi = band(L, 5, 95)
-    smooth = smooth_log10(log_rho, max(1, L // 64))
-    trough = lo + int(np.argmin(smooth[lo:hi + 1]))
-    floor = smooth[trough]
+    width = max(1, L // 64)
+    smooth = smooth_log10(log_rho, width)
+    floor = smooth[lo + int(np.argmin(smooth[lo:hi + 1]))]
+    sag = sag_below_chord(smooth, width)[lo:hi + 1]
+    tie = 1e-9 * max(1.0, float(np.abs(smooth).max()))
+    sag_at = lo + int(np.argmax(sag >= sag.max() - tie))  # the first of the (near-)deepest
     first = np.maximum(rho[:max(1, L // 100)], FLOOR_REL * rho.max())
     mid_lo, mid_hi = band(L, 25, 75)
     fit = fit_alpha(rho, H)
+    alpha_w1, w1 = fit_alpha_w1(rho, H, candidates=(fit.alpha,))
     return {
         "valley/peak_to_trough_log10": float(log_rho.max() - floor),
         "valley/anchor_to_trough_log10": float(log_rho[-1] - floor),
         "valley/primacy_to_trough_log10": float(np.log10(first.mean()) - floor),
-        "valley/trough_x": trough / (L - 1),
+        "valley/trough_x": sag_at / (L - 1),
         "valley/middle_mass": float(rho[mid_lo:mid_hi + 1].sum() / rho.sum()),
+        "valley/anchor_mass": anchor_mass(rho),
         "prior/alpha": fit.alpha,
         "prior/rmse_log10": fit.rmse_log10,
         "prior/spearman": fit.spearman,
-        "prior/w1": fit.w1,
+        "prior/w1": w1,
+        "prior/alpha_w1": alpha_w1,
+        "prior/w1_logfit": fit.w1,
+        "prior/anchor_mass": anchor_mass(prior_profile(L, H, fit.alpha)),
     }
 
 

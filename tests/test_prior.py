@@ -17,8 +17,10 @@ from analysis.prior import (
     FLOOR_REL,
     PriorFit,
     alpha_from_gain,
+    anchor_mass,
     closed_form_exact,
     fit_alpha,
+    fit_alpha_w1,
     fit_schedule,
     log10_profile,
     main,
@@ -314,6 +316,12 @@ def test_extreme_logits_stay_finite_without_warnings():
     lambda: prior_density(0.0, 2, 0.3),
     lambda: closed_form_exact(5, 2, Fraction(3, 2)),
     lambda: fit_alpha(np.ones(10), 0),
+    lambda: fit_alpha_w1(np.ones(10), 0),
+    lambda: fit_alpha_w1(np.ones(1), 2),
+    lambda: fit_alpha_w1(np.ones(10), 2, candidates=(1.5,)),
+    lambda: anchor_mass(np.zeros(4)),
+    lambda: anchor_mass([1.0, -1.0]),
+    lambda: anchor_mass(np.ones((2, 2))),
     lambda: fit_schedule(np.ones(10), 3, "linear"),
     lambda: log10_profile([1.0, -1.0]),
     lambda: log10_profile(np.zeros(4)),
@@ -398,6 +406,91 @@ def test_scaled_prior_is_the_fit_alpha_curve_and_its_scale_is_least_squares():
     assert best == pytest.approx(np.mean(np.log10(measured / prior)), abs=1e-12)
     np.testing.assert_allclose(curve / prior, 10**best, rtol=1e-12)
     assert all(sq_error(best) < sq_error(best + d) for d in (-1e-3, 1e-3))
+
+
+def w1_spiked_last(L, H):
+    """The prior at a = 0.07 with its last token cut from (1 - a + a/L)^H ≈ 17% to 2% of the mass."""
+    rho = prior_profile(L, H, 0.07)
+    rho[-1] = 0.02 / 0.98 * rho[:-1].sum()
+    return rho
+
+
+def w1_boosted_last(L, H):
+    """The prior at a = 0.3 with 20 times its mass on the last token."""
+    rho = prior_profile(L, H, 0.3)
+    rho[-1] *= 20.0
+    return rho
+
+
+def w1_level_u(L, H):
+    """A U in log space, minimum at x = 0.3, both ends 2 decades up."""
+    x = np.arange(L) / (L - 1)
+    return 10.0 ** (2.0 * np.where(x < 0.3, ((x - 0.3) / 0.3) ** 2, ((x - 0.3) / 0.7) ** 2))
+
+
+@pytest.mark.parametrize("make", [w1_spiked_last, w1_boosted_last, w1_level_u])
+def test_fit_alpha_w1_finds_the_dense_grid_minimum(make):
+    """Reference: w1_distance against prior_profile (the O(H·L) rollout, not the cached M^r rows) on a
+    2001-point grid of a; the fit must be at least as close, and its a within one grid step."""
+    L, H = 2048, 24
+    rho = make(L, H)
+    grid = np.linspace(0.0, 1.0, 2001)
+    dense = np.array([w1_distance(rho, prior_profile(L, H, a)) for a in grid])
+    k = int(np.argmin(dense))
+    alpha, w1 = fit_alpha_w1(rho, H)
+    assert isinstance(alpha, float) and isinstance(w1, float)
+    assert w1 == w1_distance(rho, prior_profile(L, H, alpha))
+    assert w1 <= dense[k] + 1e-12
+    assert abs(alpha - grid[k]) <= grid[1]
+    logfit = fit_alpha(rho, H)
+    assert w1 <= logfit.w1
+    if make is w1_spiked_last:
+        # The log fit is still a ≈ 0.07: one position of 2048 barely moves a least-squares fit in log space,
+        # but the 15% of mass it misplaces from x = 1 is most of its W1.
+        assert logfit.alpha == pytest.approx(0.07, abs=2e-3)
+        assert logfit.w1 > 2 * w1 and alpha > logfit.alpha + 0.01
+
+
+def test_fit_alpha_w1_recovers_the_prior_and_honours_candidates():
+    L, H = 512, 8
+    prior = 5.0 * prior_profile(L, H, 0.42)
+    alpha, w1 = fit_alpha_w1(prior, H)
+    assert alpha == pytest.approx(0.42, abs=1e-6) and w1 < 1e-8
+    # A candidate closer than the search's a (here the true one, W1 at rounding level) is taken as it is.
+    alpha, w1 = fit_alpha_w1(prior, H, candidates=(0.9, 0.42))
+    assert alpha == 0.42 and w1 == w1_distance(prior, prior_profile(L, H, 0.42))
+    rho = w1_spiked_last(L, H)
+    best = fit_alpha_w1(rho, H)
+    assert fit_alpha_w1(rho, H, candidates=(0.9, 0.0)) == best  # farther candidates change nothing
+
+
+def test_anchor_mass_by_hand():
+    assert anchor_mass([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.4, rel=1e-15)
+    assert anchor_mass([0.0, 0.0, 5.0]) == 1.0
+    assert anchor_mass([3.0, 0.0]) == 0.0
+    # H = 1: the last row of (1-a) I + a M is a/L everywhere plus 1-a on the last token.
+    assert anchor_mass(prior_profile(10, 1, 0.3)) == pytest.approx(0.73, rel=1e-14)
+    # Any H: N is lower triangular, so the prior's last entry is N[L, L]^H = (1 - a + a/L)^H exactly.
+    for L, H, a in ((7, 3, Fraction(1, 5)), (64, 24, Fraction(3, 10))):
+        exact = exact_rows(L, H, a)[H]
+        assert exact[-1] == (1 - a + a / L) ** H and sum(exact) == 1
+        assert anchor_mass(prior_profile(L, H, float(a))) == pytest.approx(float((1 - a + a / L) ** H), rel=1e-13)
+
+
+def test_spearman_against_the_prior_cannot_tell_alpha_apart():
+    """The prior falls with j over positions 1..L-1 in one order for every a in (0, 1]; only the last
+    token's rank moves. So a profile's Spearman against it is one number for all a once the last token is
+    left out, and hardly moves with it: a monotonicity score, not a fit of a."""
+    L, H = 512, 24
+    rng = np.random.default_rng(5)
+    rho = prior_profile(L, H, 0.3) * np.exp(rng.standard_normal(L))
+    alphas = (0.02, 0.1, 0.3, 0.6, 1.0)
+    for a in alphas:
+        assert np.all(np.diff(prior_profile(L, H, a)[:-1]) < 0)
+    body = {spearman(rho[:-1], prior_profile(L, H, a)[:-1]) for a in alphas}
+    assert len(body) == 1
+    whole = [spearman(rho, prior_profile(L, H, a)) for a in alphas]
+    assert max(whole) - min(whole) < 0.01
 
 
 def test_w1_and_spearman():
