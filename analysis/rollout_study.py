@@ -34,7 +34,7 @@ from analysis.rollout import ROLLOUT_METRICS, RolloutVariant, capture, rollout_m
 from data_builders.files import atomic_write_text
 from models.checkpoint import checkpoint_config
 
-PRIOR_ROW = "cesaro_prior"  # the closed-form prior at its fitted α
+PRIOR_ROW = "cesaro_prior"  # the closed-form prior at its log-space fit α (prior/alpha)
 
 
 @dataclass
@@ -139,7 +139,8 @@ def run_study(checkpoint: str | None, out: Path, steps: int, seq_len: int, n_seq
         f"Checkpoint `{target.checkpoint}` and a random init of its architecture (seed {seed}); exact Jacobian "
         f"profiles of {n_seq} vanilla and {n_seq} chunked sequences of L={seq_len} tokens ({doc_source}), mean "
         "over sequences. Spearman: rank correlation (1 = same order); W1: earth mover's distance of the "
-        "normalized profiles on [0, 1]; RMSE log10: of the log residual, scale free.", "",
+        "normalized profiles on [0, 1]; RMSE log10: of the log residual, scale free. The Cesàro prior is "
+        "taken at its log-space fit α (`prior/alpha`), so its W1 is `prior/w1_logfit`.", "",
         *table(rows), "", "## Discrepancy removed by the measured λ", "", *reduction_table(rows), "",
         f"![profiles]({png.name})", ""]))
     return report

@@ -16,8 +16,9 @@ In order, each in its own process (a crash in one is a row, not the end of the c
    goal on a GPU: batched <= 1.0x).
 
 It prints (and with --out writes as `gpu_check.md`) one table: exit status, wall time, median step
-time, tokens/s, peak memory, the step-0 Spearman / W1 of the vanilla profile against the prior, and
-the Jacobian's cost in training steps.
+time, tokens/s, peak memory, the step-0 Spearman (a monotonicity score) and W1 (at the W1-optimal a,
+and at the log-fit a) of the vanilla profile against the prior, its last-token mass against the
+prior's, and the Jacobian's cost in training steps.
 Runs go to `--out` (default: a temporary folder). Record the table in BENCHMARKS.md with the date.
 """
 from __future__ import annotations
@@ -101,6 +102,9 @@ def summarize(check: Check, returncode: int, wall_s: float) -> dict[str, str]:
         "peak MiB": f"{max(peaks):.0f}" if peaks else "",
         "step-0 Spearman": f"{start['prior/vanilla/spearman']:.3f}" if start else "",
         "step-0 W1": f"{start['prior/vanilla/w1']:.4f}" if start else "",
+        "step-0 W1 (log fit)": f"{start['prior/vanilla/w1_logfit']:.4f}" if start else "",
+        "step-0 last-token mass (measured / prior)":
+            f"{start['valley/vanilla/anchor_mass']:.3f} / {start['prior/vanilla/anchor_mass']:.3f}" if start else "",
     })
     return row
 
