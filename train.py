@@ -32,7 +32,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.jacobian import JacobianConfig, JacobianRecorder, build_eval_sequences, measure_sets
+from analysis.jacobian import (
+    ChunkedSource,
+    JacobianConfig,
+    JacobianRecorder,
+    build_eval_sequences,
+    excerpts_per_sequence,
+    measure_sets,
+)
 from analysis.metrics_log import (
     RUN_ID_KEY,
     LoggerConfig,
@@ -61,7 +68,7 @@ from analysis.positional_eval import (
     write_eval_json,
 )
 from analysis.topology import prefixed, topology_metrics
-from data_builders.build import DataBundle, build_datasets
+from data_builders.build import DataBundle, build_datasets, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.tokenizer import load_tokenizer
@@ -76,6 +83,7 @@ from models.build import (
 from models.checkpoint import (
     TRAINER_STATE,
     atomic_checkpoint,
+    check_resume_rope,
     load_trainer_state,
     resolve_checkpoint,
     save_trainer_state,
@@ -219,6 +227,13 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     for key in ("plot_every", "chart_every"):  # cadences of measured steps
         if getattr(jac, key) < 1:
             raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
+    for key in ("n_vanilla", "n_chunked"):
+        if getattr(jac, key) < 0:
+            raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 0 (0 leaves the set out)")
+    if jac.every > 0 and jac.n_vanilla == jac.n_chunked == 0:
+        # A profile of nothing is a mistake, not a way to turn it off: say how to.
+        raise ValueError(f"jacobian.n_vanilla=0 and jacobian.n_chunked=0 with jacobian.every={jac.every}: nothing to "
+                         "measure; set one of them >= 1, or jacobian.every=0 (jacobian=off) to turn the profile off")
     if cfg.model.attn_implementation == AttnImplementation.flex_attention and t.device != Device.cuda and (
             t.device == Device.cpu or not torch.cuda.is_available()):
         raise ValueError(f"model.attn_implementation=flex_attention has no backward on the CPU (torch "
@@ -351,6 +366,17 @@ def load_data(cfg: TrainConfig, info: DistInfo) -> DataBundle:
         return build_datasets(cfg.data, tokenizer)
 
 
+def jacobian_sequences(bundle: DataBundle, jac: JacobianConfig) -> dict[str, torch.Tensor]:
+    """The measured sets: vanilla from held-out documents; chunked from held-out documents too, or
+    from training text with `jacobian.chunked_source=train`."""
+    chunk_docs = None
+    if jac.chunked_source == ChunkedSource.train and jac.n_chunked:
+        chunk_docs = train_documents(bundle, min(jac.chunk_len, jac.seq_len),
+                                     jac.n_chunked * excerpts_per_sequence(jac.seq_len, jac.chunk_len))
+    return build_eval_sequences(bundle.heldout_docs, jac.seq_len, jac.n_vanilla, jac.n_chunked, jac.chunk_len,
+                                chunk_docs)
+
+
 def load_model(cfg: TrainConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBase, info: DistInfo,
                ds_config: Optional[dict[str, Any]]) -> tuple[PreTrainedModel, Any]:
     """The model, LoRA applied; pretrained weights under ZeRO-3 are partitioned while they load. Returns
@@ -415,9 +441,7 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
                  f" (each sequence split over {t.sequence_parallel} ranks)" if t.sequence_parallel > 1 else "")
 
     jac = cfg.jacobian
-    # Jacobian sequences come from held-out documents, never from the training split.
-    seqs = build_eval_sequences(bundle.heldout_docs, jac.seq_len, jac.n_vanilla, jac.n_chunked,
-                                jac.chunk_len) if jac.every > 0 else {}
+    seqs = jacobian_sequences(bundle, jac) if jac.every > 0 else {}
     recorder = JacobianRecorder(run_dir / "jacobian.npz", {k: v.shape[0] for k, v in seqs.items()},
                                 jac.seq_len) if seqs and info.is_main_process else None
     ckpt = None
@@ -449,6 +473,7 @@ def wandb_run_id(ckpt: Optional[Path]) -> Optional[str]:
 
 def resume(run: Run, ckpt: Path) -> None:
     """Continue from a checkpoint: weights, optimizer, RNG and data position; keep the start curve."""
+    check_resume_rope(ckpt, run.cfg.model.rope)
     run.engine.load(ckpt)
     state = load_trainer_state(ckpt, run.info.rank)
     run.start_step, run.stream.position, run.checkpoint = state["step"], state["stream_position"], ckpt

@@ -41,6 +41,11 @@ class Estimator(StrEnum):
     top_prob = "top_prob"  # one VJP of the last position's top-token probability
 
 
+class ChunkedSource(StrEnum):
+    heldout = "heldout"  # excerpts of held-out documents, never trained on
+    train = "train"  # excerpts of training text (the paper's Appendix G): data_builders.build.train_documents
+
+
 class JacobianTarget(StrEnum):
     last_hidden = "last_hidden"  # the final hidden state at the last position, after the final norm
     pre_norm = "pre_norm"  # the input of the final norm
@@ -59,9 +64,11 @@ class JacobianConfig:
     num_probes: int = 8  # Gaussian probes per hutchinson profile (>= 2, for the standard error)
     target: JacobianTarget = JacobianTarget.last_hidden
     seq_len: int = 256  # L, tokens per evaluation sequence
-    n_vanilla: int = 2  # sequences that are one document truncated to L
+    # A set of 0 sequences is absent everywhere (jacobian.npz, metrics, plots, charts); not both 0.
+    n_vanilla: int = 2  # sequences that are one held-out document truncated to L
     n_chunked: int = 2  # sequences of chunk_len-token excerpts of distinct documents
     chunk_len: int = 300  # c; when L <= c a chunked sequence is a single excerpt
+    chunked_source: ChunkedSource = ChunkedSource.heldout  # where the chunked excerpts come from
     exact_chunk: int = 64  # VJPs per batched backward (exact and hutchinson); bounds memory
     plot_every: int = 50  # with wandb on: redraw plots/jacobian_heatmap_<set>.png and log it every N measured steps
     chart_every: int = 1  # wandb line chart of the profile every N measured steps (~0.1 s each on CPU)
@@ -230,15 +237,22 @@ def measure_sets(
     }
 
 
+def excerpts_per_sequence(seq_len: int, chunk_len: int) -> int:
+    """Excerpts in one chunked sequence: ceil(L / c), each from another document."""
+    return math.ceil(seq_len / chunk_len)
+
+
 def build_eval_sequences(
     documents: Sequence[Sequence[int] | np.ndarray],
     seq_len: int,
     n_vanilla: int,
     n_chunked: int,
     chunk_len: int,
+    chunk_documents: Sequence[Sequence[int] | np.ndarray] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Evaluation sequences ``{"vanilla": (n_vanilla, L), "chunked": (n_chunked, L)}`` of token ids.
 
+    A set with 0 sequences is left out of the result, so that no consumer sees an empty set.
     Policy, deterministic in document order:
 
     - vanilla i = the i-th document with at least L tokens, truncated to L;
@@ -247,6 +261,8 @@ def build_eval_sequences(
       at least min(c, L) tokens. Excerpts come from documents not used by vanilla first, each
       document once; only when those run out do documents repeat (the vanilla ones join the
       rotation), with a warning. A sequence never holds two excerpts of one document.
+    - with ``chunk_documents`` the excerpts come from those documents only (e.g. training text),
+      ``documents`` then serve vanilla alone.
 
     Raises ValueError when fewer than n_vanilla documents have L tokens, or fewer distinct documents
     than excerpts per chunked sequence are long enough.
@@ -263,9 +279,13 @@ def build_eval_sequences(
     vanilla = [docs[i][:seq_len] for i in vanilla_ids]
 
     widths = [min(chunk_len, seq_len - s) for s in range(0, seq_len, chunk_len)]  # excerpt lengths
-    used = set(vanilla_ids)
-    fresh = [i for i, doc in enumerate(docs) if len(doc) >= widths[0] and i not in used]
-    pool = fresh + vanilla_ids  # vanilla documents have L >= widths[0] tokens
+    if chunk_documents is None:
+        used = set(vanilla_ids)
+        fresh = [i for i, doc in enumerate(docs) if len(doc) >= widths[0] and i not in used]
+        pool = fresh + vanilla_ids  # vanilla documents have L >= widths[0] tokens
+    else:  # another source shares nothing with vanilla
+        docs = [np.asarray(doc, dtype=np.int64) for doc in chunk_documents]
+        fresh = pool = [i for i, doc in enumerate(docs) if len(doc) >= widths[0]]
     if n_chunked and len(pool) < len(widths):
         raise ValueError(f"chunked needs {len(widths)} distinct documents of >= {widths[0]} tokens, "
                          f"found {len(pool)}")
@@ -280,10 +300,8 @@ def build_eval_sequences(
         for n in range(n_chunked)
     ]
 
-    def stack(rows: list[np.ndarray]) -> torch.Tensor:
-        return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, seq_len, dtype=torch.long)
-
-    return {"vanilla": stack(vanilla), "chunked": stack(chunked)}  # (n, L) each
+    sets = {"vanilla": vanilla, "chunked": chunked}
+    return {name: torch.from_numpy(np.stack(rows)) for name, rows in sets.items() if rows}  # (n, L) each
 
 
 def journal_path(npz_path: str | os.PathLike) -> Path:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import pyarrow as pa
 from datasets import Dataset, DatasetDict, DatasetInfo, load_from_disk
 from datasets.fingerprint import Hasher
@@ -23,13 +24,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from data_builders.config import (
     DataConfig,
     DataFormat,
+    In2Config,
     as_data_config,
     config_dict,
     ignored_settings,
     validate_data,
 )
 from data_builders.files import atomic_dir
-from data_builders.in2 import RECORD_FEATURES, build_in2
+from data_builders.in2 import RECORD_FEATURES, build_in2, make_format
 from data_builders.pools import tokenizer_digest
 from data_builders.sources import file_identity
 from data_builders.tokenizer import default_cache_dir
@@ -49,6 +51,37 @@ class DataBundle:
     heldout_docs: list[list[int]]  # token ids of long held-out documents (Jacobian sequences)
     tokenizer: PreTrainedTokenizerBase
     stats: dict[str, Any] = field(default_factory=dict)  # counts, skips, fingerprints (the dataset card)
+
+
+def train_documents(bundle: DataBundle, min_len: int, n: int) -> list[np.ndarray]:
+    """Up to `n` training texts of >= `min_len` tokens, in split order (`jacobian.chunked_source=train`).
+
+    A bundle keeps its training samples, not the documents they were cut from, so a training text is
+    the part of one sample that is training-document tokens: a language-model window whole (a
+    contiguous excerpt of one training document), or an IN2 sample's context (training-pool segments
+    in the order the model reads them; the chat prefix, question, answer and eos are left out).
+    """
+    ds = bundle.train
+    in2 = "context_tokens" in ds.column_names
+    start = len(_chat_prefix(bundle)) if in2 else 0  # the same prefix opens every IN2 sample
+    found: list[np.ndarray] = []
+    for batch in ds.select_columns(["input_ids", "context_tokens"] if in2 else ["input_ids"]).iter(batch_size=256):
+        lengths = batch["context_tokens"] if in2 else [len(ids) for ids in batch["input_ids"]]
+        found += [np.asarray(ids[start:start + c], np.int64) for ids, c in zip(batch["input_ids"], lengths)
+                  if c >= min_len]
+        if len(found) >= n:
+            break
+    return found[:n]
+
+
+def _chat_prefix(bundle: DataBundle) -> np.ndarray:
+    """The chat-template tokens before an IN2 sample's context, from the settings the bundle was built with."""
+    chat = bundle.stats.get("config", {}).get("in2", {}).get("chat_template")
+    if chat is None:
+        raise ValueError(f"training text of IN2 samples: the bundle has no build settings ({BUILD_FILE} of a "
+                         "prebuilt folder), which say whether a chat prefix opens each sample")
+    # The prefix depends on the tokenizer and data.in2.chat_template only.
+    return make_format(bundle.tokenizer, DataConfig(in2=In2Config(chat_template=chat))).prefix
 
 
 def _hash_array(h, array: pa.Array) -> None:

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.diff_attention import convert_to_diff_attention
+from models.nope import NOPE_KEY, disable_rope, is_nope
 
 DIFF_ARCHS = ("qwen2", "llama", "mistral")
 
@@ -68,6 +69,8 @@ class ModelConfig:
     attn_implementation: AttnImplementation = AttnImplementation.sdpa
     diff: DiffConfig = field(default_factory=DiffConfig)
     dtype: DType = DType.float32  # weights dtype
+    # false: no position encoding (NoPE, models/nope.py), for the RoPE-invariance check; saved in config.json
+    rope: bool = True
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
 
@@ -108,13 +111,15 @@ def validate_model(cfg: ModelConfig) -> None:
 
 def differs_from_pretrained(cfg: ModelConfig) -> bool:
     """Whether `build_model(cfg)` differs from `from_pretrained(cfg.pretrained)`: a random init, or diff
-    layers swapped into a checkpoint that had none (LoRA adapters of such a model need its base saved)."""
+    layers swapped into a checkpoint that had none, or RoPE turned off in one that had it (LoRA adapters
+    of such a model need its base saved)."""
     if not cfg.pretrained:
         return True
-    if cfg.attention == Attention.standard:
+    if cfg.attention == Attention.standard and cfg.rope:
         return False
     config = AutoConfig.from_pretrained(cfg.pretrained, trust_remote_code=cfg.trust_remote_code)
-    return not getattr(config, "diff_attention", None)
+    new_diff = cfg.attention != Attention.standard and not getattr(config, "diff_attention", None)
+    return new_diff or (not cfg.rope and not is_nope(config))
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = None,
@@ -145,6 +150,12 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
             lambda_warmup_steps=cfg.diff.lambda_warmup_steps,
             gather=gather,
         )
+    if is_nope(model.config) and cfg.rope:
+        # Turning RoPE back on would run the weights in a model they were not trained in.
+        raise ValueError(f"model.pretrained={cfg.pretrained} was trained without position encoding "
+                         f"(config.json {NOPE_KEY}=true): set model.rope=false")
+    if not cfg.rope:
+        disable_rope(model)  # diff layers included: they read the model's rotary cos/sin
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

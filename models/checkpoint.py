@@ -5,9 +5,11 @@ was written and flushed (`data_builders.files.publish_dir`), so a kill mid-save 
 checkpoint as the latest one.
 
 A checkpoint holds a full `save_pretrained` model, or LoRA adapters only (adapter_config.json). The
-adapters' base is `<run_dir>/base_model/` when the run saved one (a random-init base, or one with diff
-layers swapped in: without it the adapters are useless), else the `base_model_name_or_path` of adapter_config.json (the
-`model.pretrained` the run started from). `load_checkpoint_model` is the one loader of both kinds.
+adapters' base is `<run_dir>/base_model/` when the run saved one (a random-init base, one with diff
+layers swapped in or with RoPE turned off: without it the adapters are useless), else the
+`base_model_name_or_path` of adapter_config.json (the `model.pretrained` the run started from).
+`load_checkpoint_model` is the one loader of both kinds; it turns RoPE off again for a NoPE model
+(models/nope.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from data_builders.files import fsync_tree, publish_dir
 from models.build import DType
 from models.diff_attention import DiffAttentionMixin, set_diff_step  # registers the diff model types
+from models.nope import disable_rope, is_nope
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -204,6 +207,16 @@ def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base
     return found
 
 
+def check_resume_rope(checkpoint: str | Path, rope: bool) -> None:
+    """Fail when `model.rope` differs from the checkpoint's: resuming loads weights into the model this run
+    built, and NoPE has no weights of its own, so a mismatch would go on silently in the other model."""
+    config_file = Path(base_weights(checkpoint).path) / "config.json"  # a hub base (not NoPE) has none here
+    nope = config_file.is_file() and is_nope(json.loads(config_file.read_text()))
+    if nope == rope:
+        raise ValueError(f"trainer.resume_from: {checkpoint} was trained {'without' if nope else 'with'} RoPE, "
+                         f"this run has model.rope={str(rope).lower()}: set model.rope={str(not nope).lower()}")
+
+
 def checkpoint_config(checkpoint: str | Path, run_dir: str | Path | None = None) -> PretrainedConfig:
     """The model config of a checkpoint (its adapters' base config for LoRA), without loading weights."""
     return AutoConfig.from_pretrained(base_weights(checkpoint, run_dir).path)
@@ -233,6 +246,8 @@ def load_checkpoint_model(
         weights.path, dtype="auto" if dtype == "auto" else DType(dtype).torch,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
     )
+    if is_nope(model.config):  # transformers rebuilt the rotary embedding: trained without it, run without it
+        disable_rope(model)
     if weights.adapters:
         from peft import PeftModel  # peft is imported only for adapter checkpoints
 
