@@ -36,6 +36,7 @@ from analysis.jacobian import (
     ChunkedSource,
     JacobianConfig,
     JacobianRecorder,
+    ProfileResult,
     build_eval_sequences,
     excerpts_per_sequence,
     measure_sets,
@@ -66,6 +67,14 @@ from analysis.positional_eval import (
     evaluate_in2,
     evaluate_probes,
     write_eval_json,
+)
+from analysis.rollout import (
+    ROLLOUT_FILE,
+    RolloutVariant,
+    mean_rollout,
+    measure_rollouts,
+    record_name,
+    rollout_set_metrics,
 )
 from analysis.topology import prefixed, topology_metrics
 from data_builders.build import DataBundle, build_datasets, train_documents
@@ -323,6 +332,7 @@ class Run:
     bad_steps: int = 0
     accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
     zero3: Any = None  # under ZeRO-3: keeps transformers partitioning models at load (dropped by cleanup)
+    rollout_recorder: Optional[JacobianRecorder] = None  # main process only: rollout.npz
 
     @property
     def is_main(self) -> bool:
@@ -444,6 +454,9 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     seqs = jacobian_sequences(bundle, jac) if jac.every > 0 else {}
     recorder = JacobianRecorder(run_dir / "jacobian.npz", {k: v.shape[0] for k, v in seqs.items()},
                                 jac.seq_len) if seqs and info.is_main_process else None
+    rollout_recorder = JacobianRecorder(
+        run_dir / ROLLOUT_FILE, {record_name(k, v): n.shape[0] for k, n in seqs.items() for v in RolloutVariant},
+        jac.seq_len) if seqs and jac.rollout and info.is_main_process else None
     ckpt = None
     if t.resume_from:
         # Every rank looks (a missing checkpoint fails on all of them), then takes the main process's
@@ -458,7 +471,8 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, logger,
               {k: v.to(engine.device) for k, v in seqs.items()}, recorder,
               bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
-              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}, zero3=zero3)
+              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}, zero3=zero3,
+              rollout_recorder=rollout_recorder)
     if ckpt is not None:
         resume(run, ckpt)
     return run
@@ -497,18 +511,25 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
     """Profiles of every set and their topology metrics; recorded (and charted) by the main process."""
     # Every rank measures (ZeRO-3 gathers weights collectively); the main process records.
     results = measure_sets(run.model, run.jacobian_seqs, run.cfg.jacobian)
+    profiles = {name: res.profile.mean(axis=0) for name, res in results.items()}
     metrics: dict[str, float] = {}
-    for name, res in results.items():
-        metrics.update(prefixed(topology_metrics(res.profile.mean(axis=0), run.n_layers), name))
+    for name, profile in profiles.items():
+        metrics.update(prefixed(topology_metrics(profile, run.n_layers), name))
+    rolls = measure_rollouts(run.model, run.jacobian_seqs) if run.cfg.jacobian.rollout else {}
+    metrics.update(rollout_set_metrics(profiles, rolls))
     if run.recorder is None:
         return metrics
     run.recorder.add(step, results)
+    if run.rollout_recorder is not None:
+        run.rollout_recorder.add(step, {record_name(name, v): ProfileResult(rows, None)
+                                        for name, by_variant in rolls.items() for v, rows in by_variant.items()})
     n_measured, jac = len(run.recorder.steps), run.cfg.jacobian
     if run.logger.wandb_run is not None:
         if (n_measured - 1) % jac.chart_every == 0:  # step 0, then every chart_every
-            profiles = {name: res.profile.mean(axis=0) for name, res in results.items()}
             alphas = {name: metrics[f"prior/{name}/alpha"] for name in results}
-            run.logger.log_media(profile_charts(profiles, alphas, run.n_layers, step), step=step)
+            curves = {name: {v: mean_rollout(rows) for v, rows in by_variant.items()}
+                      for name, by_variant in rolls.items()}
+            run.logger.log_media(profile_charts(profiles, alphas, run.n_layers, step, curves), step=step)
         if n_measured % jac.plot_every == 0:
             npz, plots = run.run_dir / "jacobian.npz", run.run_dir / "plots"
             run.logger.log_media({f"jacobian/{name}/heatmap": run.logger.image(
@@ -682,19 +703,24 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
             run.logger.log_media({"eval/in2/accuracy_plot": run.logger.image(png)}, step=final)
     if run.recorder is not None:
         run.recorder.close()  # jacobian.npz now holds every step on its own
+        rollouts_at_0 = run.rollout_recorder is not None and run.rollout_recorder.steps[:1].tolist() == [0]
         for name in run.jacobian_seqs:
             plot_evolution(run.run_dir / "jacobian.npz", plots / f"jacobian_evolution_{name}.png", name)
             if run.recorder.steps[0] == 0:
+                curves = {str(v): mean_rollout(run.rollout_recorder.array(record_name(name, v))[:, 0])
+                          for v in RolloutVariant} if rollouts_at_0 else None
                 plot_profile_vs_prior(run.recorder.array(name)[:, 0].mean(axis=0), run.n_layers,
                                       plots / f"jacobian_step0_vs_prior_{name}.png",
-                                      title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}) and the prior")
+                                      title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}), the prior and "
+                                            "the rollouts", rollouts=curves)
     return {**metrics, **acc}
 
 
 def cleanup(run: Run) -> None:
-    """Close the Jacobian journal (a stopped run keeps every measured step) and the logger."""
-    if run.recorder is not None:
-        run.recorder.close()
+    """Close the Jacobian and rollout journals (a stopped run keeps every measured step) and the logger."""
+    for recorder in (run.recorder, run.rollout_recorder):
+        if recorder is not None:
+            recorder.close()
     run.logger.close()
     run.zero3 = None
 

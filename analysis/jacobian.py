@@ -73,6 +73,9 @@ class JacobianConfig:
     plot_every: int = 50  # with wandb on: redraw plots/jacobian_heatmap_<set>.png and log it every N measured steps
     chart_every: int = 1  # wandb line chart of the profile every N measured steps (~0.1 s each on CPU)
     seed: int = 0  # probe generator seed; the same probes at every step (common random numbers)
+    # Also the attention rollouts of the measured sequences (analysis.rollout): rollout/<set>/<variant>/*
+    # against the measured profile, every measured step, and rollout.npz beside jacobian.npz.
+    rollout: bool = True
 
 
 @dataclass

@@ -33,6 +33,7 @@ from analysis.prior import fit_alpha, prior_profile
 from analysis.rollout import ROLLOUT_METRICS, RolloutVariant, capture, rollout_metrics, rollouts
 from data_builders.files import atomic_write_text
 from models.checkpoint import checkpoint_config
+from models.nope import disable_rope, is_nope
 
 PRIOR_ROW = "cesaro_prior"  # the closed-form prior at its log-space fit α (prior/alpha)
 
@@ -122,7 +123,10 @@ def run_study(checkpoint: str | None, out: Path, steps: int, seq_len: int, n_seq
     tokenizer = load_checkpoint_tokenizer(target)
     trained = load_model(target, "cpu", "float32")
     torch.manual_seed(seed)
-    random_init = AutoModelForCausalLM.from_config(checkpoint_config(target.checkpoint, target.run_dir)).eval()
+    config = checkpoint_config(target.checkpoint, target.run_dir)
+    random_init = AutoModelForCausalLM.from_config(config).eval()
+    if is_nope(config):  # the same architecture: a NoPE run's random init has no RoPE either
+        disable_rope(random_init)
     cfg = JacobianConfig(estimator=Estimator.exact, seq_len=seq_len, n_vanilla=n_seq, n_chunked=n_seq,
                          chunk_len=max(seq_len // 4, 1))
     n_docs = cfg.n_vanilla + cfg.n_chunked * math.ceil(cfg.seq_len / cfg.chunk_len)

@@ -133,10 +133,15 @@ def test_zero2_resume_matches_uninterrupted(tmp_path):
 
 def test_jacobian_under_zero3_equals_single_process(tmp_path):
     jac = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=4"]
-    ds = np.load(_deepspeed(tmp_path, "ds", "trainer=zero3", *jac, steps=1) / "jacobian.npz")
-    sp = np.load(_single(tmp_path, "sp", *jac, steps=1) / "jacobian.npz")
+    ds_dir, sp_dir = _deepspeed(tmp_path, "ds", "trainer=zero3", *jac, steps=1), _single(tmp_path, "sp", *jac, steps=1)
+    ds, sp = np.load(ds_dir / "jacobian.npz"), np.load(sp_dir / "jacobian.npz")
     for name in ("vanilla", "chunked"):
         np.testing.assert_allclose(ds[name][:, 0], sp[name][:, 0], rtol=1e-5)
+    # The rollouts too: ZeRO-3 partitions o_proj and q/k outside their forward; the capture reads them inside.
+    ds, sp = np.load(ds_dir / "rollout.npz"), np.load(sp_dir / "rollout.npz")
+    assert sorted(ds.files) == sorted(sp.files) and "vanilla.measured_heads" in ds.files
+    for name in ds.files:
+        np.testing.assert_allclose(ds[name], sp[name], rtol=1e-4, atol=1e-7)
 
 
 def test_torchrun_launch_matches_single_process(tmp_path, reference):

@@ -170,3 +170,35 @@ def test_rollout_study_reports_every_predictor_for_both_models(compose_cfg, tmp_
     assert all(-1.0 <= float(r[3]) <= 1.0 and float(r[4]) >= 0.0 for r in table)
     assert len([r for r in rows if r[-1].endswith("% |")]) == 4  # a reduction row per model and set
     assert (out / "rollout_study.png").stat().st_size > 0
+
+
+def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_path):
+    import json
+
+    from analysis.jacobian import read_jacobian
+    from analysis.rollout import ROLLOUT_FILE, ROLLOUT_METRICS, mean_rollout, record_name, rollout_metrics
+    from tests.conftest import TINY
+    from train import run
+
+    run(compose_cfg(*TINY, "trainer.max_steps=2", "jacobian=hutchinson", "jacobian.seq_len=64",
+                    "jacobian.chunk_len=32", "jacobian.num_probes=2"), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    keys = {f"rollout/{s}/{v}/{m}" for s in ("vanilla", "chunked") for v in RolloutVariant for m in ROLLOUT_METRICS}
+    measured = [r for r in rows if "prior/vanilla/alpha" in r]
+    assert [r["step"] for r in measured] == [0, 1, 2] and all(keys <= set(r) for r in measured)
+    # rollout.npz holds every sequence's rollouts at the jacobian.npz steps; the logged metrics are theirs.
+    jac_steps, profiles = read_jacobian(tmp_path / "jacobian.npz")
+    steps, rolls = read_jacobian(tmp_path / ROLLOUT_FILE)
+    assert steps.tolist() == jac_steps.tolist() == [0, 1, 2]
+    assert set(rolls) == {record_name(s, v) for s in ("vanilla", "chunked") for v in RolloutVariant}
+    for k, row in enumerate(measured):
+        profile = profiles["vanilla"][:, k].astype(np.float64).mean(axis=0)
+        expected = rollout_metrics(profile, mean_rollout(rolls[record_name("vanilla", "measured")][:, k]))
+        for m in ROLLOUT_METRICS:
+            assert row[f"rollout/vanilla/measured/{m}"] == pytest.approx(expected[m], rel=1e-4, abs=1e-5)
+    assert (tmp_path / "plots" / "jacobian_step0_vs_prior_vanilla.png").stat().st_size > 0
+    # jacobian.rollout=false: neither the metrics nor the file.
+    off = tmp_path / "off"
+    run(compose_cfg(*TINY, "trainer.max_steps=1", "jacobian=hutchinson", "jacobian.seq_len=64",
+                    "jacobian.chunk_len=32", "jacobian.num_probes=2", "jacobian.rollout=false"), off)
+    assert not (off / ROLLOUT_FILE).exists() and "rollout/" not in (off / "metrics.jsonl").read_text()
