@@ -35,6 +35,7 @@ from data_builders.files import atomic_write_text
 from models.checkpoint import checkpoint_config
 from models.nope import disable_rope, is_nope
 
+JACOBIAN = "Jacobian (exact)"  # the measured profile, in the plot
 PRIOR_ROW = "cesaro_prior"  # the closed-form prior at its log-space fit α (prior/alpha)
 
 
@@ -68,7 +69,7 @@ def study_model(name: str, model: PreTrainedModel, seqs: dict[str, torch.Tensor]
         predicted = {str(v): np.abs(r).mean(axis=0) for v, r in rollouts(capture(model, ids)).items()}
         predicted[PRIOR_ROW] = prior_profile(len(profile), H, fit_alpha(profile, H).alpha)
         rows += [StudyRow(name, set_name, p, rollout_metrics(profile, curve)) for p, curve in predicted.items()]
-        curves[set_name] = {"measured": profile, **predicted}
+        curves[set_name] = {JACOBIAN: profile, **predicted}
     return rows, curves
 
 
@@ -104,8 +105,9 @@ def plot(curves: dict[str, dict[str, dict[str, np.ndarray]]], out_png: Path) -> 
     for ax, (model, set_name) in zip(axes.flat, [(m, s) for m in models for s in sets]):
         for k, (name, curve) in enumerate(curves[model][set_name].items()):
             x = np.arange(len(curve)) / max(len(curve) - 1, 1)
-            ax.plot(x, curve / curve.sum(), lw=2.0 if name == "measured" else 1.0,
-                    color="k" if name == "measured" else f"C{k}", ls=":" if name == PRIOR_ROW else "-", label=name)
+            ax.plot(x, curve / curve.sum(), lw=2.0 if name == JACOBIAN else 1.0,
+                    color="k" if name == JACOBIAN else f"C{k}", ls=":" if name == PRIOR_ROW else "-",
+                    label=name if name in (JACOBIAN, PRIOR_ROW) else f"rollout, {name}")
         ax.set(yscale="log", xlabel="relative position x = (j-1)/(L-1)", ylabel="share of influence",
                title=f"{model}, {set_name}")
         ax.grid(True, alpha=0.3)

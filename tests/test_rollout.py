@@ -202,3 +202,16 @@ def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_p
     run(compose_cfg(*TINY, "trainer.max_steps=1", "jacobian=hutchinson", "jacobian.seq_len=64",
                     "jacobian.chunk_len=32", "jacobian.num_probes=2", "jacobian.rollout=false"), off)
     assert not (off / ROLLOUT_FILE).exists() and "rollout/" not in (off / "metrics.jsonl").read_text()
+
+
+def test_study_curves_keep_the_jacobian_apart_from_the_measured_lambda_rollout():
+    from analysis.jacobian import Estimator, JacobianConfig, measure_sets
+    from analysis.rollout_study import JACOBIAN, PRIOR_ROW, study_model
+
+    model, seqs = tiny("qwen2").float(), {"vanilla": ids()}
+    cfg = JacobianConfig(estimator=Estimator.exact, seq_len=L)
+    rows, curves = study_model("tiny", model, seqs, cfg)
+    assert list(curves["vanilla"]) == [JACOBIAN, *map(str, RolloutVariant), PRIOR_ROW]
+    np.testing.assert_allclose(curves["vanilla"][JACOBIAN], measure_sets(model, seqs, cfg)["vanilla"].profile.mean(0))
+    assert not np.allclose(curves["vanilla"][JACOBIAN], curves["vanilla"]["measured"])
+    assert len(rows) == len(RolloutVariant) + 1
