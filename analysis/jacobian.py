@@ -87,7 +87,7 @@ class ProfileResult:
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """Switch every module to eval; restore each module's own flag (not one global flag) on exit."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -191,7 +191,7 @@ def jacobian_profile(
     ids = input_ids.unsqueeze(0) if squeeze else input_ids  # (B, L)
     stderr = None
     emb_layer = _input_embeddings(model)
-    with _eval_mode(model), torch.enable_grad():
+    with eval_mode(model), torch.enable_grad():
         embeds = emb_layer(ids.to(emb_layer.weight.device)).detach().requires_grad_(True)  # (B, L, D)
         y = _target(model, embeds, target, estimator)  # (B, d) or (B,)
         B = y.shape[0]

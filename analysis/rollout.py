@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from analysis.jacobian import _eval_mode
+from analysis.jacobian import eval_mode
 from analysis.prior import log10_profile, rollout, spearman, w1_distance
 from models.loss import unwrap
 
@@ -141,7 +141,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
                 [(per_head[:, :, h] @ w_o[:, h].T).norm(dim=-1).mean(dim=1) for h in range(n_heads)], dim=1)
         return hook
 
-    with ExitStack() as stack, _eval_mode(model):
+    with ExitStack() as stack, eval_mode(model):
         for t, layer in enumerate(layers):
             attn = layer.self_attn
             for handle in (layer.register_forward_pre_hook(on_layer_input(t), with_kwargs=True),

@@ -74,8 +74,11 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
         assert f"\n{heading}\n" in f"\n{text}", heading
     for key in METRIC_KEYS:
         assert f"`{key}`" in text
+    # Rollouts: measured now with the standalone checkpoint's profile, read from rollout.npz for the run's.
     for key in ("rollout/measured/spearman", "rollout/attention_only/w1", "rollout/measured_heads/rmse_log10"):
-        assert f"`{key}`" in text  # the standalone checkpoint's profiles are measured now, with its rollouts
+        rows = [line for line in text.splitlines() if line.startswith(f"| `{key}` |")]
+        assert len(rows) == 2  # vanilla and chunked
+        assert all("–" not in row and row.count("|") == 5 for row in rows)  # metric and three PATHs, each a value
     assert "Δ" in text
     images = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert sorted(images) == ["accuracy_in2.png", "accuracy_needle.png", "jacobian_chunked.png",
