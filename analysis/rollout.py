@@ -49,7 +49,7 @@ class Capture:
     weighted_maps: np.ndarray  # (B, H, L, L) float32: heads weighted by `head_weights`
     residual_share: np.ndarray  # (B, H): measured λ_t
     head_weights: np.ndarray  # (B, H, n_heads): each head's share of the layer's output norm (sums to 1)
-    heads: list[np.ndarray] | None = None  # with keep_heads: per layer (B, n_heads, L, L) float64
+    heads: list[np.ndarray] | None = None  # with keep_heads: per layer (B, n_heads, L, L), at least float32
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -92,6 +92,11 @@ def _eager_maps(attn: nn.Module, hidden_states: torch.Tensor, position_embedding
     return maps
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16 up; a float64 model, as in the tests, stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _arg(args: tuple, kwargs: dict, name: str, index: int):
     return kwargs[name] if name in kwargs else args[index]
 
@@ -101,7 +106,8 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
     """Attention maps, residual shares and head weights of every decoder layer for `input_ids` (B, L).
 
     One forward pass (dropout off, modes restored); the maps come from the eager recomputation above.
-    `keep_heads` also keeps every head's map in float64 (tests, small models).
+    `keep_heads` also keeps every head's map (tests, small models). Computed in the model's dtype, at
+    least float32 (float64 for a float64 model).
     """
     layers = decoder_layers(model)
     n_layers = len(layers)
@@ -119,7 +125,8 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
             recomputing[0] = True
             try:
                 found["maps"][t] = _eager_maps(module, _arg(args, kwargs, "hidden_states", 0),
-                                               _arg(args, kwargs, "position_embeddings", 1)).double()
+                                               _arg(args, kwargs, "position_embeddings", 1))
+                found["maps"][t] = _wide(found["maps"][t])
             finally:
                 recomputing[0] = False
         return hook
@@ -135,8 +142,8 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
                 return
             # Here, inside the forward, the weight is whole even when ZeRO-3 partitions it outside.
             n_heads = found["maps"][t].shape[1]
-            per_head = args[0].detach().double().unflatten(-1, (n_heads, -1))  # (B, L, nh, dv)
-            w_o = module.weight.detach().double().unflatten(1, (n_heads, -1))  # (d, nh, dv)
+            per_head = _wide(args[0].detach()).unflatten(-1, (n_heads, -1))  # (B, L, nh, dv)
+            w_o = _wide(module.weight.detach()).unflatten(1, (n_heads, -1))  # (d, nh, dv)
             found["strength"][t] = torch.stack(
                 [(per_head[:, :, h] @ w_o[:, h].T).norm(dim=-1).mean(dim=1) for h in range(n_heads)], dim=1)
         return hook
@@ -149,12 +156,12 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
                            attn.register_forward_hook(on_attention_output(t)),
                            attn.o_proj.register_forward_pre_hook(on_o_proj_input(t))):
                 stack.callback(handle.remove)
-        model(input_ids=input_ids)
+        unwrap(model).base_model(input_ids=input_ids)  # the decoder alone: no logits are needed
 
     mean_maps, weighted_maps, shares, weights = [], [], [], []
     for t, layer in enumerate(layers):
         maps = found["maps"][t]  # (B, nh, L, L) float64
-        x, a = found["x"][t].double(), found["a"][t].double()  # (B, L, d)
+        x, a = _wide(found["x"][t]), _wide(found["a"][t])  # (B, L, d)
         x_norm, a_norm = x.norm(dim=-1), a.norm(dim=-1)  # (B, L)
         shares.append((a_norm / (x_norm + a_norm).clamp_min(1e-30)).mean(dim=1))  # (B,)
         strength = found["strength"][t]  # (B, nh): mean norm of what each head adds to the residual
@@ -204,9 +211,18 @@ def record_name(set_name: str, variant: str) -> str:
 
 
 def measure_rollouts(model: nn.Module, seqs: Mapping[str, torch.Tensor]) -> dict[str, dict[str, np.ndarray]]:
-    """{set: {variant: (n_seq, L)}}: every rollout of every sequence of every (non-empty) set."""
-    return {name: {str(v): rows for v, rows in rollouts(capture(model, ids)).items()}
-            for name, ids in seqs.items() if len(ids)}
+    """{set: {variant: (n_seq, L)}}: every rollout of every sequence of every (non-empty) set.
+
+    Sets of one length share a forward pass (per-call overhead dominates at the lengths measured per step).
+    """
+    seqs = {name: ids for name, ids in seqs.items() if len(ids)}
+    if not seqs:
+        return {}
+    if len({ids.shape[1] for ids in seqs.values()}) > 1:
+        return {name: measure_rollouts(model, {name: ids})[name] for name, ids in seqs.items()}
+    rows = {str(v): r for v, r in rollouts(capture(model, torch.cat(list(seqs.values())))).items()}
+    bounds = np.cumsum([0, *(len(ids) for ids in seqs.values())])
+    return {name: {v: r[bounds[k]:bounds[k + 1]] for v, r in rows.items()} for k, name in enumerate(seqs)}
 
 
 def mean_rollout(rows: np.ndarray) -> np.ndarray:
