@@ -101,6 +101,22 @@ def _arg(args: tuple, kwargs: dict, name: str, index: int):
     return kwargs[name] if name in kwargs else args[index]
 
 
+def _head_strengths(o_proj: nn.Module, heads_in: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, n_heads): the mean norm over positions of what each head adds to the residual stream.
+
+    Head h's part is o_proj of its slice alone, less o_proj of nothing (a bias). Calling the module, not
+    reading its weight, keeps this right for LoRA-wrapped and ZeRO-3-partitioned projections alike.
+    """
+    split = heads_in.unflatten(-1, (n_heads, -1))  # (B, L, nh, dv)
+    base = _wide(o_proj(torch.zeros_like(heads_in)))  # (B, L, d)
+    strengths = []
+    for h in range(n_heads):
+        alone = torch.zeros_like(split)
+        alone[:, :, h] = split[:, :, h]
+        strengths.append((_wide(o_proj(alone.flatten(2))) - base).norm(dim=-1).mean(dim=1))  # (B,)
+    return torch.stack(strengths, dim=1)
+
+
 @torch.no_grad()
 def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False) -> Capture:
     """Attention maps, residual shares and head weights of every decoder layer for `input_ids` (B, L).
@@ -111,41 +127,39 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
     """
     layers = decoder_layers(model)
     n_layers = len(layers)
-    found: dict[str, list] = {k: [None] * n_layers for k in ("maps", "x", "a", "strength")}
+    found: dict[str, list] = {k: [None] * n_layers for k in ("maps", "x", "a", "o_in", "strength")}
 
     def on_layer_input(t):
         def hook(module, args, kwargs):
             found["x"][t] = _arg(args, kwargs, "hidden_states", 0).detach()
         return hook
 
-    recomputing = [False]  # the eager recomputation calls o_proj too: only the real forward counts
+    inner = [False]  # set while the hooks call the modules themselves: only the real forward is recorded
 
     def on_attention_input(t):
         def hook(module, args, kwargs):
-            recomputing[0] = True
+            inner[0] = True
             try:
-                found["maps"][t] = _eager_maps(module, _arg(args, kwargs, "hidden_states", 0),
-                                               _arg(args, kwargs, "position_embeddings", 1))
-                found["maps"][t] = _wide(found["maps"][t])
+                found["maps"][t] = _wide(_eager_maps(module, _arg(args, kwargs, "hidden_states", 0),
+                                                     _arg(args, kwargs, "position_embeddings", 1)))
             finally:
-                recomputing[0] = False
+                inner[0] = False
         return hook
 
     def on_attention_output(t):
         def hook(module, args, output):
             found["a"][t] = output[0].detach()
+            inner[0] = True
+            try:
+                found["strength"][t] = _head_strengths(module.o_proj, found["o_in"][t], found["maps"][t].shape[1])
+            finally:
+                inner[0] = False
         return hook
 
     def on_o_proj_input(t):
         def hook(module, args):
-            if recomputing[0]:
-                return
-            # Here, inside the forward, the weight is whole even when ZeRO-3 partitions it outside.
-            n_heads = found["maps"][t].shape[1]
-            per_head = _wide(args[0].detach()).unflatten(-1, (n_heads, -1))  # (B, L, nh, dv)
-            w_o = _wide(module.weight.detach()).unflatten(1, (n_heads, -1))  # (d, nh, dv)
-            found["strength"][t] = torch.stack(
-                [(per_head[:, :, h] @ w_o[:, h].T).norm(dim=-1).mean(dim=1) for h in range(n_heads)], dim=1)
+            if not inner[0]:
+                found["o_in"][t] = args[0].detach()
         return hook
 
     with ExitStack() as stack, eval_mode(model):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +49,19 @@ class StudyRow:
 
 
 def train_default_run(out: Path, steps: int) -> Path:
-    """The default IN2 run (`python train.py +exp=in2`), `steps` steps, Jacobian and wandb off; its directory."""
-    import train  # the training entry point; imported here so the study's import stays light
+    """The default IN2 run (`python train.py +exp=in2`), `steps` steps, Jacobian and wandb off; its directory.
 
-    run_dir = out / "in2_run"
-    cfg = train.compose_config(["+exp=in2", f"trainer.max_steps={steps}", f"trainer.save_every={steps}",
-                                "jacobian=off", "logger.mode=disabled", "eval.every=0"])
-    train.run(cfg, run_dir)
+    Launched as the user would (a process of its own); its output goes to `<out>/in2_run.log`.
+    """
+    run_dir, log_path = out / "in2_run", out / "in2_run.log"
+    cmd = [sys.executable, "-m", "train", "+exp=in2", f"trainer.max_steps={steps}", f"trainer.save_every={steps}",
+           "jacobian=off", "logger.mode=disabled", "eval.every=0", f"hydra.run.dir={run_dir}"]
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"training the default in2 run ({steps} steps): {' '.join(cmd[1:])}", file=sys.stderr)
+    with open(log_path, "w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise CompareError(f"training the default run failed (exit {done.returncode}); its output: {log_path}")
     return run_dir
 
 

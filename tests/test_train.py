@@ -341,7 +341,9 @@ def test_offline_wandb_run_logs_profile_charts(compose_cfg, tmp_path):
     tables = list(runs[0].glob("files/media/table/jacobian/*/profile_*.table.json"))
     assert {p.parent.name for p in tables} == {"vanilla", "chunked"}
     chart = json.loads(tables[0].read_text())
-    assert len(chart["data"]) == 2 * 64  # two curves over every position of L = 64 (<= CHART_POINTS)
+    # The profile, its prior and the four rollouts, over every position of L = 64 (<= CHART_POINTS).
+    assert len(chart["data"]) == 6 * 64
+    assert {row[1] for row in chart["data"]} >= {"measured", "rollout, measured", "rollout, attention_only"}
 
 
 def _wandb_home(monkeypatch, folder):
