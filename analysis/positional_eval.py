@@ -409,15 +409,12 @@ def probe_source(name: str, cfg: EvalConfig) -> Path | None:
 def check_probe_files(cfg: EvalConfig, prefix: str = "eval.") -> None:
     """Fail before a model is loaded when a file a requested probe reads is missing, naming its key."""
     wanted = set(map(Probe, cfg.probes))
-    data_dir = Path(cfg.data_dir) if cfg.data_dir is not None else None
-    files = []
-    if Probe.kv in wanted:
-        files.append(("kv.path", cfg.kv.path) if cfg.kv.path else ("data_dir", data_dir and data_dir / KV_FILE))
+    files = [(f"{name}.path" if getattr(cfg, name).path else "data_dir", probe_source(name, cfg))
+             for name in (Probe.kv, Probe.mdqa) if name in wanted]
     if Probe.mdqa in wanted:
-        files += [("mdqa.path", cfg.mdqa.path) if cfg.mdqa.path else ("data_dir", data_dir and data_dir / NQ_FILE),
-                  ("mdqa.pool", cfg.mdqa.pool)]
-    if Probe.needle in wanted:
-        files.append(("data_dir", data_dir and data_dir / NQ_FILE))
+        files.append(("mdqa.pool", cfg.mdqa.pool))
+    if Probe.needle in wanted and cfg.data_dir is not None:
+        files.append(("data_dir", Path(cfg.data_dir) / NQ_FILE))
     for key, path in files:
         if path is None:
             continue
