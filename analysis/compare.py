@@ -59,11 +59,11 @@ from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets
 from analysis.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
 from analysis.plots import plot_needle_grid, plot_position_accuracy
 from analysis.positional_eval import (
+    REFERENCE,
     EvalConfig,
     KVProbeConfig,
     MDQAProbeConfig,
     NeedleProbeConfig,
-    REFERENCE,
     ProbeResult,
     describe_settings,
     probe_budget,

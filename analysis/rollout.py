@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Mapping
 from enum import StrEnum
+from typing import Mapping
 
 import numpy as np
 import torch
