@@ -105,6 +105,36 @@ def _alibi_step(L: int, slopes: np.ndarray):
     return step
 
 
+def _alibi_content_step(L: int, slopes: np.ndarray, c: float):
+    """ALiBi and a diagonal content logit in one softmax: row i weighs j < i by r^(i-j) / Z_i and itself by
+    e^c / Z_i, with r = e^-s and Z_i = O_i + e^c, O_i = sum_{k=1}^{i-1} r^k the off-diagonal mass."""
+    i = np.arange(1, L + 1, dtype=np.float64)
+    heads = []
+    for s in slopes:
+        with np.errstate(divide="ignore"):  # row 1 has no off-diagonal mass: log 0 = -inf is meant
+            # log O_i = -s + log((1 - r^(i-1)) / (1 - r)); s = 0: log(i - 1)
+            log_off = np.log(i - 1) if s == 0 else -s + np.log(-np.expm1(-s * (i - 1))) - np.log(-np.expm1(-s))
+        log_z = np.logaddexp(log_off, c)  # (L,)
+        # r / Z_i, not 1 / Z_i: with s and -c both large 1/Z_i overflows while r^(i-j) underflows to 0.
+        # Row 1 has no off-diagonal weights (r / Z_1 would overflow there, and is never used).
+        r_over_z = np.concatenate([[0.0], np.exp(-s - log_z[1:])])
+        heads.append((np.exp(-s), r_over_z, np.exp(c - log_z)))  # r, r / Z_i, diagonal share e^c / Z_i
+
+    from scipy.signal import lfilter
+
+    def step(v, out):
+        # (vA)_j = sum_{i > j} u_i r^(i-j-1) + v_j e^c / Z_j with u = v r / Z: the ALiBi recursion T over u,
+        # read one position on (T_{j+1}), plus the diagonal.
+        out[:] = 0.0
+        for r, r_over_z, diag in heads:
+            tail = lfilter([1.0], [1.0, -r], (v * r_over_z)[::-1])[::-1]  # T_j = sum_{i >= j} u_i r^(i-j)
+            out[:-1] += tail[1:]
+            out += v * diag
+        out /= len(heads)
+
+    return step
+
+
 def _diag_step(L: int, c: float):
     m = np.arange(1, L, dtype=np.float64)  # off-diagonal count i-1 of rows i = 2..L
     # Row i: diagonal e^c/(e^c+m), each of the m earlier positions 1/(e^c+m); expit keeps |c| >> 1 finite.
@@ -143,14 +173,16 @@ def rollout(L, lambdas, attention="cesaro", *, slopes=None, content=None) -> np.
     attention : {"cesaro", "alibi", "diag"} or array_like
         ``"cesaro"``: uniform causal attention (the Cesàro matrix), O(L) per layer.
         ``"alibi"``: causal softmax of ``-slope (i-j)`` for every head in ``slopes``, averaged over
-        heads, the same in every layer; O(L) per head and layer.
+        heads, the same in every layer; O(L) per head and layer. With ``content``, the diagonal's
+        content logit joins the same softmax: ``-slope (i-j) + content [j == i]``.
         ``"diag"``: row i is the softmax over j <= i of ``content * [j == i]``; O(L) per layer.
         An array of shape (H, L, L) or a list of H (L, L) arrays: measured (head-averaged) attention,
         map t for layer t; O(L²) per layer.
     slopes : float or sequence of float, optional
         ALiBi slopes >= 0, required with (and only with) ``"alibi"``; slope 0 is uniform attention.
     content : float, optional
-        Diagonal content logit, required with (and only with) ``"diag"``; 0 is uniform attention.
+        Diagonal content logit, required with ``"diag"`` (0 is uniform attention), optional with
+        ``"alibi"`` (the two combine in one softmax).
 
     Returns
     -------
@@ -165,8 +197,8 @@ def rollout(L, lambdas, attention="cesaro", *, slopes=None, content=None) -> np.
     is_name = isinstance(attention, str)
     if slopes is not None and not (is_name and attention == "alibi"):
         raise ValueError("slopes only apply to attention='alibi'")
-    if content is not None and not (is_name and attention == "diag"):
-        raise ValueError("content only applies to attention='diag'")
+    if content is not None and not (is_name and attention in ("diag", "alibi")):
+        raise ValueError("content only applies to attention='diag' or 'alibi'")
 
     if not is_name:
         steps = _dense_steps(L, attention)
@@ -180,7 +212,9 @@ def rollout(L, lambdas, attention="cesaro", *, slopes=None, content=None) -> np.
         slopes = np.atleast_1d(np.asarray(slopes, dtype=np.float64))
         if slopes.ndim != 1 or len(slopes) == 0 or not np.all(np.isfinite(slopes)) or np.any(slopes < 0):
             raise ValueError(f"slopes must be finite, >= 0 and 1-D, got {slopes}")
-        steps = [_alibi_step(L, slopes)] * H
+        if content is not None and not np.isfinite(content):
+            raise ValueError(f"content must be a finite logit, got {content}")
+        steps = [_alibi_step(L, slopes) if content is None else _alibi_content_step(L, slopes, float(content))] * H
     elif attention == "diag":
         if content is None or not np.isfinite(content):
             raise ValueError(f"attention='diag' needs a finite content logit, got {content}")

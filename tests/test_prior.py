@@ -276,6 +276,29 @@ def test_structured_steps_match_dense_maps():
         np.testing.assert_allclose(rollout(L, lams, np.stack([mat] * len(lams))), want, rtol=1e-12)
 
 
+def test_alibi_and_content_combine_in_one_softmax():
+    """Row i: softmax over j <= i of -s (i-j) + c [j == i], averaged over the heads' slopes (float64, dense)."""
+    L, lams = 40, [0.3, 1.0, 0.7, 0.5, 0.9]
+    i, j = np.indices((L, L)) + 1
+    causal = j <= i
+    for slopes, c in (([0.3], 1.5), ([0.05, 0.3, 2.0], -2.0), ([0.0, 0.7], 0.8), ([0.3], 0.0)):
+        heads = [np.where(causal, np.exp(-s * (i - j) + c * (i == j)), 0.0) for s in slopes]
+        mat = np.mean([h / h.sum(1, keepdims=True) for h in heads], axis=0)
+        want = dense_last_row([mat] * len(lams), lams)
+        np.testing.assert_allclose(rollout(L, lams, "alibi", slopes=slopes, content=c), want, rtol=1e-12)
+    # Its special cases: no content is ALiBi, slope 0 is the diagonal-content map.
+    np.testing.assert_allclose(rollout(L, lams, "alibi", slopes=0.3, content=0.0), rollout(L, lams, "alibi", slopes=0.3),
+                               rtol=1e-12)
+    np.testing.assert_allclose(rollout(L, lams, "alibi", slopes=0.0, content=1.5), rollout(L, lams, "diag", content=1.5),
+                               rtol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for slopes, c in (([800.0, 0.0], 800.0), ([800.0], -800.0), ([1e-9], 800.0), ([0.5], -800.0)):
+            p = rollout(300, [0.5] * 6, "alibi", slopes=slopes, content=c)
+            assert np.all(np.isfinite(p)) and abs(p.sum() - 1) <= 1e-12
+    assert rollout(10, [1.0], "alibi", slopes=0.5, content=800.0)[-1] == 1.0  # all weight on the diagonal
+
+
 def test_measured_maps_follow_layer_order():
     rng = np.random.default_rng(0)
     L, lams = 12, [0.4, 0.9, 0.6]
