@@ -184,6 +184,10 @@ def test_rollout_study_reports_every_predictor_for_both_models(compose_cfg, tmp_
     assert all(-1.0 <= float(r[3]) <= 1.0 and float(r[4]) >= 0.0 for r in table)
     assert len([r for r in rows if r[-1].endswith("% |")]) == 4  # a reduction row per model and set
     assert (out / "rollout_study.png").stat().st_size > 0
+    rope = text.split("## RoPE invariance at init")[1]
+    rope_rows = [line.split(" | ") for line in rope.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [(r[0], r[1]) for r in rope_rows] == [(f"| {s}", name) for s in (0, 1, 2) for name in ("vanilla", "chunked")]
+    assert all(-1.0 <= float(r[2].rstrip(" |")) <= 1.0 for r in rope_rows)
 
 
 def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_path):
