@@ -32,6 +32,14 @@ class DataFormat(StrEnum):
     lm_windows = "lm_windows"  # language-model windows of long documents (data_builders.windows)
 
 
+class DepthLaw(StrEnum):
+    """Where a training gold may start among a context's F free tokens (offset p in {0..F}, depth p / F)."""
+
+    uniform = "uniform"  # every offset alike (IN2's law)
+    ends = "ends"  # the first or last `depth_ends` share of the offsets only: ordinary data's U (FILM's story)
+    beta = "beta"  # p / F ~ Beta(a, b) (`depth_beta`): Beta(0.5, 0.5) favours the ends, Beta(2, 2) the middle
+
+
 @dataclass
 class TaskMix:
     """Share of each IN2 task among the samples (normalized to sum to 1)."""
@@ -71,6 +79,10 @@ class In2Config:
     # the model's recipe (conf/recipe/) sets it.
     answer_lead: bool = False
     label_context: bool = False  # train with LM loss on every token, not only the answer (random-init models)
+    # Where training golds go; held-out samples stay uniform, so accuracy by depth compares across runs.
+    depth_law: DepthLaw = DepthLaw.uniform
+    depth_ends: float = 0.2  # ends: the share of the offsets at each end that golds may take, in (0, 0.5]
+    depth_beta: list[float] = field(default_factory=lambda: [0.5, 0.5])  # beta: its (a, b), both > 0
     heldout_doc_len: int = 2048  # held-out documents are concatenated up to this length for the Jacobian
 
 
@@ -163,6 +175,11 @@ def _validate_in2(cfg: DataConfig) -> None:
         raise ValueError(f"data.in2.context_lens has {max(c.context_lens)}, more than data.context_len={cfg.context_len}")
     if c.context_len_min is not None and not 0 < c.context_len_min <= cfg.context_len:
         raise ValueError(f"data.in2.context_len_min={c.context_len_min} must be in (0, data.context_len={cfg.context_len}]")
+    _choice("data.in2.depth_law", c.depth_law, DepthLaw)
+    if not 0 < c.depth_ends <= 0.5:
+        raise ValueError(f"data.in2.depth_ends={c.depth_ends} must be a share of the offsets at each end, in (0, 0.5]")
+    if len(c.depth_beta) != 2 or min(c.depth_beta) <= 0:
+        raise ValueError(f"data.in2.depth_beta={list(c.depth_beta)} must be two positive numbers (a, b)")
     if not 0 <= c.curriculum <= 1:
         raise ValueError(f"data.in2.curriculum={c.curriculum} must be a share of the training split, in [0, 1]")
     if c.curriculum and c.context_len_min is None:

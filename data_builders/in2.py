@@ -8,10 +8,11 @@ is ever re-tokenized. One sample, as token ids:
     context = tail of a distractor | whole distractors | GOLD | whole distractors ... | head of a distractor
 
 Depth. Of the C context tokens, F are free (not gold). Each gold segment draws its number of free
-tokens before it, p_i, uniformly from {0, ..., F}, independently of the other golds; its depth is
-p_i / F. Sorting the p_i gives the layout, and each gap between golds is filled with whole
-distractor segments plus one partial segment (a segment's tail at the start of a gap, a segment's
-head at the end of the context), so every gold starts exactly at its drawn position. Depth is thus
+tokens before it, p_i, uniformly from {0, ..., F} (in training, `data.in2.depth_law` may choose
+another law: `offset_law`), independently of the other golds; its depth is p_i / F. Sorting the
+p_i gives the layout, and each gap between golds is filled with whole distractor segments plus
+one partial segment (a segment's tail at the start of a gap, a segment's head at the end of the
+context), so every gold starts exactly at its drawn position. Depth is thus
 uniform at token resolution (1/F) instead of taking one value per slot, and the golds of an
 integration sample are placed independently. The cost: a context opens and closes mid-segment,
 like an excerpt. `depth` is the depth of the first gold the question names (`gold_spans[0]`);
@@ -37,7 +38,7 @@ from datasets import Features, List, Value
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from data_builders.config import DataConfig, config_dict
+from data_builders.config import DataConfig, DepthLaw, config_dict
 from data_builders.pools import Pool, build_pool, encode, pool_stats, tokenizer_digest
 from data_builders.sources import SourceData, SourceSplit, load_source, normalize
 from data_builders.tokenizer import default_cache_dir, encode_pieces, train_bpe_tokenizer
@@ -276,9 +277,35 @@ def _fill(gap: int, draw: Callable[[], int], unit_len: list[int], plan: Plan, le
         plan.hi.append(hi)
 
 
+def uniform_offset(free: int, rng: random.Random) -> int:
+    """IN2's law: each of the 0..free offsets alike (the held-out split always uses it)."""
+    return rng.randint(0, free)
+
+
+def offset_law(cfg: DataConfig) -> Callable[[int, random.Random], int]:
+    """The draw of a training gold's offset among `free` free tokens under `data.in2.depth_law`."""
+    law = cfg.in2.depth_law
+    if law == DepthLaw.uniform:
+        return uniform_offset
+    if law == DepthLaw.ends:
+        share = cfg.in2.depth_ends
+
+        def ends(free: int, rng: random.Random) -> int:
+            p = rng.randint(0, int(share * free))
+            return p if rng.random() < 0.5 else free - p
+
+        return ends
+    a, b = cfg.in2.depth_beta
+
+    def beta(free: int, rng: random.Random) -> int:
+        return round(rng.betavariate(a, b) * free)
+
+    return beta
+
+
 def plan_sample(
     item: Item, pieces: tuple[np.ndarray, np.ndarray], task: str, budget: int, fmt: PromptFormat, pool: Pool,
-    rng: random.Random,
+    rng: random.Random, offset: Callable[[int, random.Random], int] = uniform_offset,
 ) -> Optional[Plan]:
     """Layout of one sample with a token `budget`; None when the question and golds alone exceed it."""
     unit_len = pool.unit_len
@@ -292,7 +319,7 @@ def plan_sample(
         free = budget - fmt.overhead - len(plan.q_ids) - len(plan.a_ids) - sum(gold_units)
         if free < 0:
             return None
-        p = [rng.randint(0, free) for _ in range(k)]
+        p = [offset(free, rng) for _ in range(k)]
         order = sorted(range(k), key=lambda i: (p[i], i))
     draw = _Distractors(pool, item, rng).draw
     cursor = 0
@@ -353,10 +380,12 @@ def _budget(cfg: DataConfig, rng: random.Random, ramp: float = 1.0) -> int:
 def iter_plans(
     pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
     shares: dict[str, float], seed: int, skipped: dict[str, int], ramp_samples: int = 0,
+    offset: Callable[[int, random.Random], int] = uniform_offset,
 ) -> Iterator[Plan]:
     """`n` plans, tasks mixed by `shares`; a question too long for its sample's budget is redrawn, counted.
 
-    Over the first `ramp_samples` plans the budgets' upper end ramps up (the curriculum, see `_budget`).
+    Over the first `ramp_samples` plans the budgets' upper end ramps up (the curriculum, see `_budget`);
+    `offset` draws where each gold starts (`offset_law`).
     """
     rng = random.Random(seed)
     counts = task_counts(shares, n)
@@ -380,7 +409,7 @@ def iter_plans(
         pieces.prefetch([item for _, item, _ in block])
         for task, item, budget in block:
             for _ in range(100):
-                plan = plan_sample(item, pieces(item), task, budget, fmt, pool, rng)
+                plan = plan_sample(item, pieces(item), task, budget, fmt, pool, rng, offset)
                 if plan is not None:
                     break
                 skipped["question_too_long_for_context"] = skipped.get("question_too_long_for_context", 0) + 1
@@ -411,11 +440,13 @@ def _record_batch(rows: dict[str, list]) -> pa.RecordBatch:
 def assemble(
     pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
     shares: dict[str, float], seed: int, split: str, skipped: dict[str, int], ramp_samples: int = 0,
+    offset: Callable[[int, random.Random], int] = uniform_offset,
 ) -> pa.Table:
-    """`n` records (RECORD_FEATURES) as an Arrow table; `ramp_samples` as in `iter_plans`."""
+    """`n` records (RECORD_FEATURES) as an Arrow table; `ramp_samples` and `offset` as in `iter_plans`."""
     batches, rows = [], {name: [] for name in RECORD_FEATURES}
     bar = tqdm(total=n, desc=f"assemble {split}", unit="sample", disable=None)
-    for k, plan in enumerate(iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped, ramp_samples)):
+    plans = iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped, ramp_samples, offset)
+    for k, plan in enumerate(plans):
         ids, prompt_len, spans, context_tokens = materialize(plan, pool, fmt)
         labels = ids.copy()
         labels[:prompt_len] = -100
@@ -467,14 +498,19 @@ class Prepared:
         """Samples over which budgets ramp up: the curriculum's share of the training split."""
         return round(self.cfg.in2.curriculum * n) if split == "train" else 0
 
+    def offset(self, split: str) -> Callable[[int, random.Random], int]:
+        """Where golds go: `data.in2.depth_law` in training, uniform in the held-out split."""
+        return offset_law(self.cfg) if split == "train" else uniform_offset
+
     def assemble(self, split: str, n: int) -> pa.Table:
         return assemble(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
                         self.shares[split], self.seeds[split], split, self.skipped[split],
-                        self.ramp_samples(split, n))
+                        self.ramp_samples(split, n), self.offset(split))
 
     def plans(self, split: str, n: int) -> Iterator[Plan]:
         return iter_plans(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
-                          self.shares[split], self.seeds[split], self.skipped[split], self.ramp_samples(split, n))
+                          self.shares[split], self.seeds[split], self.skipped[split], self.ramp_samples(split, n),
+                          self.offset(split))
 
 
 def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> Prepared:
