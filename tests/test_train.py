@@ -27,6 +27,7 @@ def _losses(run_dir):
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
 # Each experiment at a size that runs two steps in seconds: the tiny model and data, its own settings kept.
 SMOKE = {
+    "biased_start": TINY,
     "in2": TINY,
     "in2_diff": TINY,
     "micro100": ["model=qwen2_tiny", "model.init.hidden_size=32", "model.init.num_hidden_layers=2",
