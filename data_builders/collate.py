@@ -6,6 +6,8 @@ samples end to end with `position_ids` restarting at 0 per sample and no `attent
 which transformers builds a block-diagonal causal mask (sdpa, eager, flex) or the sequence
 boundaries (flash_attention_2): no token attends across samples, and no compute goes to padding
 beyond each row's tail. Either way `num_tokens` counts the real tokens (it is not a model input).
+With `depths` (the per-sample objectives of models.debias) a batch also carries `depths` (S,), each
+sample's gold depth, and `sample_ids` (B, L), the sample each token belongs to (-1: padding).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 
-def collate(rows: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad `input_ids` (with `pad_id`) and `labels` (with -100) to the longest row."""
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, L)
@@ -25,11 +27,16 @@ def collate(rows: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tens
         input_ids[i, :n] = torch.as_tensor(r["input_ids"])
         labels[i, :n] = torch.as_tensor(r.get("labels", r["input_ids"]))
         attention_mask[i, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
-            "num_tokens": attention_mask.sum()}
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+             "num_tokens": attention_mask.sum()}
+    if depths:  # one sample per row
+        batch["sample_ids"] = torch.where(attention_mask.bool(), torch.arange(len(rows))[:, None], -1)
+        batch["depths"] = torch.tensor([r["depth"] for r in rows], dtype=torch.float64)
+    return batch
 
 
-def collate_packed(packs: Sequence[Sequence[dict[str, Any]]], pack_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+def collate_packed(packs: Sequence[Sequence[dict[str, Any]]], pack_len: int, pad_id: int, depths: bool = False
+                   ) -> dict[str, torch.Tensor]:
     """One row of `pack_len` tokens per pack: its samples end to end, then padding (-100 labels).
 
     `position_ids` count from 0 in every sample and in the padding tail, which is thereby a segment
@@ -38,7 +45,8 @@ def collate_packed(packs: Sequence[Sequence[dict[str, Any]]], pack_len: int, pad
     input_ids = torch.full((len(packs), pack_len), pad_id, dtype=torch.long)  # (R, P)
     labels = torch.full((len(packs), pack_len), -100, dtype=torch.long)  # (R, P)
     position_ids = torch.zeros((len(packs), pack_len), dtype=torch.long)  # (R, P)
-    real = 0
+    sample_ids = torch.full((len(packs), pack_len), -1, dtype=torch.long)  # (R, P)
+    real, n_samples = 0, 0
     for i, pack in enumerate(packs):
         start = 0
         for r in pack:
@@ -46,12 +54,17 @@ def collate_packed(packs: Sequence[Sequence[dict[str, Any]]], pack_len: int, pad
             input_ids[i, start:start + n] = torch.as_tensor(r["input_ids"])
             labels[i, start:start + n] = torch.as_tensor(r.get("labels", r["input_ids"]))
             position_ids[i, start:start + n] = torch.arange(n)
-            start += n
+            sample_ids[i, start:start + n] = n_samples
+            start, n_samples = start + n, n_samples + 1
         if start > pack_len:
             raise ValueError(f"a pack of {start} tokens exceeds pack_len={pack_len}")
         position_ids[i, start:] = torch.arange(pack_len - start)
         real += start
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "num_tokens": torch.tensor(real)}
+    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "num_tokens": torch.tensor(real)}
+    if depths:
+        batch["sample_ids"] = sample_ids
+        batch["depths"] = torch.tensor([r["depth"] for pack in packs for r in pack], dtype=torch.float64)
+    return batch
 
 
 def pack_in_order(lengths: Sequence[int], order: Sequence[int], pack_len: int) -> list[list[int]]:
@@ -88,6 +101,9 @@ class BatchStream:
     left over at the end of an epoch are skipped. `position` counts micro-batches drawn by this rank;
     restoring it continues the exact same order after a resume. With `ordered_first_epoch` epoch 0
     reads the dataset in stored order (a curriculum's short-first order), later epochs shuffle.
+    `depths`: batches carry each sample's gold depth (see `collate`). `mix`, `mix_rows` (padded batches
+    only): the last `mix_rows` rows of every micro-batch are rows of `mix` instead (debias.needle_mix),
+    read in turn by global micro-batch, so a resume continues them exactly too.
     """
 
     def __init__(
@@ -101,12 +117,20 @@ class BatchStream:
         label_context: bool = False,
         ordered_first_epoch: bool = False,
         pack_len: int | None = None,
+        depths: bool = False,
+        mix: Sequence[dict[str, Any]] = (),
+        mix_rows: int = 0,
     ):
         self.dataset, self.micro_batch_size, self.pad_id = dataset, micro_batch_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.label_context, self.ordered_first_epoch, self.pack_len = label_context, ordered_first_epoch, pack_len
+        self.depths, self.mix, self.mix_rows = depths, mix, mix_rows if mix else 0
+        if self.mix_rows and (pack_len or self.mix_rows >= micro_batch_size):
+            raise ValueError(f"{mix_rows} mixed rows need padded micro-batches of more rows "
+                             f"(micro_batch_size={micro_batch_size}, packing={bool(pack_len)})")
         # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
-        self._columns = dataset.select_columns(["input_ids", "labels"]) if hasattr(dataset, "column_names") else None
+        columns = ["input_ids", "labels"] + (["depth"] if depths else [])
+        self._columns = dataset.select_columns(columns) if hasattr(dataset, "column_names") else None
         self._lengths = self._sample_lengths() if pack_len else None
         self._epochs: dict[int, list[list[int]]] = {}  # epoch -> its units, for the epoch in use
         self._counts: dict[int, int] = {}  # epoch -> micro-batches per rank (packing: they vary by epoch)
@@ -160,20 +184,27 @@ class BatchStream:
             epoch, k = self._locate(self.position)
             start = (k * self.world_size + self.rank) * B
             units = self._units(epoch)[start : start + B]
+            drawn = self.position * self.world_size + self.rank  # this micro-batch's global index
             self.position += 1
             rows = self._rows([i for unit in units for i in unit])
             if not self.pack_len:
-                yield collate(rows, self.pad_id)
+                if self.mix_rows:
+                    k = self.mix_rows
+                    rows = rows[: B - k] + [self.mix[(drawn * k + j) % len(self.mix)] for j in range(k)]
+                yield collate(rows, self.pad_id, self.depths)
                 continue
             row = iter(rows)
-            yield collate_packed([[next(row) for _ in unit] for unit in units], self.pack_len, self.pad_id)
+            yield collate_packed([[next(row) for _ in unit] for unit in units], self.pack_len, self.pad_id,
+                                 self.depths)
 
     def _rows(self, indices: list[int]) -> list[dict[str, Any]]:
         if self._columns is not None:  # one columnar read per batch
             cols = self._columns[indices]
             rows = [{"input_ids": i, "labels": lab} for i, lab in zip(cols["input_ids"], cols["labels"])]
+            for r, d in zip(rows, cols["depth"] if self.depths else ()):
+                r["depth"] = d
         else:
             rows = [self.dataset[i] for i in indices]
         if self.label_context:  # language-model loss on every token, not only on the answer
-            rows = [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows]
+            rows = [{**r, "labels": r["input_ids"]} for r in rows]
         return rows

@@ -38,6 +38,7 @@ from datasets import Features, List, Value
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from analysis.prior import depth_prior
 from data_builders.config import DataConfig, DepthLaw, config_dict
 from data_builders.pools import Pool, build_pool, encode, pool_stats, tokenizer_digest
 from data_builders.sources import SourceData, SourceSplit, load_source, normalize
@@ -295,12 +296,27 @@ def offset_law(cfg: DataConfig) -> Callable[[int, random.Random], int]:
             return p if rng.random() < 0.5 else free - p
 
         return ends
+    if law == DepthLaw.valley:
+        return valley_offset(cfg.in2.valley_layers, cfg.in2.valley_alpha, cfg.in2.valley_power)
     a, b = cfg.in2.depth_beta
 
     def beta(free: int, rng: random.Random) -> int:
         return round(rng.betavariate(a, b) * free)
 
     return beta
+
+
+def valley_offset(layers: int, alpha: float, power: float) -> Callable[[int, random.Random], int]:
+    """Offsets p in {0..free} drawn with probability ∝ depth_prior(p / free)^(-power) (one `rng.random()`)."""
+    cumulative: dict[int, list[float]] = {}
+
+    def valley(free: int, rng: random.Random) -> int:
+        if free not in cumulative:
+            depths = np.arange(free + 1) / max(free, 1)
+            cumulative[free] = np.cumsum(depth_prior(depths, layers, alpha) ** -power).tolist()
+        return rng.choices(range(free + 1), cum_weights=cumulative[free])[0]
+
+    return valley
 
 
 def plan_sample(
@@ -380,12 +396,13 @@ def _budget(cfg: DataConfig, rng: random.Random, ramp: float = 1.0) -> int:
 def iter_plans(
     pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
     shares: dict[str, float], seed: int, skipped: dict[str, int], ramp_samples: int = 0,
-    offset: Callable[[int, random.Random], int] = uniform_offset,
+    offset: Callable[[int, random.Random], int] = uniform_offset, law_ramp_samples: int = 0,
 ) -> Iterator[Plan]:
     """`n` plans, tasks mixed by `shares`; a question too long for its sample's budget is redrawn, counted.
 
     Over the first `ramp_samples` plans the budgets' upper end ramps up (the curriculum, see `_budget`);
-    `offset` draws where each gold starts (`offset_law`).
+    `offset` draws where each gold starts (`offset_law`); over the first `law_ramp_samples` plans it
+    ramps in from uniform (plan i follows it with probability min(1, (i + 1) / law_ramp_samples)).
     """
     rng = random.Random(seed)
     counts = task_counts(shares, n)
@@ -407,9 +424,12 @@ def iter_plans(
         block = [(t, rng.choice(choices[t]), _budget(cfg, rng, ramp(i)))
                  for i, t in enumerate(tasks[start : start + _BLOCK], start)]
         pieces.prefetch([item for _, item, _ in block])
-        for task, item, budget in block:
+        for i, (task, item, budget) in enumerate(block, start):
+            law = offset
+            if law_ramp_samples and rng.random() >= min(1.0, (i + 1) / law_ramp_samples):
+                law = uniform_offset
             for _ in range(100):
-                plan = plan_sample(item, pieces(item), task, budget, fmt, pool, rng, offset)
+                plan = plan_sample(item, pieces(item), task, budget, fmt, pool, rng, law)
                 if plan is not None:
                     break
                 skipped["question_too_long_for_context"] = skipped.get("question_too_long_for_context", 0) + 1
@@ -440,12 +460,12 @@ def _record_batch(rows: dict[str, list]) -> pa.RecordBatch:
 def assemble(
     pool: Pool, items: list[Item], n: int, cfg: DataConfig, fmt: PromptFormat, pieces: _Pieces,
     shares: dict[str, float], seed: int, split: str, skipped: dict[str, int], ramp_samples: int = 0,
-    offset: Callable[[int, random.Random], int] = uniform_offset,
+    offset: Callable[[int, random.Random], int] = uniform_offset, law_ramp_samples: int = 0,
 ) -> pa.Table:
-    """`n` records (RECORD_FEATURES) as an Arrow table; `ramp_samples` and `offset` as in `iter_plans`."""
+    """`n` records (RECORD_FEATURES) as an Arrow table; the ramps and `offset` as in `iter_plans`."""
     batches, rows = [], {name: [] for name in RECORD_FEATURES}
     bar = tqdm(total=n, desc=f"assemble {split}", unit="sample", disable=None)
-    plans = iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped, ramp_samples, offset)
+    plans = iter_plans(pool, items, n, cfg, fmt, pieces, shares, seed, skipped, ramp_samples, offset, law_ramp_samples)
     for k, plan in enumerate(plans):
         ids, prompt_len, spans, context_tokens = materialize(plan, pool, fmt)
         labels = ids.copy()
@@ -498,6 +518,10 @@ class Prepared:
         """Samples over which budgets ramp up: the curriculum's share of the training split."""
         return round(self.cfg.in2.curriculum * n) if split == "train" else 0
 
+    def law_ramp_samples(self, split: str, n: int) -> int:
+        """Samples over which the training depth law ramps in from uniform (`data.in2.depth_ramp`)."""
+        return round(self.cfg.in2.depth_ramp * n) if split == "train" else 0
+
     def offset(self, split: str) -> Callable[[int, random.Random], int]:
         """Where golds go: `data.in2.depth_law` in training, uniform in the held-out split."""
         return offset_law(self.cfg) if split == "train" else uniform_offset
@@ -505,12 +529,12 @@ class Prepared:
     def assemble(self, split: str, n: int) -> pa.Table:
         return assemble(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
                         self.shares[split], self.seeds[split], split, self.skipped[split],
-                        self.ramp_samples(split, n), self.offset(split))
+                        self.ramp_samples(split, n), self.offset(split), self.law_ramp_samples(split, n))
 
     def plans(self, split: str, n: int) -> Iterator[Plan]:
         return iter_plans(self.pools[split], self.items[split], n, self.cfg, self.fmt, self.pieces,
                           self.shares[split], self.seeds[split], self.skipped[split], self.ramp_samples(split, n),
-                          self.offset(split))
+                          self.offset(split), self.law_ramp_samples(split, n))
 
 
 def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> Prepared:
@@ -543,6 +567,11 @@ def prepare(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None
     )
 
 
+def depth_histogram(depths: np.ndarray, bins: int = 10) -> list[int]:
+    """Samples per equal-width depth bin (depth 1 in the last), for the dataset card."""
+    return np.bincount(np.clip((depths * bins).astype(int), 0, bins - 1), minlength=bins).tolist()
+
+
 def build_in2(
     cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase] = None
 ) -> tuple[dict[str, pa.Table], list[list[int]], PreTrainedTokenizerBase, dict[str, Any]]:
@@ -560,6 +589,8 @@ def build_in2(
         "skipped": {"source": prep.source.skipped, **prep.skipped},
         "questions": {s: _counts_of(it.task for it in its) for s, its in prep.items.items()},
         "tasks": {s: _counts_of(t.column("task").to_pylist()) for s, t in tables.items()},
+        # where the golds went (data.in2.depth_law in training): samples per tenth of the depth range
+        "depth_histogram": {s: depth_histogram(t.column("depth").to_numpy()) for s, t in tables.items()},
         "pool": {s: pool_stats(p) for s, p in prep.pools.items()},
     }
     heldout = heldout_documents(prep.pools["eval"], cfg.in2.heldout_doc_len)

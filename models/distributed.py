@@ -4,7 +4,7 @@
 `save`, `load`), so single-process and multi-process runs share one loop. This is the only module
 that imports deepspeed or torch.distributed.
 
-Every collective runs on the engine's device (NCCL reduces CUDA tensors only): `all_mean`,
+Every collective runs on the engine's device (NCCL reduces CUDA tensors only): `all_mean`, `all_sum`,
 `all_finite`, `any_rank` and `broadcast_object` take that device; `barrier` needs none (the rank's
 device is bound before the process group is joined).
 """
@@ -125,6 +125,11 @@ def init_distributed(timeout_s: float) -> None:
         ) from exc
 
 
+# The training loss of a micro-batch: (model, batch, device) -> scalar (models.loss.causal_lm_loss, or a
+# models.debias objective)
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor], torch.device], torch.Tensor]
+
+
 class TorchEngine:
     """Single-process training: fp32 master weights, autocast, accumulation by loss scaling, clipping, AdamW.
 
@@ -147,8 +152,9 @@ class TorchEngine:
         precision: Precision,
         grad_accum: int,
         grad_clip: float,
+        loss_fn: LossFn = causal_lm_loss,
     ):
-        self.model, self.device = model.to(device), device
+        self.model, self.device, self.loss_fn = model.to(device), device, loss_fn
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.dtype != torch.float32:
@@ -169,7 +175,7 @@ class TorchEngine:
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Loss of one micro-batch (unscaled, detached); its gradient is accumulated."""
         with self._autocast:
-            loss = causal_lm_loss(self.model, batch, self.device)
+            loss = self.loss_fn(self.model, batch, self.device)
         if torch.isfinite(loss):
             (loss / self.grad_accum).backward()
         return loss.detach()
@@ -283,10 +289,11 @@ class DeepSpeedEngine:
         make_scheduler: Callable[[torch.optim.Optimizer], Any],
         config: dict[str, Any],
         pad_id: int = 0,
+        loss_fn: LossFn = causal_lm_loss,
     ):
         import deepspeed
 
-        self.info = dist_info()
+        self.info, self.loss_fn = dist_info(), loss_fn
         # Ulysses sequence parallelism (models.sequence_parallel): groups of consecutive ranks share each sequence
         self.sp_size, self.pad_id, self.sp_group, mpu = config.get("sequence_parallel_size", 1), pad_id, None, None
         if self.sp_size > 1:
@@ -323,7 +330,7 @@ class DeepSpeedEngine:
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.sp_size > 1:
             return self._forward_backward_sharded(batch)
-        loss = causal_lm_loss(self.engine, batch, self.device)
+        loss = self.loss_fn(self.engine, batch, self.device)
         # Every rank must take part in the backward collectives, so a non-finite loss anywhere
         # skips the micro-step on all ranks.
         if all_finite(loss.detach(), self.device):
@@ -385,6 +392,14 @@ def all_mean(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
     return t.item() / torch.distributed.get_world_size()
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """Elementwise sum of a tensor over ranks (a copy of it in a single process), on its own device."""
+    values = values.detach().clone()
+    if _distributed():
+        torch.distributed.all_reduce(values)
+    return values
 
 
 def all_finite(value: torch.Tensor, device: torch.device) -> bool:

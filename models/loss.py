@@ -36,13 +36,17 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, fp64 kept
 
 
-def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(_at_least_fp32(head(hidden)), targets, ignore_index=IGNORE, reduction="sum")
+def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "sum"
+               ) -> torch.Tensor:
+    return F.cross_entropy(_at_least_fp32(head(hidden)), targets, ignore_index=IGNORE, reduction=reduction)
 
 
 def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
-                 chunk: int = LOSS_CHUNK) -> tuple[torch.Tensor, int]:
+                 chunk: int = LOSS_CHUNK, per_token: bool = False) -> tuple[torch.Tensor, int]:
     """(summed next-token NLL over the labelled tokens, their count) of one batch.
+
+    `per_token`: the NLL of every position instead of the sum, shaped like the shifted labels ((B, L-1),
+    or (B, L) with shift_labels), 0 where no label is: what a per-sample objective (models.debias) weights.
 
     `model`: what the caller runs forward (an HF causal LM, or a peft model / DeepSpeed engine around
     one). `batch`: input_ids, labels (B, L) (IGNORE where no loss is) and attention_mask (padded) or
@@ -65,19 +69,29 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
         positions = positions.to(targets.device)
         # the same positions for every row (what `logits_to_keep` takes in every transformers version)
         logits = model(**inputs, logits_to_keep=positions).logits  # (B, K, V)
-        nll = F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), targets[:, positions].flatten(),
-                              ignore_index=IGNORE, reduction="sum")
+        kept = targets[:, positions]  # (B, K)
+        nll = F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), kept.flatten(), ignore_index=IGNORE,
+                              reduction="none" if per_token else "sum")
+        if per_token:  # back to every position: zeros where nothing was kept
+            full = nll.new_zeros(targets.shape)
+            full[:, positions] = nll.view(kept.shape)
+            return full, count
         return nll, count
     # Through the model's own forward (a DeepSpeed engine hooks it), with no logits kept; transformers
     # gives the last (normed) hidden states as hidden_states[-1].
     out = model(**inputs, logits_to_keep=positions[:0].to(targets.device), output_hidden_states=True)
     hidden = out.hidden_states[-1][:, :targets.shape[1]]  # (B, L-1, H), or (B, L) with shift_labels
+    shape = targets.shape
     hidden, targets = hidden.flatten(0, 1), targets.flatten()  # (N, H), (N,)
     head = unwrap(model).get_output_embeddings()
-    nll = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     chunks = _num_chunks(hidden.shape[0], chunk, hidden.device)
-    for piece, piece_targets in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-        nll = nll + checkpoint(_chunk_nll, head, piece, piece_targets, use_reentrant=False)
+    pieces = [checkpoint(_chunk_nll, head, piece, piece_targets, "none" if per_token else "sum", use_reentrant=False)
+              for piece, piece_targets in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks))]
+    if per_token:
+        return torch.cat(pieces).view(shape), count
+    nll = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    for piece in pieces:
+        nll = nll + piece
     return nll, count
 
 
