@@ -80,6 +80,7 @@ from analysis.topology import prefixed, topology_metrics
 from data_builders.build import DataBundle, build_datasets, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
+from data_builders.needle_mix import protected_strings, retrieval_samples
 from data_builders.tokenizer import load_tokenizer
 from models.build import (
     Attention,
@@ -93,10 +94,13 @@ from models.checkpoint import (
     TRAINER_STATE,
     atomic_checkpoint,
     check_resume_rope,
+    list_checkpoints,
     load_trainer_state,
+    newest_checkpoint,
     resolve_checkpoint,
     save_trainer_state,
 )
+from models.debias import DebiasConfig, DebiasObjective, Objective, validate_debias
 from models.diff_attention import diff_lambda_stats, set_diff_step
 from models.distributed import (
     DeepSpeedEngine,
@@ -105,6 +109,7 @@ from models.distributed import (
     Precision,
     TorchEngine,
     all_mean,
+    all_sum,
     any_rank,
     barrier,
     broadcast_object,
@@ -118,7 +123,7 @@ from models.distributed import (
     resolve_device,
     zero3_load_context,
 )
-from models.loss import labelled_nll
+from models.loss import causal_lm_loss, labelled_nll
 from models.packed_attention import SDPA_PACKED
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 
@@ -160,6 +165,7 @@ class TrainConfig:
     jacobian: JacobianConfig = field(default_factory=JacobianConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debias: DebiasConfig = field(default_factory=DebiasConfig)  # position-targeted objectives (conf/debias/)
     seed: int = 0
     exp_name: str = "default"  # names the run directory outputs/<exp_name>/<time>
 
@@ -201,10 +207,25 @@ def run_stamp() -> str:
     return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started))
 
 
+def newest_run_checkpoint(exp_name: str) -> str:
+    """`${newest_checkpoint:<exp>}`: the most recent complete checkpoint of any run of outputs/<exp>/ (single
+    runs and multirun jobs), e.g. the biased_start model that +exp=debias_study fine-tunes."""
+    root = Path("outputs") / exp_name
+    runs = sorted(p for pattern in ("*", "multirun_*/*") for p in root.glob(pattern) if p.is_dir())
+    ckpt = newest_checkpoint(runs)
+    if ckpt is not None:  # that run's last step (copied folders do not keep their order in time)
+        ckpt = list_checkpoints(ckpt.parents[1])[-1]
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint of a {exp_name} run under {root}/: run `python train.py "
+                                f"+exp={exp_name}` first, or set model.pretrained=<a checkpoint folder>")
+    return str(ckpt)
+
+
 def register_configs() -> None:
     """Typed schemas: the composed config must match `TrainConfig`, unknown keys fail at composition."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("newest_checkpoint", newest_run_checkpoint, use_cache=True, replace=True)
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -251,6 +272,19 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
         raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
     if cfg.eval.probes:
         check_probe_files(cfg.eval)
+    validate_debias(cfg.debias, jac.every, t.sequence_parallel, cfg.data.format == DataFormat.in2)
+    if cfg.debias.needle_mix.share:
+        if cfg.data.packing:
+            raise ValueError("debias.needle_mix replaces rows of padded micro-batches: set data.packing=false")
+        if mixed_rows(cfg) < 1 or mixed_rows(cfg) >= t.micro_batch_size:
+            raise ValueError(f"debias.needle_mix.share={cfg.debias.needle_mix.share} of trainer.micro_batch_size="
+                             f"{t.micro_batch_size} rows gives {mixed_rows(cfg)} mixed rows: it must leave at least "
+                             "one of each kind")
+
+
+def mixed_rows(cfg: TrainConfig) -> int:
+    """Rows of each micro-batch that debias.needle_mix replaces with retrieval samples."""
+    return round(cfg.debias.needle_mix.share * cfg.trainer.micro_batch_size)
 
 
 def validate_sequence_parallel(cfg: TrainConfig, info: DistInfo) -> None:
@@ -322,6 +356,7 @@ class Run:
     model: PreTrainedModel  # the module to measure and save (inside the engine)
     engine: TorchEngine | DeepSpeedEngine
     stream: BatchStream
+    objective: Optional[DebiasObjective]  # the debias objective (None: the plain mean loss)
     logger: MetricsLogger | NullLogger
     jacobian_seqs: dict[str, torch.Tensor]  # empty when the Jacobian is off
     recorder: Optional[JacobianRecorder]  # main process only
@@ -348,9 +383,10 @@ class Run:
         return self.cfg.data.format == DataFormat.in2
 
 
-def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[dict[str, Any]], pad_id: int = 0
-                 ) -> TorchEngine | DeepSpeedEngine:
-    """Single-process torch or DeepSpeed (`ds_config` of `deepspeed_config`), one AdamW and one schedule for both."""
+def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[dict[str, Any]], pad_id: int = 0,
+                 loss_fn: Any = causal_lm_loss) -> TorchEngine | DeepSpeedEngine:
+    """Single-process torch or DeepSpeed (`ds_config` of `deepspeed_config`), one AdamW and one schedule for both;
+    `loss_fn(model, batch, device)` is the micro-batch loss (a debias objective, or the plain mean)."""
 
     def make_optimizer(params):
         return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -360,9 +396,9 @@ def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[d
             optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
 
     if ds_config is not None:
-        return DeepSpeedEngine(model, make_optimizer, make_scheduler, ds_config, pad_id)
+        return DeepSpeedEngine(model, make_optimizer, make_scheduler, ds_config, pad_id, loss_fn)
     return TorchEngine(model, make_optimizer, make_scheduler, resolve_device(t.device), t.precision, t.grad_accum,
-                       t.grad_clip)
+                       t.grad_clip, loss_fn)
 
 
 def load_data(cfg: TrainConfig, info: DistInfo) -> DataBundle:
@@ -436,15 +472,22 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     if info.is_main_process:
         tokenizer.save_pretrained(run_dir / "tokenizer")
     model, zero3 = load_model(cfg, run_dir, tokenizer, info, ds_config)
-    engine = build_engine(model, t, ds_config, tokenizer.pad_token_id)
+    objective = (DebiasObjective(cfg.debias, model.config.num_hidden_layers, all_sum)
+                 if cfg.debias.objective != Objective.mean else None)
+    engine = build_engine(model, t, ds_config, tokenizer.pad_token_id, objective or causal_lm_loss)
+    probe_items = build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}
 
-    # A curriculum lives in the split's stored order: the build's own setting (a prebuilt folder's too).
-    curriculum = bundle.stats.get("config", {}).get("in2", {}).get("curriculum", 0.0)
+    # A curriculum or a ramped depth law lives in the split's stored order: the build's own setting (a
+    # prebuilt folder's too).
+    built = bundle.stats.get("config", {}).get("in2", {})
+    in_order = built.get("curriculum", 0.0) > 0 or built.get("depth_ramp", 0.0) > 0
     # The ranks of a sequence-parallel group read the same micro-batches: the data is sharded over the groups.
     groups, group = info.world_size // t.sequence_parallel, info.rank // t.sequence_parallel
     stream = BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, group, groups,
-                         label_context=cfg.data.in2.label_context, ordered_first_epoch=curriculum > 0,
-                         pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None)
+                         label_context=cfg.data.in2.label_context, ordered_first_epoch=in_order,
+                         pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None,
+                         depths=cfg.debias.needs_depths, mix=needle_mix(cfg, tokenizer, probe_items),
+                         mix_rows=mixed_rows(cfg))
     if info.is_main_process:
         log.info("global batch = %d micro x %d accumulation x %d data-parallel ranks = %d samples%s",
                  t.micro_batch_size, t.grad_accum, groups, t.micro_batch_size * t.grad_accum * groups,
@@ -468,14 +511,26 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     # The logger continues the wandb run of the checkpoint resumed from (before `resume`: it needs the id).
     logger = (MetricsLogger(cfg.logger, run_dir, dataclasses.asdict(cfg), wandb_run_id(ckpt))
               if info.is_main_process else NullLogger())
-    run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, logger,
+    run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, objective, logger,
               {k: v.to(engine.device) for k, v in seqs.items()}, recorder,
               bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
-              build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}, zero3=zero3,
-              rollout_recorder=rollout_recorder)
+              probe_items, zero3=zero3, rollout_recorder=rollout_recorder)
     if ckpt is not None:
         resume(run, ckpt)
     return run
+
+
+def needle_mix(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, probe_items: dict[str, list]) -> list[dict]:
+    """debias.needle_mix's retrieval samples (none when it is off), never one of the evaluation probes' items:
+    those configured, and the synthetic kv and needle probes that `scripts.eval_checkpoint` asks by default."""
+    mix = cfg.debias.needle_mix
+    if not mix.share:
+        return []
+    default_probes = build_probes(dataclasses.replace(cfg.eval, probes=["kv", "needle"], data_dir=None), tokenizer)
+    protected = protected_strings(item for items in (*probe_items.values(), *default_probes.values())
+                                  for item in items)
+    return retrieval_samples(tokenizer, mix.pool, cfg.data.context_len, [str(k) for k in mix.kinds],
+                             cfg.seed + mix.seed, protected)
 
 
 def wandb_run_id(ckpt: Optional[Path]) -> Optional[str]:
@@ -491,6 +546,8 @@ def resume(run: Run, ckpt: Path) -> None:
     run.engine.load(ckpt)
     state = load_trainer_state(ckpt, run.info.rank)
     run.start_step, run.stream.position, run.checkpoint = state["step"], state["stream_position"], ckpt
+    if run.objective is not None:
+        run.objective.load_state_dict(state.get("debias", {}))
     if run.is_main:
         log.info("resumed from %s at step %d", ckpt, run.start_step)
     step0 = ckpt.parents[1] / "eval" / "in2_step0.json"
@@ -517,6 +574,8 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
         metrics.update(prefixed(topology_metrics(profile, run.n_layers), name))
     rolls = measure_rollouts(run.model, run.jacobian_seqs) if run.cfg.jacobian.rollout else {}
     metrics.update(rollout_set_metrics(profiles, rolls))
+    if run.objective is not None:
+        run.objective.observe(metrics)  # depth_weight follows the latest fitted alpha
     if run.recorder is None:
         return metrics
     run.recorder.add(step, results)
@@ -610,7 +669,9 @@ def save(run: Run, step: int) -> Path:
 
     def write(folder: Path) -> None:
         run.engine.save(folder, run.tokenizer)
-        extra = {"stream_position": run.stream.position}
+        extra: dict[str, Any] = {"stream_position": run.stream.position}
+        if run.objective is not None:
+            extra["debias"] = run.objective.state_dict()  # group_dro's q: an exact resume needs it
         if run.logger.run_id is not None:
             extra[RUN_ID_KEY] = run.logger.run_id  # a run resumed from this checkpoint continues its wandb run
         save_trainer_state(folder, step, run.info.rank, extra)
@@ -636,7 +697,8 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict
                                f"{run.run_dir / 'checkpoints'}")
     return {"train/loss": loss, "train/lr": run.engine.current_lr(), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens / (time.perf_counter() - t0), "train/tokens": tokens,
-            "train/bad_steps": run.bad_steps, "train/peak_mem_mib": peak_memory_mib(run.engine.device)}
+            "train/bad_steps": run.bad_steps, "train/peak_mem_mib": peak_memory_mib(run.engine.device),
+            **(run.objective.metrics() if run.objective is not None else {})}
 
 
 def start(run: Run) -> None:

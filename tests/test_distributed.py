@@ -131,6 +131,20 @@ def test_zero2_resume_matches_uninterrupted(tmp_path):
         assert got[step] == pytest.approx(want[step], rel=1e-6)
 
 
+def test_group_dro_weights_read_every_rank(tmp_path):
+    """q follows the bin losses of all ranks: 2 ranks of 4 rows give the q of one process reading the 8 rows."""
+    dro = ["debias=group_dro", "debias.eta=0.5"]
+    ds = _deepspeed(tmp_path, "ds", "trainer=zero2", *dro, steps=1)
+    single = tmp_path / "single"
+    subprocess.run([sys.executable, "train.py", *TINY, *STEPS, *dro, "trainer.max_steps=1",
+                    "trainer.micro_batch_size=8", f"hydra.run.dir={single}"], cwd=ROOT, env=_env(tmp_path),
+                   capture_output=True, check=True)
+    keys = [f"debias/q@{k / 10}" for k in range(10)]
+    got, want = [_logged(ds, k)[1] for k in keys], [_logged(single, k)[1] for k in keys]
+    assert max(got) > 1.01 * min(got)  # q moved
+    assert got == pytest.approx(want, rel=1e-6)
+
+
 def test_jacobian_under_zero3_equals_single_process(tmp_path):
     jac = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=4"]
     ds_dir, sp_dir = _deepspeed(tmp_path, "ds", "trainer=zero3", *jac, steps=1), _single(tmp_path, "sp", *jac, steps=1)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.distributed import DistInfo
 from tests.conftest import CONF_DIR, ROOT, TINY
-from train import TrainConfig, as_train_config, run, validate
+from train import TrainConfig, as_train_config, compose_config, run, validate
 
 
 def _losses(run_dir):
@@ -26,8 +26,12 @@ def _losses(run_dir):
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
 # Each experiment at a size that runs two steps in seconds: the tiny model and data, its own settings kept.
+# +exp=debias_study fine-tunes a checkpoint (`model.pretrained`): a tiny one, without the random-init keys.
+FROM_CHECKPOINT = [o for o in TINY if not o.startswith("model.init.")] + [
+    "data.in2.valley_layers=2", "debias.needle_mix.kinds=[needle]", "data.num_eval=8"]
 SMOKE = {
     "biased_start": TINY,
+    "debias_study": FROM_CHECKPOINT,
     "in2": TINY,
     "in2_diff": TINY,
     "micro100": ["model=qwen2_tiny", "model.init.hidden_size=32", "model.init.num_hidden_layers=2",
@@ -42,16 +46,29 @@ def test_every_experiment_has_a_smoke_size():
     assert sorted(SMOKE) == EXPERIMENTS
 
 
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint of one +exp=biased_start step at TINY size (what debias_study starts from)."""
+    run_dir = tmp_path_factory.mktemp("biased_start")
+    run(compose_config(["+exp=biased_start", *TINY, "trainer.max_steps=1", "trainer.save_every=0"]), run_dir)
+    return run_dir / "checkpoints" / "step-1"
+
+
+def _start_from(exp, checkpoint):
+    return [f"model.pretrained={checkpoint}"] if exp == "debias_study" else []
+
+
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_composes_converts_and_validates(compose_cfg, exp):
-    cfg = as_train_config(compose_cfg(f"+exp={exp}"))
+    cfg = as_train_config(compose_cfg(f"+exp={exp}", *_start_from(exp, "/some/checkpoint")))
     assert isinstance(cfg, TrainConfig) and cfg.exp_name == exp
     validate(cfg, DistInfo())
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
-def test_every_experiment_runs_two_steps(compose_cfg, tmp_path, exp):
-    cfg = compose_cfg(f"+exp={exp}", *SMOKE[exp], "trainer.max_steps=2", "trainer.save_every=0")
+def test_every_experiment_runs_two_steps(compose_cfg, tmp_path, exp, request):
+    start = _start_from(exp, request.getfixturevalue("tiny_checkpoint")) if exp == "debias_study" else []
+    cfg = compose_cfg(f"+exp={exp}", *SMOKE[exp], *start, "trainer.max_steps=2", "trainer.save_every=0")
     run(cfg, tmp_path)
     assert set(_losses(tmp_path)) == {1, 2}
     assert (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").is_file()
@@ -392,3 +409,18 @@ def test_a_wandb_mode_in_the_environment_that_is_no_mode_fails_at_start_up(compo
     with pytest.raises(ValueError, match="WANDB_MODE='ofline' is not one of"):
         run(cfg, tmp_path)
     assert not (tmp_path / "tokenizer").exists()
+
+
+def test_debias_study_starts_from_the_newest_biased_start_run(tmp_path, monkeypatch):
+    from train import newest_run_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"\+exp=biased_start"):
+        newest_run_checkpoint("biased_start")
+    for run_dir, steps in (("outputs/biased_start/2026-01-01_00-00-00", (5, 10)),
+                           ("outputs/biased_start/multirun_2026-01-02_00-00-00/0", (20,))):
+        for step in steps:
+            (tmp_path / run_dir / "checkpoints" / f"step-{step}").mkdir(parents=True)
+            (tmp_path / run_dir / "checkpoints" / f"step-{step}" / "trainer_state.json").write_text("{}")
+            time.sleep(0.01)
+    assert newest_run_checkpoint("biased_start").endswith("multirun_2026-01-02_00-00-00/0/checkpoints/step-20")

@@ -1,0 +1,106 @@
+"""Synthetic retrieval samples for `debias.needle_mix`: needle and key-value questions at uniform depth.
+
+Built with the probe generators of `data_builders.probes` (same templates, same formats) from a seed of
+their own, each sample a training row: the prompt, then the answer and eos as the only labelled tokens,
+within `data.context_len`. A sample whose answer or key is one of the evaluation probe items' is
+dropped, so training never sees an evaluation item. `data_builders.collate.BatchStream` puts them into
+each micro-batch (`mix_rows`).
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Iterable, Sequence
+
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from data_builders.probes import (
+    NEEDLE_WORDS,
+    ProbeItem,
+    _synthetic_kv,
+    format_kv_records,
+    load_template,
+    needle_probe,
+    synthetic_filler,
+)
+
+IGNORE = -100
+KV_MAX_PAIRS = 16  # the most pairs a kv sample starts from; fewer when the budget holds fewer
+
+
+def protected_strings(items: Iterable[ProbeItem]) -> set[str]:
+    """Answers and keys of evaluation items: a training sample holding one of them is dropped."""
+    found: set[str] = set()
+    for item in items:
+        found.update(item.answers)
+        if "key" in item.extra:
+            found.add(item.extra["key"])
+    return found
+
+
+def _row(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str, depth: float, budget: int
+         ) -> dict[str, Any] | None:
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    answer_ids = tokenizer.encode(" " + answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    if len(prompt_ids) + len(answer_ids) > budget:
+        return None
+    return {"input_ids": prompt_ids + answer_ids, "labels": [IGNORE] * len(prompt_ids) + answer_ids,
+            "depth": depth, "answer": answer}
+
+
+def _needle_overhead(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Tokens a needle sample spends outside its context: the question on the longest word, a code, eos."""
+    question = load_template("needle").format(context="", word=max(NEEDLE_WORDS, key=len))
+    return len(tokenizer.encode(question, add_special_tokens=False)) + len(tokenizer.encode(" 99999")) + 1
+
+
+def _needle(tokenizer, filler: Sequence[str], budget: int, overhead: int, rng: random.Random
+            ) -> dict[str, Any] | None:
+    depth = rng.random()
+    (item,) = needle_probe(filler, [depth], [budget - overhead], tokenizer, n_examples=1, seed=rng.getrandbits(32))
+    return _row(tokenizer, item.prompt, item.answers[0], item.extra["realised_depth"], budget)
+
+
+def _kv(tokenizer, budget: int, rng: random.Random) -> dict[str, Any] | None:
+    template = load_template("kv_retrieval")
+    pairs, key, value = _synthetic_kv(KV_MAX_PAIRS, rng)
+    others = [p for p in pairs if p[0] != key]
+    for n in range(KV_MAX_PAIRS, 1, -1):  # the most pairs that fit
+        pos = rng.randrange(n)
+        chosen = others[: n - 1]
+        prompt = template.format(kv_records=format_kv_records(chosen[:pos] + [(key, value)] + chosen[pos:]), key=key)
+        row = _row(tokenizer, prompt, value, pos / (n - 1), budget)
+        if row is not None:
+            row["key"] = key
+            return row
+    return None
+
+
+def retrieval_samples(tokenizer: PreTrainedTokenizerBase, n: int, budget: int, kinds: Sequence[str], seed: int,
+                      protected: set[str] = frozenset()) -> list[dict[str, Any]]:
+    """`n` training rows (input_ids, labels, depth), kinds in turn, each within `budget` tokens.
+
+    Fails when the budget cannot hold a sample of some kind (a context too short for any filler or pair).
+    """
+    rng = random.Random(seed)
+    filler, overhead = synthetic_filler(seed=seed), _needle_overhead(tokenizer)
+    if overhead >= budget:
+        raise ValueError(f"debias.needle_mix: a needle question alone takes {overhead} tokens, data.context_len="
+                         f"{budget}")
+    rows: list[dict[str, Any]] = []
+    misses = 0
+    with tqdm(total=n, desc="needle_mix samples", leave=False) as bar:
+        while len(rows) < n:
+            kind = kinds[len(rows) % len(kinds)]
+            row = (_needle(tokenizer, filler, budget, overhead, rng) if kind == "needle"
+                   else _kv(tokenizer, budget, rng))
+            if row is None or row["answer"] in protected or row.get("key") in protected:
+                misses += 1
+                if misses > 10 * n + 100:
+                    raise ValueError(f"debias.needle_mix.kinds has {kind}, but no {kind} sample fits data.context_len="
+                                     f"{budget} tokens with this tokenizer (kv needs two UUID pairs): raise "
+                                     "data.context_len or drop the kind")
+                continue
+            rows.append({k: row[k] for k in ("input_ids", "labels", "depth")})
+            bar.update()
+    return rows

@@ -1,0 +1,233 @@
+"""Position-targeted training objectives: `debias.objective` (and the `debias` config group, conf/debias/).
+
+Chowdhury 2026 ("Lost in the Middle at Birth") shows that the optimizer's effective per-position
+learning rate follows the positional prior, eta(x) ∝ rho_H(x), and asks whether targeted loss
+weighting, middle-context curricula or over-sampled retrieval data close the gap. The options:
+
+- `mean` (default): the mean next-token NLL over the answer tokens of the micro-batch (plain IN2).
+- `depth_weight`: each sample's answer tokens weighted by w(d) ∝ p(d)^(-beta), p the closed-form prior
+  at the sample's gold depth d (`analysis.prior.depth_prior`, at the model's H layers, with `debias.alpha`
+  or the alpha fitted to the latest measured Jacobian profile), normalised to mean 1 over the samples of
+  the micro-batch and clipped at `debias.max_weight` (`mean_one_clipped`). loss = sum_t w_s(t) nll_t / N,
+  so beta = 0 is exactly the mean objective.
+- `group_dro`: Group DRO over K equal-width gold-depth bins (Sagawa et al. 2020, "Distributionally Robust
+  Neural Networks", Algorithm 1 with its online weights): per micro-batch, loss_k = mean NLL over the
+  answer tokens of the samples in bin k (0 for a bin with none), q_k <- q_k exp(eta loss_k) renormalised,
+  loss = sum_k q_k loss_k / sum_k q_k over the bins present in the micro-batch (Sagawa's code sums over
+  every group, which with fewer samples than bins scales the step down by the absent bins' q). The q
+  update reads every data-parallel rank's bin losses (summed over ranks), so q is the same on every rank;
+  it is saved in checkpoints and resumes exactly.
+
+Depth sampling (a middle-heavy gold-depth law, `data.in2.depth_law=valley|beta`) is a data setting
+(data_builders.in2), and over-sampled retrieval data (`debias.needle_mix`) a batching one
+(data_builders.needle_mix); both live in this group's presets so arms combine: `debias=[depth_sampling,group_dro]`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from analysis.prior import depth_prior
+from data_builders.probes import bin_label
+from models.loss import labelled_nll
+
+ALPHA_KEYS = ("prior/vanilla/alpha", "prior/chunked/alpha")  # the fitted alpha depth_weight follows, first found
+
+
+class Objective(StrEnum):
+    mean = "mean"
+    depth_weight = "depth_weight"
+    group_dro = "group_dro"
+
+
+class MixKind(StrEnum):
+    needle = "needle"  # "The secret code of <word> is <number>." in filler sentences (data_builders.probes)
+    kv = "kv"  # one UUID key's value among UUID pairs (Liu et al.'s probe)
+
+
+@dataclass
+class NeedleMixConfig:
+    share: float = 0.0  # of each micro-batch's rows replaced by synthetic retrieval samples; 0 = off
+    kinds: list[MixKind] = field(default_factory=lambda: [MixKind.needle, MixKind.kv])  # drawn alternately
+    pool: int = 4000  # distinct retrieval samples generated (seeded), read in turn
+    seed: int = 1  # generator seed; samples equal to an evaluation probe item are dropped
+
+
+@dataclass
+class DebiasConfig:
+    """`debias.*`: how per-sample losses combine, and the retrieval-data mix (conf/debias/ presets)."""
+
+    objective: Objective = Objective.mean
+    beta: float = 1.0  # depth_weight: w(d) ∝ p(d)^(-beta)
+    alpha: Optional[float] = None  # depth_weight: the prior's residual weight; None = fitted (prior/<set>/alpha)
+    max_weight: float = 5.0  # depth_weight: weights are clipped here (>= 1: their mean is 1)
+    bins: int = 10  # group_dro: equal-width gold-depth bins
+    eta: float = 0.01  # group_dro: step size of the exponentiated-gradient update of q
+    needle_mix: NeedleMixConfig = field(default_factory=NeedleMixConfig)
+
+    @property
+    def needs_depths(self) -> bool:
+        return self.objective != Objective.mean
+
+
+def validate_debias(cfg: DebiasConfig, jacobian_every: int, sequence_parallel: int, has_depths: bool) -> None:
+    """Fail at start-up, naming the key, on a debias setting that cannot run."""
+    if cfg.objective not in [o.value for o in Objective]:
+        raise ValueError(f"debias.objective={cfg.objective!r} is not known (known: {', '.join(Objective)})")
+    if cfg.needs_depths and not has_depths:
+        raise ValueError(f"debias.objective={cfg.objective} weights samples by their gold depth: it needs IN2 "
+                         "data (data.format=in2)")
+    if cfg.needs_depths and sequence_parallel > 1:
+        raise ValueError(f"debias.objective={cfg.objective} with trainer.sequence_parallel={sequence_parallel}: "
+                         "per-sample losses over sequence slices are not implemented; use one of them")
+    if cfg.objective == Objective.depth_weight:
+        if cfg.max_weight < 1:
+            raise ValueError(f"debias.max_weight={cfg.max_weight} must be >= 1 (the weights average 1)")
+        if cfg.alpha is None and jacobian_every < 1:
+            raise ValueError("debias.objective=depth_weight with debias.alpha=null follows the alpha fitted to the "
+                             "measured Jacobian, which is off (jacobian.every=0): set debias.alpha (e.g. 0.5)")
+        if cfg.alpha is not None and not 0 < cfg.alpha < 1:
+            raise ValueError(f"debias.alpha={cfg.alpha} must be in (0, 1)")
+    if cfg.objective == Objective.group_dro and (cfg.bins < 1 or cfg.eta < 0):
+        raise ValueError(f"debias.bins={cfg.bins} must be >= 1 and debias.eta={cfg.eta} >= 0")
+    if not 0 <= cfg.needle_mix.share < 1:
+        raise ValueError(f"debias.needle_mix.share={cfg.needle_mix.share} must be in [0, 1)")
+    if cfg.needle_mix.share and (not cfg.needle_mix.kinds or cfg.needle_mix.pool < 1):
+        raise ValueError("debias.needle_mix needs at least one of debias.needle_mix.kinds and pool >= 1")
+
+
+def mean_one_clipped(raw: torch.Tensor, cap: float) -> torch.Tensor:
+    """w = min(c raw, cap) with c chosen so that mean(w) = 1 (cap >= 1); float64.
+
+    Proportional to `raw` below the cap: each round rescales the unclipped weights to make up the mean,
+    and clips those that rise above it; at most len(raw) rounds.
+    """
+    raw = raw.double()
+    clipped = torch.zeros_like(raw, dtype=torch.bool)
+    w = raw
+    for _ in range(raw.numel()):
+        free_total = raw[~clipped].sum()
+        scale = (raw.numel() - cap * clipped.sum()) / free_total if free_total > 0 else 0.0
+        w = torch.where(clipped, torch.full_like(raw, cap), raw * scale)
+        over = (w > cap) & ~clipped
+        if not over.any():
+            break
+        clipped |= over
+    return w
+
+
+def depth_weights(depths: torch.Tensor, layers: int, alpha: float, beta: float, cap: float) -> torch.Tensor:
+    """depth_weight's per-sample weights: p(d)^(-beta) normalised to mean 1 and clipped at `cap`."""
+    prior = torch.from_numpy(depth_prior(depths.double().cpu().numpy(), layers, alpha))
+    return mean_one_clipped(prior.pow(-beta), cap).to(depths.device)
+
+
+def sample_sums(nll: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor, n_samples: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed NLL, labelled-token count) per sample, from per-position NLL (`labelled_nll(per_token=True)`).
+
+    `sample_ids` (B, L): the sample each token belongs to (-1: padding); a position's loss is its next
+    token's, so it counts towards that token's sample.
+    """
+    owner = sample_ids[:, -targets.shape[1]:].flatten()  # (N,) owner of each target token
+    labelled = (targets.flatten() != -100) & (owner >= 0)
+    slot = torch.where(labelled, owner, torch.full_like(owner, n_samples))  # the rest into a spare slot
+    sums = nll.new_zeros(n_samples + 1).index_add(0, slot, nll.flatten())
+    counts = torch.zeros(n_samples + 1, dtype=torch.float64, device=nll.device).index_add(
+        0, slot, labelled.double())
+    return sums[:n_samples], counts[:n_samples]
+
+
+class GroupDRO:
+    """Online Group DRO weights q over `bins` gold-depth bins (Sagawa et al. 2020)."""
+
+    def __init__(self, bins: int, eta: float):
+        self.bins, self.eta = bins, eta
+        self.q = torch.full((bins,), 1.0 / bins, dtype=torch.float64)
+
+    def bin_of(self, depths: torch.Tensor) -> torch.Tensor:
+        """Equal-width bin of each depth in [0, 1] (1 falls in the last), as `data_builders.probes.depth_bin`."""
+        return (depths.double() * self.bins).long().clamp(0, self.bins - 1)
+
+    def update(self, bin_losses: torch.Tensor) -> torch.Tensor:
+        """q_k <- q_k exp(eta loss_k), renormalised; `bin_losses` (K,) detached (0 for an empty bin)."""
+        q = self.q * torch.exp(self.eta * bin_losses.detach().double().cpu())
+        self.q = q / q.sum()
+        return self.q
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"q": self.q.tolist()}  # JSON floats round-trip exactly
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        q = torch.tensor(state["q"], dtype=torch.float64)
+        if q.shape != (self.bins,):
+            raise ValueError(f"the checkpoint's group_dro state has {q.numel()} bins, debias.bins={self.bins}")
+        self.q = q
+
+
+class DebiasObjective:
+    """The training loss of `debias.objective`: called by the engine on each micro-batch like
+    `models.loss.causal_lm_loss(model, batch, device)`; batches carry `sample_ids` and `depths`."""
+
+    def __init__(self, cfg: DebiasConfig, layers: int, all_sum: Callable[[torch.Tensor], torch.Tensor]):
+        self.cfg, self.layers, self.all_sum = cfg, layers, all_sum
+        self.alpha = cfg.alpha  # depth_weight: fixed, or the latest fitted one (`observe`)
+        self.dro = GroupDRO(cfg.bins, cfg.eta) if cfg.objective == Objective.group_dro else None
+        self._last: dict[str, float] = {}
+
+    def observe(self, metrics: Mapping[str, float]) -> None:
+        """Follow the alpha fitted to the latest measured Jacobian profile (with debias.alpha=null)."""
+        if self.cfg.alpha is not None:
+            return
+        fitted = next((metrics[k] for k in ALPHA_KEYS if k in metrics), None)
+        if fitted is not None and math.isfinite(fitted) and 0 < fitted < 1:
+            self.alpha = float(fitted)
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                 device: torch.device | str | None = None) -> torch.Tensor:
+        nll, count = labelled_nll(model, batch, device, per_token=True)
+        targets = batch["labels"][:, 1:].to(nll.device)
+        depths = batch["depths"].to(nll.device)
+        sums, counts = sample_sums(nll, targets, batch["sample_ids"].to(nll.device), depths.numel())
+        if self.cfg.objective == Objective.depth_weight:
+            if self.alpha is None:
+                raise RuntimeError("depth_weight has no alpha yet: the Jacobian is measured before the first update")
+            w = depth_weights(depths, self.layers, self.alpha, self.cfg.beta, self.cfg.max_weight)
+            self._last = {"debias/alpha": self.alpha, "debias/weight_max": float(w.max()),
+                          "debias/weight_min": float(w.min())}
+            return (w.to(sums.dtype) * sums).sum() / count
+        bins = self.dro.bin_of(depths)
+        K = self.dro.bins
+        bin_sums = sums.new_zeros(K).index_add(0, bins, sums)
+        bin_counts = counts.new_zeros(K).index_add(0, bins, counts)
+        # q follows the bin losses of the whole data-parallel micro-batch: the same q on every rank
+        total = self.all_sum(torch.cat([bin_sums.detach().double(), bin_counts]))
+        q = self.dro.update(total[:K] / total[K:].clamp(min=1))
+        local = bin_sums / bin_counts.clamp(min=1).to(bin_sums.dtype)
+        # Over the bins this micro-batch has: with fewer samples than bins, summing q over all of them
+        # would shrink the step by the q of the absent ones.
+        q = q.to(local.device, local.dtype) * (bin_counts > 0)
+        return (q * local).sum() / q.sum()
+
+    def metrics(self) -> dict[str, float]:
+        """Logged every step: depth_weight's alpha and weight range, or group_dro's q per bin."""
+        if self.dro is not None:
+            return {f"debias/q@{bin_label(k, self.dro.bins)}": float(v) for k, v in enumerate(self.dro.q)}
+        return dict(self._last)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"alpha": self.alpha}
+        if self.dro is not None:
+            state["group_dro"] = self.dro.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.alpha = state.get("alpha", self.alpha)
+        if self.dro is not None:
+            if "group_dro" not in state:
+                raise ValueError("the checkpoint holds no group_dro state (trained with another debias.objective)")
+            self.dro.load_state_dict(state["group_dro"])

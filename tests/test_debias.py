@@ -1,0 +1,290 @@
+"""Position-targeted objectives (models/debias.py), depth sampling, the retrieval mix, and their wiring."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from scipy import integrate, stats
+from torch.nn import functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from analysis.prior import depth_prior
+from data_builders.collate import BatchStream, collate, collate_packed
+from data_builders.config import DataConfig, DepthLaw, validate_data
+from data_builders.in2 import offset_law
+from data_builders.needle_mix import retrieval_samples
+from data_builders.tokenizer import train_bpe_tokenizer
+from models.debias import (
+    DebiasConfig,
+    DebiasObjective,
+    GroupDRO,
+    Objective,
+    depth_weights,
+    mean_one_clipped,
+    sample_sums,
+)
+from models.loss import causal_lm_loss
+from tests.conftest import TINY
+from train import DistInfo, as_train_config, run, validate
+
+
+def _density(d, H, alpha):
+    """The prior's smooth large-L density written out: sum_r C(H,r)(1-a)^(H-r) a^r ln(1/x)^(r-1)/(r-1)!."""
+    from math import comb, factorial, log
+
+    x = max(d, 1 / 256)
+    return sum(comb(H, r) * (1 - alpha) ** (H - r) * alpha**r * log(1 / x) ** (r - 1) / factorial(r - 1)
+               for r in range(1, H + 1))
+
+
+def test_depth_prior_is_the_closed_form_density():
+    for d in (0.0, 0.001, 0.1, 0.37, 0.5, 0.99, 1.0):
+        assert depth_prior(d, 4, 0.4) == pytest.approx(_density(d, 4, 0.4), rel=1e-12)
+
+
+def test_depth_weights_average_one_and_follow_the_formula():
+    depths = torch.tensor([0.0, 0.05, 0.2, 0.4, 0.5, 0.6, 0.8, 0.95, 1.0], dtype=torch.float64)
+    for beta, cap in ((1.0, 100.0), (2.0, 1.5), (0.5, 3.0)):
+        w = depth_weights(depths, 4, 0.5, beta, cap)
+        raw = torch.tensor([_density(float(d), 4, 0.5) ** -beta for d in depths], dtype=torch.float64)
+        assert w.mean().item() == pytest.approx(1.0, abs=1e-12)
+        assert w.max().item() <= cap + 1e-12
+        free = w < cap - 1e-12
+        ratio = w[free] / raw[free]  # the unclipped weights are proportional to p(d)^(-beta)
+        assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-12)
+        assert torch.all(raw[~free] * ratio[0] >= cap - 1e-12)  # the clipped ones would have been larger
+    uncapped = depth_weights(depths, 4, 0.5, 1.0, 100.0)
+    raw = torch.tensor([1 / _density(float(d), 4, 0.5) for d in depths], dtype=torch.float64)
+    assert torch.allclose(uncapped, raw / raw.mean(), rtol=1e-12)
+    assert torch.equal(depth_weights(depths, 4, 0.5, 0.0, 5.0), torch.ones_like(depths))
+
+
+def test_mean_one_clipping_water_fills():
+    w = mean_one_clipped(torch.tensor([1.0, 1.0, 1.0, 100.0]), 2.0)
+    assert torch.allclose(w, torch.tensor([2 / 3, 2 / 3, 2 / 3, 2.0], dtype=torch.float64))
+
+
+def _tiny_model():
+    config = AutoConfig.for_model("qwen2", vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+
+def _batch(depths=(0.05, 0.15, 0.55, 0.58, 0.91, 0.12)):
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i, d in enumerate(depths):
+        n = 10 + 2 * i
+        ids = torch.randint(1, 50, (n,), generator=g).tolist()
+        answer = 2 + i % 3  # answers of different lengths
+        rows.append({"input_ids": ids, "labels": [-100] * (n - answer) + ids[n - answer:], "depth": d})
+    return rows
+
+
+def _per_token(model, batch):
+    """Every labelled token's NLL from the full logits (the reference for the sparse path)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+    return nll.view(targets.shape), targets != -100
+
+
+def test_group_dro_step_equals_a_hand_computation():
+    model, rows = _tiny_model(), _batch()
+    batch = collate(rows, 0, depths=True)
+    objective = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=10, eta=0.3), 2, lambda t: t.clone())
+    q0 = objective.dro.q.clone()
+    loss = objective(model, batch)
+    nll, labelled = _per_token(model, batch)
+    bins = [min(int(d * 10), 9) for d in batch["depths"].tolist()]
+    bin_tokens = {k: [] for k in range(10)}
+    for s, k in enumerate(bins):
+        bin_tokens[k] += nll[s][labelled[s]].tolist()
+    bin_loss = torch.tensor([np.mean(v) if v else 0.0 for v in bin_tokens.values()], dtype=torch.float64)
+    q = q0 * torch.exp(0.3 * bin_loss)
+    q = q / q.sum()
+    assert torch.allclose(objective.dro.q, q, rtol=1e-12)
+    present = torch.tensor([bool(v) for v in bin_tokens.values()])
+    expected = (q * bin_loss)[present].sum() / q[present].sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert set(objective.metrics()) == {f"debias/q@{k / 10}" for k in range(10)}
+
+
+def test_one_bin_and_beta_zero_are_the_plain_loss():
+    model, rows = _tiny_model(), _batch()
+    batch = collate(rows, 0, depths=True)
+    plain = causal_lm_loss(model, batch)
+    one_bin = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=1), 2, lambda t: t.clone())
+    flat = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, beta=0.0, alpha=0.5), 2, lambda t: t)
+    assert one_bin(model, batch).item() == pytest.approx(plain.item(), rel=1e-12)
+    assert flat(model, batch).item() == pytest.approx(plain.item(), rel=1e-12)
+
+
+def test_depth_weight_loss_weights_each_samples_tokens():
+    model, rows = _tiny_model(), _batch()
+    batch = collate(rows, 0, depths=True)
+    objective = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, beta=1.0, alpha=0.4), 2,
+                                lambda t: t)
+    nll, labelled = _per_token(model, batch)
+    w = depth_weights(batch["depths"], 2, 0.4, 1.0, 5.0)
+    expected = sum(w[s] * nll[s][labelled[s]].sum() for s in range(len(rows))) / labelled.sum()
+    assert objective(model, batch).item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_depth_weight_follows_the_latest_fitted_alpha():
+    objective = DebiasObjective(DebiasConfig(objective=Objective.depth_weight), 4, lambda t: t)
+    assert objective.alpha is None
+    objective.observe({"prior/vanilla/alpha": 0.37, "prior/chunked/alpha": 0.5})
+    assert objective.alpha == 0.37
+    objective.observe({"prior/chunked/alpha": 0.45})
+    assert objective.alpha == 0.45
+    fixed = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, alpha=0.2), 4, lambda t: t)
+    fixed.observe({"prior/vanilla/alpha": 0.37})
+    assert fixed.alpha == 0.2
+
+
+def test_packed_and_padded_batches_give_the_same_sample_sums():
+    model, rows = _tiny_model(), _batch()
+    padded = collate(rows, 0, depths=True)
+    packed = collate_packed([rows[:3], rows[3:]], 64, 0, depths=True)
+    assert torch.equal(padded["depths"], packed["depths"])
+    from models.loss import labelled_nll
+
+    sums = []
+    for batch in (padded, packed):
+        nll, _ = labelled_nll(model, batch, per_token=True)
+        sums.append(sample_sums(nll, batch["labels"][:, 1:], batch["sample_ids"], len(rows)))
+    assert torch.allclose(sums[0][0], sums[1][0], rtol=1e-10)
+    assert torch.equal(sums[0][1], sums[1][1])
+    assert sums[0][1].tolist() == [2 + i % 3 for i in range(len(rows))]
+
+
+def test_group_dro_state_round_trips_and_checks_bins():
+    dro = GroupDRO(4, 0.1)
+    dro.update(torch.tensor([1.0, 0.0, 2.0, 0.3]))
+    again = GroupDRO(4, 0.1)
+    again.load_state_dict(json.loads(json.dumps(dro.state_dict())))
+    assert torch.equal(again.q, dro.q)
+    with pytest.raises(ValueError, match="debias.bins"):
+        GroupDRO(5, 0.1).load_state_dict(dro.state_dict())
+
+
+def _offsets(law: DepthLaw, n: int, free: int = 20000, **in2) -> np.ndarray:
+    cfg = DataConfig()
+    cfg.in2.depth_law = law
+    for key, value in in2.items():
+        setattr(cfg.in2, key, value)
+    draw, rng = offset_law(cfg), random.Random(0)
+    return np.array([draw(free, rng) for _ in range(n)]) / free
+
+
+def test_valley_depths_pass_a_ks_test_against_their_law():
+    depths = _offsets(DepthLaw.valley, 4000, valley_layers=4, valley_alpha=0.5, valley_power=1.0)
+    grid = np.linspace(0, 1, 20001)
+    density = depth_prior(grid, 4, 0.5) ** -1.0
+    cdf = integrate.cumulative_trapezoid(density, grid, initial=0)
+    cdf /= cdf[-1]
+    law = lambda x: np.interp(x, grid, cdf)  # noqa: E731
+    assert stats.kstest(depths, law).pvalue > 0.01
+    assert stats.kstest(depths, "uniform").pvalue < 1e-6  # the test can tell the laws apart
+    assert stats.kstest(_offsets(DepthLaw.beta, 4000, depth_beta=[2.0, 2.0]), stats.beta(2, 2).cdf).pvalue > 0.01
+    assert stats.kstest(_offsets(DepthLaw.uniform, 4000), "uniform").pvalue > 0.01
+
+
+def test_valley_law_needs_the_layer_count():
+    cfg = DataConfig()
+    cfg.in2.depth_law = DepthLaw.valley
+    with pytest.raises(ValueError, match="data.in2.valley_layers"):
+        validate_data(cfg)
+
+
+def test_ramped_depth_law_starts_uniform_and_is_read_in_order(compose_cfg, tmp_path):
+    from data_builders.build import build_datasets
+
+    cfg = as_train_config(compose_cfg(*TINY, "data.num_train=600", "data.in2.depth_law=ends",
+                                      "data.in2.depth_ends=0.1", "data.in2.depth_ramp=0.5"))
+    bundle = build_datasets(cfg.data, None)
+    depths = np.array(bundle.train["depth"])
+    middle = (depths > 0.1) & (depths < 0.9)
+    assert middle[:100].mean() > 0.4  # mostly uniform at first
+    assert middle[300:].mean() < 0.05  # the ends law after the ramp (a few budgets leave no free token)
+    assert bundle.stats["depth_histogram"]["train"][4] == int(((depths >= 0.4) & (depths < 0.5)).sum())
+
+
+def test_retrieval_mix_never_uses_an_evaluation_item():
+    from analysis.positional_eval import EvalConfig, build_probes
+    from data_builders.needle_mix import protected_strings
+    from data_builders.probes import synthetic_filler
+
+    tok = train_bpe_tokenizer(synthetic_filler(300) + ["0123456789 secret code {}"], 400)
+    evaluation = build_probes(EvalConfig(probes=["needle", "kv"], probe_examples=5), tok)
+    protected = protected_strings(i for items in evaluation.values() for i in items)
+    rows = retrieval_samples(tok, 60, 512, ["needle", "kv"], seed=1, protected=protected)
+    texts = [tok.decode(r["input_ids"]) for r in rows]
+    assert not [s for s in protected for t in texts if s in t]
+    # Answers the generator itself would give are dropped when protected: the filter is not vacuous.
+    first = retrieval_samples(tok, 20, 512, ["needle", "kv"], seed=7)
+    taken = {tok.decode([t for t in r["labels"] if t >= 0][:-1]).strip() for r in first}
+    again = retrieval_samples(tok, 20, 512, ["needle", "kv"], seed=7, protected=taken)
+    assert not {tok.decode([t for t in r["labels"] if t >= 0][:-1]).strip() for r in again} & taken
+    assert all(len(r["input_ids"]) <= 512 and 0 <= r["depth"] <= 1 for r in rows)
+
+
+def test_mixed_rows_replace_the_tail_of_each_batch_and_resume_exactly():
+    data = [{"input_ids": [i + 1] * 3, "labels": [-100, i + 1, i + 1], "depth": i / 40} for i in range(40)]
+    mix = [{"input_ids": [99, 98, 97], "labels": [-100, 98, 97], "depth": k / 10} for k in range(10)]
+    stream = BatchStream(data, 4, 0, seed=0, depths=True, mix=mix, mix_rows=1)
+    batches = [next(it) for it in [iter(stream)] for _ in range(5)]
+    assert all(b["input_ids"][-1, 0] == 99 and (b["input_ids"][:-1, 0] != 99).all() for b in batches)
+    assert [b["depths"][-1].item() for b in batches] == [0.0, 0.1, 0.2, 0.3, 0.4]
+    resumed = BatchStream(data, 4, 0, seed=0, depths=True, mix=mix, mix_rows=1)
+    resumed.position = 3
+    again = next(iter(resumed))
+    assert torch.equal(again["input_ids"], batches[3]["input_ids"]) and torch.equal(again["depths"],
+                                                                                    batches[3]["depths"])
+
+
+def test_debias_settings_that_cannot_run_fail_at_start_up(compose_cfg):
+    cases = [
+        (["debias=depth_weight"], "debias.alpha"),
+        (["debias=needle_mix", "data.packing=true"], "data.packing=false"),
+        (["debias=needle_mix", "debias.needle_mix.share=0.01"], "mixed rows"),
+        (["debias=depth_weight", "debias.alpha=0.5", "debias.max_weight=0.5"], "debias.max_weight"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=message):
+            validate(as_train_config(compose_cfg(*TINY, *overrides)), DistInfo())
+
+
+def test_debias_presets_combine(compose_cfg):
+    cfg = as_train_config(compose_cfg(*TINY, "debias=[depth_sampling,group_dro]"))
+    assert cfg.debias.objective == Objective.group_dro
+    assert cfg.data.in2.depth_law == DepthLaw.valley and cfg.data.in2.valley_layers == 2  # the model's
+
+
+def test_group_dro_resume_is_bitwise_exact(compose_cfg, tmp_path):
+    arm = ["debias=[group_dro,needle_mix]", "debias.needle_mix.kinds=[needle]", "debias.needle_mix.pool=16",
+           "debias.eta=0.5", "trainer.max_steps=4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(compose_cfg(*TINY, *arm), full)
+    run(compose_cfg(*TINY, *arm, "trainer.save_every=2"), part)
+    shutil.rmtree(part / "checkpoints" / "step-4")
+    lines = [line for line in (part / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
+    (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run(compose_cfg(*TINY, *arm, "trainer.resume_from=latest"), part)
+
+    def logged(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: {k: v for k, v in r.items() if k == "train/loss" or k.startswith("debias/q@")}
+                for r in rows if "train/loss" in r}
+
+    expected, resumed = logged(full), logged(part)
+    assert len(expected[4]) == 11 and [resumed[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]
+    q = [json.loads((d / "checkpoints" / "step-4" / "trainer_state.json").read_text())["debias"]["group_dro"]["q"]
+         for d in (full, part)]
+    assert q[0] == q[1] and max(q[0]) > min(q[0])  # q moved, and resumed to the same bits
