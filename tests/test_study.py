@@ -1,0 +1,225 @@
+"""analysis.study on a synthetic sweep: fairness metrics, paired bootstrap, job loading, report and CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis.positional_eval import ProbeResult
+from analysis.scoring import paired_bootstrap_ci
+from analysis.study import (
+    FAIRNESS_METRICS,
+    StudyError,
+    analyse,
+    arm_name,
+    fairness,
+    load_study,
+    main,
+    paired_bootstrap,
+    seed_of,
+    write_report,
+)
+
+N_QUESTIONS = 1000
+FINAL_STEP = 200
+# Correct-answer probability per depth bin (10 bins) of each arm's final answers.
+ARM_PROBS = {
+    "none": [0.85, 0.8, 0.7, 0.45, 0.4, 0.4, 0.45, 0.7, 0.8, 0.85],  # lost in the middle
+    "depth_weight": [0.8, 0.8, 0.7, 0.6, 0.55, 0.55, 0.6, 0.7, 0.8, 0.8],
+    "group_dro": [0.9] * 10,  # flat and high
+}
+START_PROBS = [0.5, 0.45, 0.3, 0.2, 0.15, 0.15, 0.2, 0.3, 0.45, 0.5]
+
+
+def _questions(n: int = N_QUESTIONS, seed: int = 11) -> list[dict]:
+    depths = np.random.default_rng(seed).uniform(0.0, 1.0, n)
+    return [{"id": f"q{i:04d}", "depth": float(d), "position": min(int(d * 10), 9)} for i, d in enumerate(depths)]
+
+
+def _result(questions: list[dict], probs: list[float], rng: np.random.Generator) -> ProbeResult:
+    outcomes = []
+    for q in questions:
+        correct = float(rng.random() < probs[q["position"]])
+        outcomes.append({"id": q["id"], "query": f"question {q['id']}", "position": q["position"],
+                         "label": str(round(q["position"] / 10, 4)), "prediction": "a" if correct else "b",
+                         "answers": ["a"], "correct": correct, "extra": {"depth": q["depth"]}})
+    return ProbeResult(probe="in2", outcomes=outcomes, settings={})
+
+
+def _write_job(job: Path, overrides: list[str], start: ProbeResult, final: ProbeResult,
+               metrics: list[dict] | None, final_step: int = FINAL_STEP) -> None:
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    start.save_json(job / "eval" / "in2_step0.json")
+    final.save_json(job / "eval" / f"in2_step{final_step}.json")
+    if metrics is not None:
+        (job / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics))
+
+
+def _valley_rows(seed: int, deepen: float) -> list[dict]:
+    """Two steps; several lines per step (metric groups); valley at both steps for vanilla and chunked."""
+    rows = []
+    for step, depth in ((0, 1.0 + seed), (FINAL_STEP, 1.0 + seed + deepen)):
+        rows.append({"step": step, "train/loss": 2.0})
+        rows.append({"step": step, "valley/vanilla/peak_to_trough_log10": depth,
+                     "valley/vanilla/middle_mass": 0.2, "prior/vanilla/alpha": 0.5})
+        rows.append({"step": step, "valley/chunked/peak_to_trough_log10": depth / 2,
+                     "valley/chunked/middle_mass": "nan" if step == 0 else 0.3})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """3 arms x 2 seeds of one shared held-out set; depth_weight logged no Jacobian metrics."""
+    root = tmp_path_factory.mktemp("sweep")
+    questions, rng, n = _questions(), np.random.default_rng(5), 0
+    for arm, probs in ARM_PROBS.items():
+        for seed in (0, 1):
+            overrides = ([] if arm == "none" else [f"debias={arm}"]) + [f"seed={seed}", "+exp=in2"]
+            metrics = None if arm == "depth_weight" else _valley_rows(seed, deepen=1.0 if arm == "none" else -0.5)
+            _write_job(root / str(n), overrides, _result(questions, START_PROBS, rng), _result(questions, probs, rng),
+                       metrics)
+            n += 1
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def stats(sweep: Path) -> dict:
+    return analyse(load_study(sweep), n_boot=500)
+
+
+def test_arm_and_seed_from_overrides():
+    assert arm_name(["debias=[depth_sampling,group_dro]", "seed=2"]) == "depth_sampling+group_dro"
+    assert arm_name(["+debias=[depth_sampling, group_dro]"]) == "depth_sampling+group_dro"
+    assert arm_name(["debias=group_dro"]) == "group_dro"
+    assert arm_name(["seed=1", "trainer.lr=0.001"]) == "none"
+    assert arm_name([]) == "none"
+    assert seed_of(["debias=group_dro", "seed=3"]) == 3
+    assert seed_of(["debias=group_dro"]) == 0
+
+
+def test_fairness_by_hand():
+    scores = np.array([1.0, 0.0, 0.5, 1.0, 0.0, 1.0, 1.0, 0.5])
+    bins = np.array([0, 0, 2, 2, 5, 5, 9, 9])
+    depths = np.array([0.01, 0.05, 0.26, 0.29, 0.55, 0.59, 0.91, 0.99])
+    got = fairness(scores, bins, depths)
+    # bins present: 0 -> 0.5, 2 -> 0.75, 5 -> 0.5, 9 -> 0.75 (empty bins are left out)
+    # middle (depth in [0.25, 0.75)): 0.5, 1, 0, 1 -> 2.5 / 4; ends: 1, 0, 1, 0.5 -> 2.5 / 4
+    assert got == {"mean": 5.0 / 8, "worst_bin": 0.5, "gap": 0.25, "middle_minus_ends": 0.0,
+                   "middle_over_ends": 1.0}
+    ends_zero = fairness(np.array([1.0, 0.0, 0.0]), np.array([4, 0, 9]), np.array([0.5, 0.1, 0.9]))
+    assert ends_zero["middle_minus_ends"] == 1.0 and np.isnan(ends_zero["middle_over_ends"])
+    assert ends_zero["worst_bin"] == 0.0 and ends_zero["gap"] == 1.0
+    with pytest.raises(ValueError):
+        fairness(np.array([1.0]), np.array([0, 1]), np.array([0.1, 0.2]))
+
+
+def test_arm_against_itself_is_exactly_zero():
+    rng = np.random.default_rng(0)
+    depths = rng.uniform(0, 1, 300)
+    bins = np.minimum((depths * 10).astype(int), 9)
+    scores = (rng.random(300) < 0.6).astype(float)
+    estimates, _ = paired_bootstrap({"none": scores, "copy": scores.copy()}, bins, depths, n_boot=300)
+    for name in FAIRNESS_METRICS:
+        e = estimates["copy"][name]
+        assert (e.diff, e.diff_low, e.diff_high) == (0.0, 0.0, 0.0), name
+        assert not e.resolved
+        assert e.low <= e.value <= e.high
+
+
+def test_mean_difference_matches_scoring_helper():
+    """The engine's paired mean difference is the existing paired_bootstrap_ci (same resamples, same seed)."""
+    rng = np.random.default_rng(1)
+    depths = rng.uniform(0, 1, 400)
+    bins = np.minimum((depths * 10).astype(int), 9)
+    a, b = (rng.random(400) < 0.7).astype(float), (rng.random(400) < 0.5).astype(float)
+    estimates, _ = paired_bootstrap({"none": b, "arm": a}, bins, depths, n_boot=700, seed=3)
+    low, high = paired_bootstrap_ci(a, b, n_boot=700, seed=3)
+    assert estimates["arm"]["mean"].diff_low == pytest.approx(low, abs=1e-12)
+    assert estimates["arm"]["mean"].diff_high == pytest.approx(high, abs=1e-12)
+
+
+def test_load_study_groups_arms_and_seeds(sweep: Path):
+    study = load_study(sweep)
+    assert study.arms == ["none", "depth_weight", "group_dro"]
+    assert all(study.seeds(arm) == [0, 1] for arm in study.arms)
+    assert len(study.ids) == N_QUESTIONS and study.n_bins == 10
+    assert {job.final_step for job in study.jobs} == {FINAL_STEP}
+    # several metric lines of one step are merged
+    none0 = next(job for job in study.jobs if job.arm == "none" and job.seed == 0)
+    assert {"train/loss", "valley/vanilla/middle_mass", "valley/chunked/middle_mass"} <= set(none0.metrics[0])
+    scores = study.scores("group_dro")
+    assert scores.shape == (N_QUESTIONS,) and set(np.unique(scores)) <= {0.0, 0.5, 1.0}
+
+
+def test_better_arm_is_resolved(stats: dict):
+    dro = stats["fairness"]["group_dro"]
+    assert dro["worst_bin"]["diff_low"] > 0 and dro["worst_bin"]["resolved"]
+    assert dro["gap"]["diff_high"] < 0
+    assert stats["fairness"]["none"]["middle_minus_ends"]["high"] < 0  # the synthetic middle dip
+    assert stats["resolution"]["worst_bin_diff_halfwidth"]["group_dro"] > 0
+    assert 0 < stats["resolution"]["median_bin_halfwidth"] < 0.2
+
+
+def test_valley_start_end_and_missing(stats: dict):
+    none = stats["valley"]["none"]
+    ptt = none["vanilla"]["peak_to_trough_log10"]  # seeds 0, 1: 1, 2 at step 0; 2, 3 at the end
+    assert (ptt["start"], ptt["end"], ptt["change"]) == (1.5, 2.5, 1.0)
+    assert ptt["start_steps"] == [0] and ptt["end_steps"] == [FINAL_STEP]
+    # a "nan" string (how metrics_log writes non-finite values) is not a measurement
+    assert none["chunked"]["middle_mass"]["start_steps"] == [FINAL_STEP]
+    assert np.isnan(stats["valley"]["depth_weight"]["vanilla"]["middle_mass"]["start"])
+    assert stats["valley"]["group_dro"]["vanilla"]["peak_to_trough_log10"]["change"] == -0.5
+
+
+def test_report_files(sweep: Path, tmp_path: Path):
+    report = write_report(load_study(sweep), tmp_path / "out", n_boot=300)
+    text = report.read_text()
+    assert report == tmp_path / "out" / "report.md"
+    assert (tmp_path / "out" / "accuracy_by_depth.png").stat().st_size > 0
+    assert "![](accuracy_by_depth.png)" in text and str(sweep) in text
+    table = [line for line in text.splitlines() if line.startswith("| worst_bin |")]
+    assert {line.split(" | ")[1] for line in table} == set(ARM_PROBS) | {"start"}  # + the starting checkpoint
+    dro = next(line for line in table if "| group_dro |" in line)
+    assert dro.rstrip(" |").endswith("*")
+    assert "n/a" in text  # depth_weight has no valley metrics
+    data = json.loads((tmp_path / "out" / "study.json").read_text(),
+                      parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert data["n_questions"] == N_QUESTIONS and list(data["fairness"]) == [*ARM_PROBS, "start"]
+
+
+def test_cli(sweep: Path, tmp_path: Path, capsys):
+    assert main([str(sweep), "--out", str(tmp_path / "cli"), "--n-boot", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"| {arm} |" in printed for arm in ARM_PROBS) and "report.md" in printed
+    assert main([str(sweep), "--out", str(tmp_path / "bad"), "--reference", "nope", "--n-boot", "50"]) == 1
+    assert "nope" in capsys.readouterr().err
+
+
+def test_different_question_ids_name_the_path(tmp_path: Path):
+    questions, rng = _questions(50), np.random.default_rng(0)
+    _write_job(tmp_path / "0", ["seed=0"], _result(questions, START_PROBS, rng), _result(questions, START_PROBS, rng),
+               None)
+    other = _questions(50)
+    other[7]["id"] = "elsewhere"
+    _write_job(tmp_path / "1", ["debias=group_dro"], _result(other, START_PROBS, rng),
+               _result(other, START_PROBS, rng), None)
+    with pytest.raises(StudyError, match=r"1/eval/in2_step0\.json.*question ids differ"):
+        load_study(tmp_path)
+
+
+def test_missing_eval_names_the_path(tmp_path: Path):
+    questions, rng = _questions(20), np.random.default_rng(0)
+    _write_job(tmp_path / "0", [], _result(questions, START_PROBS, rng), _result(questions, START_PROBS, rng), None)
+    (tmp_path / "1" / ".hydra").mkdir(parents=True)
+    (tmp_path / "1" / ".hydra" / "overrides.yaml").write_text("- debias=group_dro\n")
+    with pytest.raises(StudyError, match=r"1/eval/in2_step0\.json: missing"):
+        load_study(tmp_path)
+    _result(questions, START_PROBS, rng).save_json(tmp_path / "1" / "eval" / "in2_step0.json")
+    with pytest.raises(StudyError, match=r"1/eval: only in2_step0\.json"):
+        load_study(tmp_path)
+    with pytest.raises(StudyError, match="no job directories"):
+        load_study(tmp_path / "0" / "eval")
