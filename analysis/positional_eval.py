@@ -38,6 +38,8 @@ from data_builders.mdqa import Distractors
 from data_builders.probes import (
     KV_FILE,
     NQ_FILE,
+    Layout,
+    Order,
     ProbeItem,
     expand_paths,
     in2_probe,
@@ -110,6 +112,7 @@ class KVProbeConfig:
     n_pairs: Optional[int] = None  # pairs per prompt; None = every pair of the file's records (75 synthetic)
     positions: Optional[list[int]] = None  # gold pair indices; None = the reference's for that pair count
     max_new_tokens: int = 100  # the reference's budget; the value is looked for in the whole generation
+    query_aware: bool = False  # the key before the JSON data too (the reference's query-aware prompt)
 
 
 @dataclass
@@ -124,6 +127,12 @@ class MDQAProbeConfig:
     closed_book: bool = True  # also ask each question without documents (the no-context baseline)
     metric: QAMetric = QAMetric.best_subspan_em
     max_new_tokens: int = 100  # the reference's budget; the first line of the answer is scored
+    query_aware: bool = False  # the question before the documents too (the reference's query-aware prompt)
+    # Inference-time interventions on the ranked documents (the file's order; the gold ranks where it sits):
+    # keep the top `keep`, lay them out by `order` (descending, ascending, outside_in). Positions stay the
+    # gold's rank; each outcome's extra["final_position"] says where it ended (-1: truncated away).
+    order: Optional[Order] = None
+    keep: Optional[int] = None
 
 
 @dataclass
@@ -436,14 +445,16 @@ def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[st
     for name in map(Probe, cfg.probes):  # plain strings too: ValueError on an unknown probe
         source = probe_source(name, cfg) if name != Probe.needle else None
         if name == Probe.kv:
-            probes[name] = kv_probe(source, cfg.kv.n_pairs, cfg.kv.positions, n_examples=cfg.probe_examples)
+            probes[name] = kv_probe(source, cfg.kv.n_pairs, cfg.kv.positions, n_examples=cfg.probe_examples,
+                                    query_aware=cfg.kv.query_aware)
         elif name == Probe.mdqa:
             if source is None:
                 log.warning("eval.probes has mdqa but neither eval.mdqa.path nor eval.data_dir is set: mdqa is skipped")
                 continue
             m = cfg.mdqa
             probes[name] = mdqa_probe(source, m.n_docs, m.positions, m.distractors, m.pool,
-                                      n_examples=cfg.probe_examples, closed_book=m.closed_book)
+                                      n_examples=cfg.probe_examples, closed_book=m.closed_book,
+                                      layout=Layout(m.query_aware, m.order, m.keep))
         else:
             filler = nq_filler(Path(cfg.data_dir) / NQ_FILE) if cfg.data_dir is not None else synthetic_filler()
             probes[name] = needle_probe(filler, cfg.needle.depths, cfg.needle.lengths, tokenizer,
@@ -487,7 +498,13 @@ def probe_settings(name: str, cfg: EvalConfig, items: Sequence[ProbeItem]) -> di
         built = {it.extra.get("distractors") for it in items if it.position >= 0} - {None}
         if name == "mdqa":
             settings["distractors"] = "as in the file" if not built else sorted(built)[0]
-        comparable = settings["max_new_tokens"] == 100 and (name == "kv" or (
+        probe_cfg = getattr(cfg, name)
+        settings["query_aware"] = probe_cfg.query_aware
+        moved = name == "mdqa" and (cfg.mdqa.order is not None or cfg.mdqa.keep is not None)
+        if moved:
+            settings["order"] = None if cfg.mdqa.order is None else str(cfg.mdqa.order)
+            settings["keep"] = cfg.mdqa.keep
+        comparable = settings["max_new_tokens"] == 100 and not moved and (name == "kv" or (
             cfg.mdqa.metric == QAMetric.best_subspan_em and settings["distractors"] != Distractors.random))
         settings["comparable_with_reference"] = comparable
     if name == "needle":
@@ -503,6 +520,13 @@ def describe_settings(settings: Mapping[str, Any]) -> str:
     parts = [f"metric {settings.get('metric', '?')}", f"{settings.get('max_new_tokens', '?')} new tokens"]
     if "answer_cut" in settings:
         parts.append(f"scored on the {settings['answer_cut']}")
+    if settings.get("intervention", "none") != "none":
+        parts.append(f"intervention {settings['intervention']}")
+    if settings.get("query_aware"):
+        parts.append("query-aware prompts")
+    if "order" in settings:
+        parts.append(f"documents {settings['order'] or 'in rank order'}"
+                     + (f", top {settings['keep']} kept" if settings.get("keep") is not None else ""))
     for key in ("source", "distractors", "slots", "positions", "lengths", "depths"):
         if key in settings:
             parts.append(f"{key} {settings[key]}")

@@ -18,6 +18,7 @@ import random
 import re
 import uuid
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -49,6 +50,33 @@ _FILLER_TAILS = (
     "as the seasons changed", "without saying a word", "for many years",
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+class Order(StrEnum):
+    """How ranked documents are laid out (Liu et al. 2024, Sec. 5: putting the best where models look)."""
+
+    descending = "descending"  # rank 1 first (the retriever's order)
+    ascending = "ascending"  # rank 1 last, nearest the question
+    outside_in = "outside_in"  # best at both ends: pos(d_2j-1) = j, pos(d_2j) = n - j + 1
+
+
+def arrangement(n: int, order: Order | str) -> list[int]:
+    """The 0-based rank of the document at each position: outside-in on ten reads ranks 1,3,5,7,9,10,8,6,4,2."""
+    order = Order(order)
+    if order == Order.descending:
+        return list(range(n))
+    if order == Order.ascending:
+        return list(range(n))[::-1]
+    return list(range(0, n, 2)) + list(range(1, n, 2))[::-1]
+
+
+def arrange_documents(ctxs: Sequence[Any], gold: int, order: Order | str | None, keep: int | None
+                      ) -> tuple[list[Any], int]:
+    """`ctxs` in rank order (index 0 = rank 1; the gold ranks where it sits) truncated to the top `keep` and laid
+    out by `order` (None: as ranked); returns them and the gold's final index (-1: truncated away)."""
+    ranked = list(ctxs)[:keep] if keep is not None else list(ctxs)
+    ranks = arrangement(len(ranked), order) if order is not None else list(range(len(ranked)))
+    return [ranked[r] for r in ranks], ranks.index(gold) if gold in ranks else -1
 
 
 @dataclass
@@ -178,6 +206,7 @@ def kv_probe(
     positions: Sequence[int] | None = None,
     n_examples: int | None = None,
     seed: int = 0,
+    query_aware: bool = False,
 ) -> list[ProbeItem]:
     """Key-value retrieval: find the value of one UUID key among UUID pairs (Liu et al.'s probe).
 
@@ -210,7 +239,8 @@ def kv_probe(
     if bad:
         raise ValueError(f"{examples[0][0] if examples else path}: gold positions {bad} do not fit "
                          f"{n_pairs} pairs (positions run 0..{n_pairs - 1})")
-    template = load_template("kv_retrieval")
+    # query_aware: the key before the JSON data too (Liu et al.'s query-aware contextualization)
+    template = load_template("kv_retrieval_query_aware" if query_aware else "kv_retrieval")
     items = []
     for where, i, pairs, key, value in examples:
         if len(pairs) < n_pairs:
@@ -237,12 +267,35 @@ def _format_documents(docs: Sequence[Mapping[str, str]]) -> str:
     return "\n".join(f"Document [{k + 1}](Title: {d['title']}) {d['text']}" for k, d in enumerate(docs))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Prompt-level interventions of the kv and mdqa probes (analysis.interventions): query-aware prompts
+    (the question or key before the data too, Liu et al.'s templates), and for mdqa ranked documents
+    truncated to the top `keep` and laid out by `order`. The default asks the reference's prompts."""
+
+    query_aware: bool = False
+    order: Order | None = None
+    keep: int | None = None
+
+    @property
+    def moves_documents(self) -> bool:
+        return self.order is not None or self.keep is not None
+
+
 def _qa_item(
     i: int, rec: Mapping[str, Any], ctxs: Sequence[Mapping[str, str]], position: int, label: str | None,
-    extra: Mapping[str, Any],
+    extra: Mapping[str, Any], layout: Layout = Layout(),
 ) -> ProbeItem:
-    """One mdqa item: the question over `ctxs` (the closed-book prompt when there are none)."""
-    prompt = (load_template("mdqa").format(documents=_format_documents(ctxs), question=rec["question"]) if ctxs
+    """One mdqa item: the question over `ctxs` (the closed-book prompt when there are none).
+
+    With a layout that moves documents, `position` stays the gold's rank (its index in `ctxs`, the
+    retriever's order), so curves pair with the un-intervened ones; extra["final_position"] is where it ends.
+    """
+    extra = dict(extra)
+    if ctxs and layout.moves_documents:
+        ctxs, extra["final_position"] = arrange_documents(ctxs, position, layout.order, layout.keep)
+    template = "mdqa_query_aware" if layout.query_aware else "mdqa"
+    prompt = (load_template(template).format(documents=_format_documents(ctxs), question=rec["question"]) if ctxs
               else load_template("closedbook_qa").format(question=rec["question"]))
     return ProbeItem(
         id=f"mdqa-{i}@{label or position}",
@@ -251,7 +304,7 @@ def _qa_item(
         position=position,
         n_positions=len(ctxs),
         probe="mdqa",
-        extra=dict(extra),
+        extra=extra,
         label=label,
         query=f"mdqa-{i}",
     )
@@ -269,7 +322,7 @@ def _check_qa_record(where: str, rec: Mapping[str, Any]) -> None:
 
 def _built_qa_items(
     file: Path, lines: Sequence[tuple[int, dict[str, Any]]], chosen: Sequence[int], n_docs: int | None,
-    positions: Sequence[int] | None, distractors: str, pool: str | Path | None, seed: int,
+    positions: Sequence[int] | None, distractors: str, pool: str | Path | None, seed: int, layout: Layout,
 ) -> list[ProbeItem]:
     """Items of an oracle file (one gold passage per question): distractors added, gold at each position."""
     n_docs = 20 if n_docs is None else n_docs
@@ -286,13 +339,13 @@ def _built_qa_items(
     items = []
     for k, i in enumerate(chosen):
         extra = {"example": i, "question": records[i]["question"], "file": file.name, "distractors": str(distractors)}
-        items += [_qa_item(i, built[pos][k], built[pos][k]["ctxs"], pos, None, extra) for pos in positions]
+        items += [_qa_item(i, built[pos][k], built[pos][k]["ctxs"], pos, None, extra, layout) for pos in positions]
     return items
 
 
 def _given_qa_items(
     file: Path, lines: Sequence[tuple[int, dict[str, Any]]], chosen: Sequence[int], n_docs: int | None,
-    positions: Sequence[int] | None,
+    positions: Sequence[int] | None, layout: Layout,
 ) -> list[ProbeItem]:
     """Items of a file in the reference format, asked as they are: the gold is where `isgold` says."""
     items = []
@@ -313,7 +366,7 @@ def _given_qa_items(
             raise ValueError(f"{where}: its gold is at index {golds[0]}, not among positions {list(positions)}")
         position, label = (golds[0], None) if golds else (-1, "nogold" if ctxs else "closedbook")
         extra = {"example": i, "question": rec["question"], "file": file.name}
-        items.append(_qa_item(i, rec, ctxs, position, label, extra))
+        items.append(_qa_item(i, rec, ctxs, position, label, extra, layout))
     return items
 
 
@@ -326,6 +379,7 @@ def mdqa_probe(
     n_examples: int | None = None,
     seed: int = 0,
     closed_book: bool = True,
+    layout: Layout = Layout(),
 ) -> list[ProbeItem]:
     """Multi-document QA (Liu et al.): a question over documents, one of which holds the answer.
 
@@ -340,7 +394,11 @@ def mdqa_probe(
     Records pair across files by their index (the reference's files hold one question set in one order);
     n_examples=None takes every record, otherwise the same seeded sample of each file. `closed_book` adds a
     question-only item per question (position -1, label "closedbook"), the no-context baseline.
+    `layout`: query-aware prompts, and the documents (in rank order: the gold's index is its rank) truncated
+    and reordered; positions stay the gold's rank (`_qa_item`).
     """
+    if layout.keep is not None and layout.keep < 1:
+        raise ValueError(f"{path}: keep={layout.keep} documents: keep at least one")
     items: list[ProbeItem] = []
     asked: dict[str, str] = {}  # item id -> file:line of the record that asked it
     questions: dict[str, tuple[str, str]] = {}  # query -> (file:line, question) of its first record
@@ -350,9 +408,9 @@ def mdqa_probe(
             _check_qa_record(f"{file}:{line_no}", rec)
         chosen = sample_indices(len(lines), n_examples, random.Random(seed))
         if lines and all(len(rec.get("ctxs") or []) == 1 for _, rec in lines):
-            file_items = _built_qa_items(file, lines, chosen, n_docs, positions, distractors, pool, seed)
+            file_items = _built_qa_items(file, lines, chosen, n_docs, positions, distractors, pool, seed, layout)
         else:
-            file_items = _given_qa_items(file, lines, chosen, n_docs, positions)
+            file_items = _given_qa_items(file, lines, chosen, n_docs, positions, layout)
         for item in file_items:
             where = f"{file}:{lines[item.extra['example']][0]}"
             first_where, question = questions.setdefault(item.query, (where, item.extra["question"]))

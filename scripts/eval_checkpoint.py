@@ -6,6 +6,10 @@
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] 'mdqa.path=qa_data/20_total_documents/*.jsonl.gz'
     python -m scripts.eval_checkpoint Qwen/Qwen2-0.5B-Instruct chat_template=true dtype=bfloat16 probes=[kv,needle]
     python -m scripts.eval_checkpoint merged/ dtype=auto attn_implementation=eager device=cuda
+    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=../shared/data intervention=reorder order=outside_in
+    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=../shared/data intervention=truncate keep=5
+    python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa] intervention=query_aware data_dir=../shared/data
+    python -m scripts.eval_checkpoint CKPT intervention=ms_poe ms_poe.ratio_min=1.2 ms_poe.ratio_max=1.8
 
 (`python scripts/eval_checkpoint.py ...` works the same once the project is installed: pip install -e .;
 quote list values in zsh: 'probes=[kv,needle]')
@@ -26,6 +30,14 @@ published curves: 100 new tokens, the reference's metrics and gold positions, an
 they are (`kv.path`: the 75-, 140- or 300-key file, every pair asked; `mdqa.path`: the oracle file, to which
 BM25-retrieved answer-free distractors are added, or its `*_gold_at_K` files), and every eval JSON names
 the metric and settings it was made with. `needle.lengths` x `needle.depths` is the needle grid.
+
+`intervention=` answers with an inference-time intervention that changes no weights (analysis.interventions):
+`reorder` (mdqa documents laid out by `order`: outside_in (default), descending, ascending), `truncate`
+(the top `keep` ranked documents, laid out by `order` when set), `query_aware` (kv and mdqa: the query before
+the data too, the reference's prompts), `ms_poe` (per-head RoPE compression, `ms_poe.*`). Reordered and
+truncated items keep the gold's rank as their position (each outcome's `extra.final_position` says where it
+went); an intervention that cannot apply (a probe it does not change, a model without RoPE for ms_poe)
+fails before anything is answered. Its outputs go to `<out>/interventions/<name>/`, beside the plain ones.
 
 With N the checkpoint's training step (0 for a folder without trainer_state.json, and for a hub id), it
 writes
@@ -64,6 +76,7 @@ from analysis.checkpoints import (
     reference_run,
     resolve_target,
 )
+from analysis.interventions import Intervention, check_intervention, intervened, model_intervention, tag
 from analysis.plots import plot_needle_grid, plot_position_accuracy
 from analysis.positional_eval import (
     EvalConfig,
@@ -76,7 +89,9 @@ from analysis.positional_eval import (
     write_eval_json,
 )
 from data_builders.files import atomic_write_text
+from data_builders.probes import Order
 from models.distributed import Device
+from models.ms_poe import MsPoEConfig
 
 
 @dataclass
@@ -99,6 +114,10 @@ class EvalCheckpointConfig:
     attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
     trust_remote_code: bool = False  # run the model repository's own code (hub models that need it)
+    intervention: Intervention = Intervention.none  # reorder | truncate | query_aware | ms_poe (see above)
+    order: Optional[Order] = None  # reorder (default outside_in) and truncate: the documents' layout
+    keep: Optional[int] = None  # truncate: the top-ranked documents kept
+    ms_poe: MsPoEConfig = field(default_factory=MsPoEConfig)  # ms_poe: ratio_min, ratio_max, layers
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
@@ -116,6 +135,11 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
         print(f"error: give at least one probe (got {cfg.probes}) and examples >= 1 (got {cfg.examples})",
               file=sys.stderr)
         raise SystemExit(2)
+    try:
+        check_intervention(cfg.intervention, cfg.probes, cfg.order, cfg.keep)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
     return argv[0], cfg
 
 
@@ -137,16 +161,27 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
                           chat_template=cfg.chat_template, kv=cfg.kv, mdqa=cfg.mdqa, needle=cfg.needle)
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
+    eval_cfg = intervened(eval_cfg, cfg.intervention, cfg.order, cfg.keep)
     bank = ProbeBank(eval_cfg, in2)
     items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
     for probe in [p for p, its in items.items() if not its]:
         print(f"{probe}: skipped (mdqa needs data_dir or mdqa.path)", file=sys.stderr)
     model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
-    results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg)
+    try:
+        context = model_intervention(cfg.intervention, model, cfg.ms_poe)
+    except ValueError as err:
+        raise CompareError(f"{ckpt}: {err}") from err
+    with context:
+        results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg)
+    name = tag(cfg.intervention, cfg.order, cfg.keep)
+    for result in results.values():
+        result.settings["intervention"] = name
 
     step = 0 if target.step is None else target.step
     default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")
     out = Path(cfg.out) if cfg.out else target.run_dir or default_out
+    if cfg.intervention != Intervention.none:
+        out = out / "interventions" / name  # beside the plain results, never over them
     metrics: dict[str, float] = {}
     for probe, result in results.items():
         write_eval_json(out, step, probe, result)

@@ -158,3 +158,49 @@ def test_chat_template_without_one_fails(model_dir, tmp_path, generate_calls, ca
     err = capsys.readouterr().err
     assert f"{folder}: chat_template=true, but its tokenizer has no chat template" in err
     assert not generate_calls and not (tmp_path / "out").exists()
+
+
+def _reference_mdqa(path: Path, n_records: int = 2, n_docs: int = 10, gold: int = 4) -> Path:
+    records = [{"question": f"question {i}", "answers": [f"answer {i}"],
+                "ctxs": [{"title": f"title {i}.{k}", "text": f"text {k}", "isgold": k == gold} for k in range(n_docs)]}
+               for i in range(n_records)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_reorder_intervention_writes_beside_the_plain_results(model_dir, tmp_path, generate_calls):
+    mdqa = _reference_mdqa(tmp_path / "qa.jsonl")
+    args = ["probes=[mdqa]", f"mdqa.path={mdqa}", "examples=2", "max_new_tokens=2", "device=cpu",
+            "mdqa.closed_book=false", f"out={tmp_path / 'run'}"]
+    assert eval_checkpoint.main([str(model_dir), *args]) == 0
+    assert eval_checkpoint.main([str(model_dir), *args, "intervention=reorder"]) == 0
+    plain = ProbeResult.load_json(tmp_path / "run" / "eval" / "mdqa_step0.json")
+    moved = ProbeResult.load_json(tmp_path / "run" / "interventions" / "reorder-outside_in" / "eval" / "mdqa_step0.json")
+    assert [o["position"] for o in moved.outcomes] == [o["position"] for o in plain.outcomes] == [4, 4]  # the rank
+    assert [o["extra"]["final_position"] for o in moved.outcomes] == [2, 2]  # rank 5 of 10, outside-in: position 3
+    assert moved.settings["intervention"] == "reorder-outside_in" and moved.settings["order"] == "outside_in"
+    assert plain.settings["intervention"] == "none" and not moved.settings["comparable_with_reference"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    first = tokenizer.decode(generate_calls[1]["prompts"][0])
+    assert first.index("title 0.0") < first.index("title 0.2") < first.index("title 0.4") < first.index("title 0.1")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["probes=[kv]", "intervention=reorder"], "changes the prompts of ['mdqa'] only"),
+    (["probes=[mdqa]", "intervention=truncate"], "keep=K"),
+    (["probes=[needle]", "intervention=query_aware"], "needle"),
+    (["probes=[mdqa]", "keep=3"], "truncate's setting"),
+])
+def test_interventions_that_cannot_apply_fail_before_loading(model_dir, args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_checkpoint.main([str(model_dir), *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ms_poe_intervention_answers_through_the_patched_model(model_dir, tmp_path):
+    out = tmp_path / "run"
+    assert eval_checkpoint.main([str(model_dir), *ARGS, "intervention=ms_poe", "ms_poe.layers=all", f"out={out}"]) == 0
+    result = ProbeResult.load_json(out / "interventions" / "ms_poe" / "eval" / "needle_step0.json")
+    assert result.settings["intervention"] == "ms_poe" and len(result.outcomes) == 6
+    # the default layers (all but the first two) leave nothing to patch in a 2-layer model: said before answering
+    assert eval_checkpoint.main([str(model_dir), *ARGS, "intervention=ms_poe", f"out={tmp_path / 'x'}"]) == 1

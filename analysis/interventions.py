@@ -1,0 +1,88 @@
+"""Inference-time interventions on the position curve: they change no weights (`scripts.eval_checkpoint intervention=`).
+
+- `reorder`: the mdqa documents, ranked by the probe's retriever (the file's order: BM25 score order with
+  the gold inserted at its position, as Liu et al. built theirs; rank 1 = best), laid out by `order`:
+  `outside_in` (the default: pos(d_2j-1) = j, pos(d_2j) = n - j + 1, the best at both ends), `descending`,
+  `ascending` (Liu et al. 2024, Sec. 5; `data_builders.probes.arrangement`).
+- `truncate`: the top `keep` ranked documents only (laid out by `order` when set), to measure accuracy
+  against the context's width.
+- `query_aware`: Liu et al.'s query-aware contextualization, the question (or key) before the documents
+  (or pairs) too, with the reference's prompt text (templates `*_query_aware.txt`).
+- `ms_poe`: Multi-scale Positional Encoding (Zhang et al. 2024), per-head RoPE position compression
+  (`models.ms_poe`).
+
+Positions of reordered or truncated mdqa items stay the gold's rank, so their curves pair with the
+un-intervened ones; each outcome keeps its final position (`extra["final_position"]`).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+from enum import StrEnum
+from typing import ContextManager, Iterable, Optional
+
+from transformers import PreTrainedModel
+
+from analysis.positional_eval import EvalConfig
+from data_builders.probes import Order
+from models.ms_poe import MsPoEConfig, check_ms_poe, ms_poe, resolve_layers
+
+
+class Intervention(StrEnum):
+    none = "none"
+    reorder = "reorder"
+    truncate = "truncate"
+    query_aware = "query_aware"
+    ms_poe = "ms_poe"
+
+
+# The probes each prompt-level intervention changes (ms_poe changes the model: every probe).
+APPLIES_TO = {Intervention.reorder: {"mdqa"}, Intervention.truncate: {"mdqa"},
+              Intervention.query_aware: {"kv", "mdqa"}}
+
+
+def check_intervention(name: Intervention | str, probes: Iterable[str], order: Optional[Order],
+                       keep: Optional[int]) -> None:
+    """Fail at start-up, naming the setting, on an intervention that cannot apply to the probes asked."""
+    name = Intervention(name)
+    probes = [str(p) for p in probes]
+    if name in APPLIES_TO and (untouched := [p for p in probes if p not in APPLIES_TO[name]]):
+        raise ValueError(f"intervention={name} changes the prompts of {sorted(APPLIES_TO[name])} only; "
+                         f"probes={untouched} would be asked as they are: leave them out")
+    if name == Intervention.truncate and (keep is None or keep < 1):
+        raise ValueError(f"intervention=truncate needs keep=K >= 1, the documents kept (got keep={keep})")
+    if name != Intervention.truncate and keep is not None:
+        raise ValueError(f"keep={keep} is truncate's setting, but intervention={name}")
+    if name not in (Intervention.reorder, Intervention.truncate) and order is not None:
+        raise ValueError(f"order={order} lays out documents for intervention=reorder|truncate, not {name}")
+
+
+def intervened(cfg: EvalConfig, name: Intervention | str, order: Optional[Order], keep: Optional[int]) -> EvalConfig:
+    """`cfg` with a prompt-level intervention set in its probe settings (ms_poe and none: unchanged)."""
+    name = Intervention(name)
+    if name == Intervention.reorder:
+        return replace(cfg, mdqa=replace(cfg.mdqa, order=order or Order.outside_in))
+    if name == Intervention.truncate:
+        return replace(cfg, mdqa=replace(cfg.mdqa, order=order, keep=keep))
+    if name == Intervention.query_aware:
+        return replace(cfg, kv=replace(cfg.kv, query_aware=True), mdqa=replace(cfg.mdqa, query_aware=True))
+    return cfg
+
+
+def model_intervention(name: Intervention | str, model: PreTrainedModel, ms_poe_cfg: MsPoEConfig) -> ContextManager:
+    """The context in which the model answers: Ms-PoE installed (checked first), or the model as it is."""
+    if Intervention(name) == Intervention.ms_poe:
+        check_ms_poe(model)
+        resolve_layers(ms_poe_cfg.layers, model.config.num_hidden_layers)  # before answering, not at the first one
+        return ms_poe(model, ms_poe_cfg)
+    return nullcontext()
+
+
+def tag(name: Intervention | str, order: Optional[Order], keep: Optional[int]) -> str:
+    """A folder-safe name of the intervention and its setting: reorder-outside_in, truncate-5, ms_poe, ..."""
+    name = Intervention(name)
+    if name == Intervention.reorder:
+        return f"reorder-{order or Order.outside_in}"
+    if name == Intervention.truncate:
+        return f"truncate-{keep}" + (f"-{order}" if order is not None else "")
+    return str(name)

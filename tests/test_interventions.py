@@ -1,0 +1,89 @@
+"""Prompt-level inference interventions of the kv and mdqa probes: document order, truncation, query-aware prompts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data_builders.probes import Layout, Order, arrange_documents, arrangement, kv_probe, mdqa_probe
+
+# Written out from the reference's tests/test_prompting.py (nelson-liu/lost-in-the-middle), not read from it.
+INSTRUCTION = ("Write a high-quality answer for the given question using only the provided search results "
+               "(some of which might be irrelevant).")
+
+
+def test_outside_in_on_ten_items_reads_odd_ranks_then_even_ranks_back():
+    assert [r + 1 for r in arrangement(10, Order.outside_in)] == [1, 3, 5, 7, 9, 10, 8, 6, 4, 2]
+    assert [r + 1 for r in arrangement(5, Order.outside_in)] == [1, 3, 5, 4, 2]
+    # pos(d_2j-1) = j, pos(d_2j) = n - j + 1 (1-based), for every n
+    for n in range(1, 13):
+        ranks = arrangement(n, Order.outside_in)
+        for j in range(1, n // 2 + 1):
+            assert ranks.index(2 * j - 2) + 1 == j and ranks.index(2 * j - 1) + 1 == n - j + 1
+    assert arrangement(4, Order.descending) == [0, 1, 2, 3] and arrangement(4, Order.ascending) == [3, 2, 1, 0]
+
+
+def test_truncation_keeps_the_top_ranks_and_reports_where_the_gold_went():
+    docs = list("abcdefghij")
+    assert arrange_documents(docs, 3, Order.outside_in, None) == (list("acegijhfdb"), 8)
+    assert arrange_documents(docs, 3, None, 3) == (list("abc"), -1)  # ranked 4th of 3 kept: gone
+    assert arrange_documents(docs, 2, Order.ascending, 3) == (list("cba"), 0)
+
+
+def test_kv_query_aware_prompt_is_the_reference_prompt(tmp_path):
+    data = [["test key1", "test value1"], ["test key2", "test value2"], ["test key3", "test value3"]]
+    path = tmp_path / "kv.jsonl"
+    path.write_text(json.dumps({"ordered_kv_records": data, "key": "test key2", "value": "test value2"}) + "\n")
+    (item,) = kv_probe(path, positions=[1], query_aware=True)
+    assert item.prompt == "\n".join([
+        "Extract the value corresponding to the specified key in the JSON object below.",
+        "",
+        'Key: "test key2"',
+        "",
+        "JSON data:",
+        '{"test key1": "test value1",',
+        ' "test key2": "test value2",',
+        ' "test key3": "test value3"}',
+        "",
+        'Key: "test key2"',
+        "Corresponding value:",
+    ])
+
+
+def _reference_format(tmp_path, n_docs=10, gold=3):
+    ctxs = [{"title": f"doc {k}", "text": f"text {k}", "isgold": k == gold} for k in range(n_docs)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "test question", "answers": ["x"], "ctxs": ctxs}) + "\n")
+    return path
+
+
+def test_mdqa_query_aware_prompt_is_the_reference_prompt(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    ctxs = [{"title": "first doc", "text": "first doc text", "isgold": False},
+            {"title": "second doc", "text": "second doc text", "isgold": True}]
+    path.write_text(json.dumps({"question": "test question", "answers": ["x"], "ctxs": ctxs}) + "\n")
+    (item,) = mdqa_probe(path, closed_book=False, layout=Layout(query_aware=True))
+    assert item.prompt == (f"{INSTRUCTION}\n\nQuestion: test question\n\n"
+                           "Document [1](Title: first doc) first doc text\n"
+                           "Document [2](Title: second doc) second doc text\n\nQuestion: test question\nAnswer:")
+
+
+def test_mdqa_reordered_items_keep_the_gold_rank_as_position(tmp_path):
+    path = _reference_format(tmp_path, gold=3)
+    plain, reordered = (mdqa_probe(path, closed_book=False, layout=layout)[0]
+                        for layout in (Layout(), Layout(order=Order.outside_in)))
+    assert plain.position == reordered.position == 3  # rank 4: curves pair by rank
+    assert reordered.extra["final_position"] == 8 and "final_position" not in plain.extra
+    titles = [line.split("(Title: ")[1].split(")")[0] for line in reordered.prompt.splitlines()
+              if line.startswith("Document [")]
+    assert titles == [f"doc {r}" for r in (0, 2, 4, 6, 8, 9, 7, 5, 3, 1)]
+    (cut,) = mdqa_probe(path, closed_book=False, layout=Layout(keep=3))
+    assert cut.extra["final_position"] == -1 and cut.prompt.count("Document [") == 3
+
+
+@pytest.mark.parametrize("layout", [Layout(query_aware=True), Layout(order=Order.ascending, keep=5)])
+def test_closed_book_items_are_untouched(tmp_path, layout):
+    path = _reference_format(tmp_path)
+    plain = [it for it in mdqa_probe(path) if it.label == "closedbook"]
+    changed = [it for it in mdqa_probe(path, layout=layout) if it.label == "closedbook"]
+    assert [it.prompt for it in plain] == [it.prompt for it in changed] == ["Question: test question\nAnswer:"]
