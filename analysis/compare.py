@@ -2,6 +2,8 @@
 
     python -m analysis.compare outputs/in2/<runA> outputs/in2/<runB> --data-dir ../shared/data
     python -m analysis.compare <run>/checkpoints/step-100 <run>/checkpoints/step-300 --probes kv,needle
+    python -m analysis.compare <run> --probes kv,mdqa --data-dir ../shared/data \
+        --interventions reorder,truncate:5,query_aware,ms_poe
 
 Each PATH is a run directory (its latest checkpoint, metrics.jsonl and jacobian.npz) or a checkpoint
 folder (`save_pretrained` with a tokenizer; one inside `<run>/checkpoints/` also finds its run's files).
@@ -16,7 +18,10 @@ Only what is missing is computed:
 
 IN2 records are token ids, so the in2 probe needs one tokenizer for all PATHs; they come from the
 runs' own `eval/in2_step<N>.json` when those agree, else are rebuilt from the first run config's data
-section (`build_datasets`, cached). Writes `<out>/report.md` and its PNGs; nothing reads wandb unless
+section (`build_datasets`, cached). `--interventions` also answers the probes each inference-time intervention
+changes (analysis.interventions) with every PATH, and reports them beside the plain curves: one figure per
+probe and a table with each intervention's accuracy minus the un-intervened checkpoint's on the same items
+(paired 95% bootstrap interval). Writes `<out>/report.md` and its PNGs; nothing reads wandb unless
 --wandb is given, nothing is logged to wandb unless --wandb-log is (the report's PNGs and accuracy
 tables as one wandb run of job type `report`, written under `<out>/wandb/`). Resolving PATHs, loading
 checkpoints and answering probes is `analysis.checkpoints`; this module is the report and its CLI.
@@ -28,6 +33,7 @@ import itertools
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -54,6 +60,14 @@ from analysis.checkpoints import (
     load_model,
     reference_run,
     resolve_target,
+)
+from analysis.interventions import (
+    Spec,
+    by_final_position,
+    check_intervention,
+    intervened,
+    model_intervention,
+    paired_delta,
 )
 from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
@@ -87,6 +101,7 @@ from data_builders.probes import NQ_FILE, ProbeItem, nq_filler
 from data_builders.synthetic import generate_documents
 from data_builders.tokenizer import encode_pieces
 from data_builders.windows import join_documents
+from models.ms_poe import MsPoEConfig
 
 HELDOUT_SEED = 7919  # synthetic documents for measured profiles: other names than the default training data
 X_LABEL = "relative position x = (j-1)/(L-1)"
@@ -114,6 +129,9 @@ class Entry:
     profiles: JacobianProfiles | None = None
     topology: dict[str, dict[str, float]] = field(default_factory=dict)  # set -> METRIC_KEYS -> value
     notes: list[str] = field(default_factory=list)
+    # intervention tag -> probe -> result, and the wall time each intervention's answers took
+    interventions: dict[str, dict[str, ProbeResult]] = field(default_factory=dict)
+    intervention_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def short_labels(paths: Sequence[str | Path]) -> list[str]:
@@ -289,8 +307,11 @@ def evaluate_target(
     data_dir: str | Path | None,
     device: str,
     dtype: str,
+    interventions: Sequence[tuple[Spec, ProbeBank]] = (),
+    ms_poe_cfg: MsPoEConfig | None = None,
 ) -> Entry:
-    """Reuse what the PATH's run recorded and compute the rest (loading the model only then)."""
+    """Reuse what the PATH's run recorded and compute the rest (loading the model only then); then answer the
+    probes each intervention changes, with its bank of items (always evaluated: nothing records them)."""
     entry = Entry(target, count_layers(target), len(tokenizer))
     pending: dict[str, list[ProbeItem]] = {}
     for probe in probes:
@@ -312,7 +333,7 @@ def evaluate_target(
             entry.notes.append(f"{probe}: skipped (no items: mdqa needs --data-dir or --mdqa-path, in2 a run config)")
     profiles = recorded_profiles(target)
     model = None
-    if pending or profiles is None:
+    if pending or profiles is None or interventions:
         model = load_model(target, device, dtype)
     entry.results.update(answer_probes(model, tokenizer, pending, bank.cfg))
     for probe, items in pending.items():
@@ -326,6 +347,21 @@ def evaluate_target(
     for name, by_variant in profiles.rollouts.items():
         entry.topology[name].update({f"rollout/{v}/{m}": value for v, curve in by_variant.items()
                                      for m, value in rollout_metrics(profiles.latest[name], curve).items()})
+    for spec, spec_bank in interventions:
+        asked = {p: spec_bank.items(p, tokenizer) for p in spec.probes(probes)}
+        started = time.perf_counter()
+        try:
+            context = model_intervention(spec.name, model, ms_poe_cfg or MsPoEConfig())
+        except ValueError as err:
+            raise CompareError(f"{target.path}: intervention {spec.tag}: {err}") from err
+        with context:
+            results = answer_probes(model, tokenizer, {p: its for p, its in asked.items() if its}, spec_bank.cfg)
+        entry.intervention_seconds[spec.tag] = time.perf_counter() - started
+        for result in results.values():
+            result.settings["intervention"] = spec.tag
+        entry.interventions[spec.tag] = results
+        entry.notes.append(f"intervention {spec.tag}: {', '.join(results)} answered in "
+                           f"{entry.intervention_seconds[spec.tag]:.1f} s")
     return entry
 
 
@@ -504,6 +540,9 @@ def write_report(
             "; bottom row: each PATH minus the first." if len(needle) > 1 else "."), "",
             f"![needle_grid]({png.name})", ""]
 
+    if any(e.interventions for e in entries):
+        lines += _intervention_lines(out, entries, probes)
+
     sets = list(dict.fromkeys(name for e in entries if e.profiles for name in e.profiles.latest))
     lines += ["## Jacobian profiles", "",
               "Solid: the checkpoint; dashed: its best-fitting Cesàro prior (free scale); dotted: step 0 of "
@@ -526,6 +565,45 @@ def write_report(
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines) + "\n")
     return report
+
+
+def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
+    """The interventions section: per probe a table (paired Δ against each PATH's plain answers) and a figure."""
+    lines = ["## Interventions", "",
+             "Inference-time interventions (analysis.interventions), each asked the items of the probes it changes. "
+             "Δ: its accuracy minus the same PATH's un-intervened accuracy on the same items, with a paired 95% "
+             "bootstrap interval (`*`: excludes 0). Reordered or truncated mdqa items stay at the gold's retriever "
+             "rank; the `by final position` figure puts them where the gold ended. Wall time: answering every "
+             "probe of the intervention, this machine.", ""]
+    for probe in probes:
+        rows, curves, final = [], {}, {}
+        for e in entries:
+            if probe in e.results:
+                curves[e.target.label] = e.results[probe]
+            for name, results in e.interventions.items():
+                if probe not in results:
+                    continue
+                result = results[probe]
+                curves[f"{e.target.label} · {name}"] = result
+                if any("final_position" in o["extra"] for o in result.outcomes):
+                    final[f"{e.target.label} · {name}"] = by_final_position(result)
+                delta, (lo, hi), n = (paired_delta(e.results[probe], result) if probe in e.results
+                                      else (math.nan, (math.nan, math.nan), 0))
+                star = " *" if n and (lo > 0 or hi < 0) else ""
+                rows.append([e.target.label, name, _fmt(result.mean), f"{delta:+.3f} [{lo:+.3f}, {hi:+.3f}]{star}",
+                             str(n), f"{e.intervention_seconds[name]:.1f}"])
+        if not rows:
+            continue
+        lines += [f"### {probe}", "", *_table(["PATH", "intervention", "accuracy", "Δ vs plain [95% CI]", "items",
+                                               "wall s"], rows), ""]
+        png = plot_position_accuracy(curves, out / f"interventions_{probe}.png",
+                                     f"{probe}: accuracy by gold position, plain and intervened", POSITION_AXIS[probe])
+        lines += [f"![interventions_{probe}]({png.name})", ""]
+        if final:
+            png = plot_position_accuracy(final, out / f"interventions_{probe}_final_position.png",
+                                         f"{probe}: accuracy by the gold's final position", "final gold position")
+            lines += [f"![interventions_{probe}_final_position]({png.name})", ""]
+    return lines
 
 
 def report_images(report: Path) -> dict[str, Path]:
@@ -573,6 +651,8 @@ def compare(
     dtype: str = "float32",
     use_wandb: bool = False,
     log_wandb: str | None = None,
+    interventions: Sequence[str] = (),
+    ms_poe: MsPoEConfig | None = None,
 ) -> Path:
     """Evaluate what the PATHs lack and write `<out>/report.md` with its PNGs; returns the report's path.
 
@@ -582,6 +662,8 @@ def compare(
     Jacobian profiles; None = the reference run's `jacobian.seq_len` (256 without one). Every PATH's
     probe results are also saved as `<out>/eval/<PATH label>_<probe>.json`.
     `log_wandb`: offline | online: also log the report's PNGs and accuracy tables as a wandb run.
+    `interventions`: `Spec.parse` texts (reorder[:order], truncate:K[:order], query_aware, ms_poe), each answered
+    by every PATH on the probes it changes; `ms_poe`: Ms-PoE's settings.
     Raises CompareError naming the PATH that cannot be read or compared.
     """
     if not paths:
@@ -606,9 +688,18 @@ def compare(
     if max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, max_new_tokens)
     bank = ProbeBank(eval_cfg, in2)
+    try:
+        specs = [Spec.parse(text) for text in interventions]
+    except ValueError as err:
+        raise CompareError(str(err)) from err
+    for spec in specs:
+        if not spec.probes(probes):
+            raise CompareError(f"intervention {spec.tag} changes none of the probes {list(probes)}")
+        check_intervention(spec.name, spec.probes(probes), spec.order, spec.keep)
+    banks = [(spec, ProbeBank(intervened(eval_cfg, spec.name, spec.order, spec.keep), in2)) for spec in specs]
     jacobian = jacobian_settings(reference, seq_len)
     entries = [
-        evaluate_target(t, tok, probes, bank, jacobian, data_dir, device, dtype)
+        evaluate_target(t, tok, probes, bank, jacobian, data_dir, device, dtype, banks, ms_poe)
         for t, tok in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path")
     ]
     out = Path(out)
@@ -616,6 +707,9 @@ def compare(
     for e in entries:
         for probe, result in e.results.items():
             result.save_json(out / "eval" / f"{e.target.slug}_{probe}.json")
+        for name, results in e.interventions.items():
+            for probe, result in results.items():
+                result.save_json(out / "eval" / f"{e.target.slug}_{probe}_{name}.json")
     report = write_report(out, entries, probes, notes, use_wandb)
     if log_wandb is not None:
         config = {"paths": [str(p) for p in paths], "probes": list(probes), "examples": examples,
@@ -630,6 +724,20 @@ def _probe_list(text: str) -> list[str]:
     if unknown or not probes:
         raise argparse.ArgumentTypeError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
     return probes
+
+
+def _spec_list(text: str) -> list[str]:
+    specs = [s for s in text.split(",") if s]
+    for spec in specs:
+        try:
+            Spec.parse(spec)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+    return specs
+
+
+def _layers(text: str) -> str | list[int]:
+    return text if text in ("reference", "all") else [int(i) for i in text.split(",")]
 
 
 def _positive(text: str) -> int:
@@ -693,6 +801,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights dtype (default float32)")
+    parser.add_argument("--interventions", type=_spec_list, default=[],
+                        help="comma-separated inference-time interventions answered beside the plain probes: "
+                             "reorder[:outside_in|descending|ascending], truncate:K[:order], query_aware, ms_poe "
+                             "(default: none)")
+    parser.add_argument("--ms-poe-layers", default="reference",
+                        help="ms_poe: the layers patched: reference (all but the first two, the paper's runs), all, "
+                             "or comma-separated 0-based indices")
     parser.add_argument("--wandb", action="store_true",
                         help="also read each run's wandb summary (optional; metrics.jsonl has the same numbers)")
     parser.add_argument("--wandb-log", choices=[LoggerMode.offline.value, LoggerMode.online.value], default=None,
@@ -711,6 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
             device=args.device, dtype=args.dtype, use_wandb=args.wandb, log_wandb=args.wandb_log,
+            interventions=args.interventions, ms_poe=MsPoEConfig(layers=_layers(args.ms_poe_layers)),
         )
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)

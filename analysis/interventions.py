@@ -16,14 +16,17 @@ un-intervened ones; each outcome keeps its final position (`extra["final_positio
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import ContextManager, Iterable, Optional
 
+import numpy as np
 from transformers import PreTrainedModel
 
-from analysis.positional_eval import EvalConfig
+from analysis.positional_eval import EvalConfig, ProbeResult
+from analysis.scoring import paired_bootstrap_ci
 from data_builders.probes import Order
 from models.ms_poe import MsPoEConfig, check_ms_poe, ms_poe, resolve_layers
 
@@ -86,3 +89,63 @@ def tag(name: Intervention | str, order: Optional[Order], keep: Optional[int]) -
     if name == Intervention.truncate:
         return f"truncate-{keep}" + (f"-{order}" if order is not None else "")
     return str(name)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One intervention with its settings, as `analysis.compare --interventions` names it: `reorder`,
+    `reorder:ascending`, `truncate:5`, `truncate:5:outside_in`, `query_aware`, `ms_poe`."""
+
+    name: Intervention
+    order: Optional[Order] = None
+    keep: Optional[int] = None
+
+    @classmethod
+    def parse(cls, text: str) -> Spec:
+        name, *args = text.strip().split(":")
+        try:
+            intervention = Intervention(name)
+            if intervention == Intervention.truncate:
+                keep = int(args[0]) if args else None
+                spec = cls(intervention, Order(args[1]) if len(args) > 1 else None, keep)
+            elif intervention == Intervention.reorder:
+                spec = cls(intervention, Order(args[0]) if args else Order.outside_in)
+            else:
+                if args:
+                    raise ValueError(f"{name} takes no setting")
+                spec = cls(intervention)
+        except (ValueError, IndexError) as err:
+            raise ValueError(f"intervention {text!r}: {err} (known: reorder[:{'|'.join(Order)}], "
+                             "truncate:K[:order], query_aware, ms_poe)") from err
+        if intervention == Intervention.none:
+            raise ValueError("intervention 'none' is the plain evaluation, always reported")
+        return spec
+
+    @property
+    def tag(self) -> str:
+        return tag(self.name, self.order, self.keep)
+
+    def probes(self, probes: Iterable[str]) -> list[str]:
+        """The probes it changes among `probes` (ms_poe: every one)."""
+        return [str(p) for p in probes if self.name not in APPLIES_TO or str(p) in APPLIES_TO[self.name]]
+
+
+def by_final_position(result: ProbeResult) -> ProbeResult:
+    """A reordered or truncated mdqa result with each item at the gold's final position (truncated-away golds
+    and closed-book items left out): the curve a reader of the laid-out prompt sees."""
+    outcomes = [{**o, "position": o["extra"]["final_position"], "label": str(o["extra"]["final_position"])}
+                for o in result.outcomes if o["extra"].get("final_position", -1) >= 0]
+    return ProbeResult(result.probe, outcomes, {**result.settings, "positions": "final"})
+
+
+def paired_delta(plain: ProbeResult, other: ProbeResult, n_boot: int = 1000, seed: int = 0
+                 ) -> tuple[float, tuple[float, float], int]:
+    """Mean accuracy of `other` minus `plain` over the items both asked (by id, closed-book left out), with its
+    paired 95% bootstrap interval, and the number of items."""
+    before = {o["id"]: o["correct"] for o in plain.outcomes if o["position"] >= 0}
+    after = {o["id"]: o["correct"] for o in other.outcomes if o["position"] >= 0}
+    shared = sorted(before.keys() & after.keys())
+    if not shared:
+        return math.nan, (math.nan, math.nan), 0
+    x, y = np.array([after[i] for i in shared]), np.array([before[i] for i in shared])
+    return float((x - y).mean()), paired_bootstrap_ci(x, y, n_boot, 0.05, seed), len(shared)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from analysis.checkpoints import Target
+from analysis.checkpoints import CompareError, Target
 from analysis.compare import (
     Entry,
     JacobianProfiles,
@@ -224,3 +224,30 @@ def test_eval_checkpoint_rejects_bad_choices_before_loading(tmp_path, capsys, ar
     with pytest.raises(SystemExit) as exc:
         eval_checkpoint.main([str(tmp_path / "never-read"), arg])
     assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
+    from analysis.positional_eval import MDQAProbeConfig
+    from models.ms_poe import MsPoEConfig
+
+    ctxs = [{"title": f"title {k}", "text": f"text {k}", "isgold": k == 3} for k in range(6)]
+    mdqa = tmp_path / "qa.jsonl"
+    mdqa.write_text("".join(json.dumps({"question": f"question {i}", "answers": ["x"], "ctxs": ctxs}) + "\n"
+                            for i in range(3)))
+    report = compare([run_dir], tmp_path / "cmp", ["mdqa", "needle"], examples=3, max_new_tokens=2,
+                     mdqa=MDQAProbeConfig(path=str(mdqa), closed_book=False),
+                     interventions=["reorder", "truncate:2", "query_aware", "ms_poe"],
+                     needle=NeedleProbeConfig(lengths=[128], depths=[0.0, 1.0]), device="cpu",
+                     ms_poe=MsPoEConfig(layers="all"))
+    text = report.read_text()
+    section = text.split("## Interventions", 1)[1].split("## Jacobian profiles", 1)[0]
+    for name in ("reorder-outside_in", "truncate-2", "query_aware", "ms_poe"):
+        assert f"| runA | {name} |" in section
+    needle_rows = section.split("### needle", 1)[1]
+    assert "| runA | ms_poe |" in needle_rows and "reorder" not in needle_rows  # only the probes each changes
+    for png in ("interventions_mdqa.png", "interventions_mdqa_final_position.png", "interventions_needle.png"):
+        assert_png(report.parent / png)
+    moved = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "runA_mdqa_reorder-outside_in.json")
+    assert {o["extra"]["final_position"] for o in moved.outcomes} == {4}  # rank 4 of 6, outside-in
+    with pytest.raises(CompareError, match="changes none of the probes"):
+        compare([run_dir], tmp_path / "x", ["needle"], examples=1, interventions=["reorder"], device="cpu")
