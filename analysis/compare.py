@@ -784,6 +784,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mdqa-path", default=None,
                         help="mdqa records: an oracle file (distractors are added) or the reference's "
                              "*_gold_at_K files (a quoted glob); default: --data-dir's nq-open-oracle file")
+    parser.add_argument("--kv-pairs", type=_positive, default=None,
+                        help="kv pairs per prompt (default: every pair of the file's records, 75 synthetic)")
+    parser.add_argument("--mdqa-docs", type=_positive, default=None,
+                        help="mdqa documents per prompt built from an oracle file (default 20)")
     parser.add_argument("--distractors", default=Distractors.retrieved.value, choices=[d.value for d in Distractors],
                         help="mdqa distractors added to an oracle file: retrieved (BM25, the reference's recipe; "
                              "default) or random (easier, not comparable)")
@@ -822,7 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = compare(
             args.paths, args.out, args.probes, args.examples, args.data_dir,
-            kv=KVProbeConfig(path=args.kv_path), mdqa=MDQAProbeConfig(path=args.mdqa_path, distractors=args.distractors),
+            kv=KVProbeConfig(path=args.kv_path, n_pairs=args.kv_pairs),
+            mdqa=MDQAProbeConfig(path=args.mdqa_path, n_docs=args.mdqa_docs, distractors=args.distractors),
             needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
             device=args.device, dtype=args.dtype, use_wandb=args.wandb, log_wandb=args.wandb_log,

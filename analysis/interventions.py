@@ -106,8 +106,9 @@ class Spec:
         try:
             intervention = Intervention(name)
             if intervention == Intervention.truncate:
-                keep = int(args[0]) if args else None
-                spec = cls(intervention, Order(args[1]) if len(args) > 1 else None, keep)
+                if not args or int(args[0]) < 1:
+                    raise ValueError("truncate needs the documents kept, K >= 1: truncate:K")
+                spec = cls(intervention, Order(args[1]) if len(args) > 1 else None, int(args[0]))
             elif intervention == Intervention.reorder:
                 spec = cls(intervention, Order(args[0]) if args else Order.outside_in)
             else:

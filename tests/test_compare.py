@@ -113,9 +113,15 @@ def test_probe_options_reach_the_probe_settings():
                                       "--distractors", "random", "--needle-lens", "128,256", "--needle-depths", "0,0.5,1"])
     assert (args.kv_path, args.mdqa_path, args.distractors) == ("kv-140.jsonl.gz", "qa/*.jsonl.gz", "random")
     assert args.needle_lens == [128, 256] and args.needle_depths == [0.0, 0.5, 1.0]
+    args = build_parser().parse_args(["runA", "--kv-pairs", "20", "--mdqa-docs", "10", "--interventions",
+                                      "reorder:ascending,truncate:5,ms_poe", "--ms-poe-layers", "1,2"])
+    assert (args.kv_pairs, args.mdqa_docs, args.ms_poe_layers) == (20, 10, "1,2")
+    assert args.interventions == ["reorder:ascending", "truncate:5", "ms_poe"]
     defaults = build_parser().parse_args(["runA"])
     assert defaults.distractors == "retrieved" and defaults.max_new_tokens is None  # the reference's setup
-    for bad in (["--needle-depths", "0,1.5"], ["--distractors", "bm25"]):
+    assert defaults.interventions == [] and defaults.kv_pairs is None
+    for bad in (["--needle-depths", "0,1.5"], ["--distractors", "bm25"], ["--interventions", "shuffle"],
+                ["--interventions", "truncate"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["runA", *bad])
 
