@@ -54,12 +54,12 @@ def test_the_step_loss_is_reduced_on_the_engine_device(collectives):
     assert collectives == [DEVICE]
 
 
-def test_the_other_collectives_run_on_the_engine_device(collectives, monkeypatch):
+def test_the_other_collectives_run_on_the_engine_device(collectives):
     """DeepSpeed's non-finite check of every micro-batch, the loop's stop decision, the resume decision."""
     engine = DeepSpeedEngine.__new__(DeepSpeedEngine)  # the call under test needs no DeepSpeed engine
     engine.device = DEVICE
     engine.engine, engine.sp_size = None, 1
-    monkeypatch.setattr(models.distributed, "causal_lm_loss", lambda model, batch, device: torch.ones((), device=device))
+    engine.loss_fn = lambda model, batch, device: torch.ones((), device=device)
     with pytest.raises(Collective):
         engine.forward_backward({"input_ids": torch.ones(1, 4, dtype=torch.long)})
     with pytest.raises(Collective):
