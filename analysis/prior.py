@@ -297,22 +297,6 @@ def prior_density(x, H, alpha) -> np.ndarray:
     return np.sum(c[1:] * np.exp(xlogy(k, t) - gammaln(k + 1)), axis=-1)
 
 
-# Depths below this are read at it: the density grows like ln(1/x)^(H-1) at x -> 0, the first token.
-DEPTH_FLOOR = 1 / 256
-
-
-def depth_prior(depth, H, alpha) -> np.ndarray:
-    """The prior's weight of a gold at relative depth d of a context: ``rho_H(max(d, DEPTH_FLOOR))``.
-
-    The smooth part of the large-L density (`prior_density`), which falls monotonically from the
-    first token to ``rho_H(1) = H a (1-a)^(H-1)``: the recency delta at x = 1 weights the last token,
-    which is the question's, never a gold's. Used by the debias objectives (`models.debias`) and the
-    `valley` depth law of IN2 data: both weight a depth by ``depth_prior(d)^(-beta)``.
-    """
-    d = np.clip(np.asarray(depth, dtype=np.float64), DEPTH_FLOOR, 1.0)
-    return prior_density(d, H, alpha)
-
-
 def closed_form_exact(L, H, alpha) -> list:
     """Exact ``(N^H)[L, j]`` from the discrete closed form, in rational arithmetic.
 

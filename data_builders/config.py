@@ -38,7 +38,7 @@ class DepthLaw(StrEnum):
     uniform = "uniform"  # every offset alike (IN2's law)
     ends = "ends"  # the first or last `depth_ends` share of the offsets only: ordinary data's U (FILM's story)
     beta = "beta"  # p / F ~ Beta(a, b) (`depth_beta`): Beta(0.5, 0.5) favours the ends, Beta(2, 2) the middle
-    # density ∝ p(d)^(-valley_power), p the closed-form prior at depth d (analysis.prior.depth_prior) of a
+    # density ∝ p(d)^(-valley_power), p the closed-form prior at depth d (data_builders.depth_prior) of a
     # model with `valley_layers` layers and residual weight `valley_alpha`: most golds where the prior is lowest
     valley = "valley"
 

@@ -38,8 +38,8 @@ from datasets import Features, List, Value
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from analysis.prior import depth_prior
 from data_builders.config import DataConfig, DepthLaw, config_dict
+from data_builders.depth_prior import depth_prior
 from data_builders.pools import Pool, build_pool, encode, pool_stats, tokenizer_digest
 from data_builders.sources import SourceData, SourceSplit, load_source, normalize
 from data_builders.tokenizer import default_cache_dir, encode_pieces, train_bpe_tokenizer

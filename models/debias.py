@@ -6,7 +6,7 @@ weighting, middle-context curricula or over-sampled retrieval data close the gap
 
 - `mean` (default): the mean next-token NLL over the answer tokens of the micro-batch (plain IN2).
 - `depth_weight`: each sample's answer tokens weighted by w(d) ∝ p(d)^(-beta), p the closed-form prior
-  at the sample's gold depth d (`analysis.prior.depth_prior`, at the model's H layers, with `debias.alpha`
+  at the sample's gold depth d (`data_builders.depth_prior.depth_prior`, at the model's H layers, with `debias.alpha`
   or the alpha fitted to the latest measured Jacobian profile), normalised to mean 1 over the samples of
   the micro-batch and clipped at `debias.max_weight` (`mean_one_clipped`). loss = sum_t w_s(t) nll_t / N,
   so beta = 0 is exactly the mean objective.
@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from analysis.prior import depth_prior
+from data_builders.depth_prior import depth_prior
 from data_builders.probes import bin_label
 from models.loss import labelled_nll
 

@@ -12,9 +12,10 @@ from scipy import integrate, stats
 from torch.nn import functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from analysis.prior import depth_prior
+from analysis.prior import prior_density
 from data_builders.collate import BatchStream, collate, collate_packed
 from data_builders.config import DataConfig, DepthLaw, validate_data
+from data_builders.depth_prior import depth_prior
 from data_builders.in2 import offset_law
 from data_builders.needle_mix import retrieval_samples
 from data_builders.tokenizer import train_bpe_tokenizer
@@ -44,6 +45,9 @@ def _density(d, H, alpha):
 def test_depth_prior_is_the_closed_form_density():
     for d in (0.0, 0.001, 0.1, 0.37, 0.5, 0.99, 1.0):
         assert depth_prior(d, 4, 0.4) == pytest.approx(_density(d, 4, 0.4), rel=1e-12)
+    x = np.linspace(1 / 256, 1, 97)
+    for H, alpha in ((1, 0.3), (4, 0.5), (24, 0.2)):  # the prior module's density, for a constant alpha
+        np.testing.assert_allclose(depth_prior(x, H, alpha), prior_density(x, H, alpha), rtol=1e-12)
 
 
 def test_depth_weights_average_one_and_follow_the_formula():
