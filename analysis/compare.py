@@ -417,7 +417,8 @@ def _row_cells(values: Sequence[float | None]) -> list[str]:
     return [_fmt(v, None if i == 0 or values[0] is None else values[0]) for i, v in enumerate(values)]
 
 
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A markdown table's lines (analysis.study's report uses it too)."""
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
@@ -452,7 +453,7 @@ def _inputs_table(entries: Sequence[Entry]) -> list[str]:
         losses = [_last_logged(logged, key, e.target.step) for key in ("train/loss", "eval/loss")]
         rows.append([e.target.label, f"`{e.target.path}`", f"`{e.target.checkpoint}`", str(e.target.step),
                      str(e.layers), str(e.vocab), *losses])
-    return _table(["PATH", "given", "checkpoint", "step", "layers", "vocab", "train/loss", "eval/loss"], rows)
+    return markdown_table(["PATH", "given", "checkpoint", "step", "layers", "vocab", "train/loss", "eval/loss"], rows)
 
 
 def _accuracy_table(entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
@@ -463,7 +464,7 @@ def _accuracy_table(entries: Sequence[Entry], probes: Sequence[str]) -> list[str
         if any(r is not None and -1 in r.labels() for r in results):
             closed = [r.accuracy_by_position().get(-1) if r else None for r in results]
             rows.append([f"{probe} closed-book", *_row_cells(closed)])
-    return _table(["probe", *(e.target.label for e in entries)], rows)
+    return markdown_table(["probe", *(e.target.label for e in entries)], rows)
 
 
 def _settings_lines(entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
@@ -488,7 +489,7 @@ def _topology_table(entries: Sequence[Entry], set_name: str) -> list[str]:
     rollout_keys = [f"rollout/{v}/{m}" for v in RolloutVariant for m in ROLLOUT_METRICS]
     keys = [*METRIC_KEYS, *(k for k in rollout_keys if any(k in e.topology.get(set_name, {}) for e in entries))]
     rows += [[f"`{key}`", *_row_cells([e.topology.get(set_name, {}).get(key) for e in entries])] for key in keys]
-    return _table(["metric", *(e.target.label for e in entries)], rows)
+    return markdown_table(["metric", *(e.target.label for e in entries)], rows)
 
 
 def _last_value(value: Any) -> Any:
@@ -502,7 +503,7 @@ def _wandb_table(entries: Sequence[Entry]) -> list[str]:
         where, summary = _wandb_summary(e.target)
         values = [_last_value(summary.get(k)) for k in ("train/loss", "eval/loss")]
         rows.append([e.target.label, where, *(_fmt(v if isinstance(v, (int, float)) else None) for v in values)])
-    return _table(["PATH", "summary", "train/loss", "eval/loss"], rows)
+    return markdown_table(["PATH", "summary", "train/loss", "eval/loss"], rows)
 
 
 def write_report(
@@ -594,8 +595,8 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
                              str(n), f"{e.intervention_seconds[name]:.1f}"])
         if not rows:
             continue
-        lines += [f"### {probe}", "", *_table(["PATH", "intervention", "accuracy", "Δ vs plain [95% CI]", "items",
-                                               "wall s"], rows), ""]
+        header = ["PATH", "intervention", "accuracy", "Δ vs plain [95% CI]", "items", "wall s"]
+        lines += [f"### {probe}", "", *markdown_table(header, rows), ""]
         png = plot_position_accuracy(curves, out / f"interventions_{probe}.png",
                                      f"{probe}: accuracy by gold position, plain and intervened", POSITION_AXIS[probe])
         lines += [f"![interventions_{probe}]({png.name})", ""]
@@ -740,7 +741,7 @@ def _layers(text: str) -> str | list[int]:
     return text if text in ("reference", "all") else [int(i) for i in text.split(",")]
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -748,7 +749,7 @@ def _positive(text: str) -> int:
 
 
 def _positive_list(text: str) -> list[int]:
-    return [_positive(v) for v in text.split(",")]
+    return [positive_int(v) for v in text.split(",")]
 
 
 def _depth_list(text: str) -> list[float]:
@@ -772,7 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--probes", type=_probe_list, default=list(PROBES),
                         help="comma-separated probes (default: kv,mdqa,needle,in2; mdqa needs --data-dir, "
                              "in2 one tokenizer for all PATHs)")
-    parser.add_argument("--examples", type=_positive, default=20,
+    parser.add_argument("--examples", type=positive_int, default=20,
                         help="queries per probe, each asked at every gold position; in2: N x bins held-out "
                              "records (default 20)")
     parser.add_argument("--data-dir", default=None,
@@ -784,9 +785,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mdqa-path", default=None,
                         help="mdqa records: an oracle file (distractors are added) or the reference's "
                              "*_gold_at_K files (a quoted glob); default: --data-dir's nq-open-oracle file")
-    parser.add_argument("--kv-pairs", type=_positive, default=None,
+    parser.add_argument("--kv-pairs", type=positive_int, default=None,
                         help="kv pairs per prompt (default: every pair of the file's records, 75 synthetic)")
-    parser.add_argument("--mdqa-docs", type=_positive, default=None,
+    parser.add_argument("--mdqa-docs", type=positive_int, default=None,
                         help="mdqa documents per prompt built from an oracle file (default 20)")
     parser.add_argument("--distractors", default=Distractors.retrieved.value, choices=[d.value for d in Distractors],
                         help="mdqa distractors added to an oracle file: retrieved (BM25, the reference's recipe; "
@@ -795,11 +796,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="needle grid context lengths in tokens (default 256,512,1024)")
     parser.add_argument("--needle-depths", type=_depth_list, default=NeedleProbeConfig().depths,
                         help="needle grid depths in [0, 1] (default 0,0.1,...,1)")
-    parser.add_argument("--max-new-tokens", type=_positive, default=None,
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
                         help="one greedy answer budget for every probe, for a quick look (not comparable; "
                              "default per probe: kv 100, mdqa 100, needle 16, in2 8)")
-    parser.add_argument("--batch-size", type=_positive, default=16, help="prompts per generate call (default 16)")
-    parser.add_argument("--seq-len", type=_positive, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="L of measured Jacobian profiles (default: the first run's jacobian.seq_len, "
                              "else 256)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")

@@ -37,6 +37,7 @@ import numpy as np
 import yaml
 from matplotlib.figure import Figure
 
+from analysis.compare import markdown_table, positive_int
 from analysis.metrics_log import read_metrics
 from analysis.positional_eval import ProbeResult
 from analysis.scoring import bootstrap_ci
@@ -549,11 +550,6 @@ def _with_ci(value: float, low: float, high: float, signed: bool = False) -> str
     return f"{_num(value, signed)} [{_num(low, signed)}, {_num(high, signed)}]"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 FAIRNESS_HEADER = ("metric", "arm", "seeds", "value [95% CI]", "Δ vs {ref} [95% CI]")
 VALLEY_HEADER = ("arm", "set", "steps", "peak_to_trough_log10 start", "end", "change",
                  "middle_mass start", "end", "change")
@@ -571,7 +567,7 @@ def fairness_table(stats: Mapping[str, Any]) -> list[str]:
             seeds = ",".join(map(str, stats["arms"][arm]["seeds"])) if arm in stats["arms"] else "step 0"
             rows.append([name, arm, seeds, _with_ci(e["value"], e["low"], e["high"]), diff])
     header = [h.format(ref=ref) for h in FAIRNESS_HEADER]
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def _steps(steps: Sequence[int]) -> str:
@@ -589,7 +585,7 @@ def valley_table(stats: Mapping[str, Any]) -> list[str]:
                 m = metrics[metric]
                 cells += [_num(m["start"]), _num(m["end"]), _num(m["change"], signed=True)]
             rows.append(cells)
-    return _table(VALLEY_HEADER, rows)
+    return markdown_table(VALLEY_HEADER, rows)
 
 
 def _jsonable(value: Any) -> Any:
@@ -618,7 +614,7 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
         f"Sweep: `{stats['sweep_dir']}`", "",
         f"{len(arms)} arms, {sum(len(i['seeds']) for i in arms.values())} jobs, {stats['n_questions']} held-out "
         f"questions shared by every job (paired by id).", "",
-        *_table(["arm", "seeds", "final step", "mean accuracy per seed"], arm_rows), "",
+        *markdown_table(["arm", "seeds", "final step", "mean accuracy per seed"], arm_rows), "",
         "## Position fairness", "",
         f"Final-step accuracy; a question's score is the mean of its correctness over the arm's seeds. "
         f"`worst_bin`: lowest of the {stats['bins']['n_bins']} gold-depth bins; `gap`: highest minus lowest bin; "
@@ -669,13 +665,6 @@ def write_report(
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m analysis.study",
@@ -687,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/study)")
     parser.add_argument("--reference", default=REFERENCE_ARM,
                         help=f"the arm differences are taken against (default: {REFERENCE_ARM})")
-    parser.add_argument("--n-boot", type=_positive, default=2000, help="bootstrap resamples (default 2000)")
+    parser.add_argument("--n-boot", type=positive_int, default=2000, help="bootstrap resamples (default 2000)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     return parser
 
