@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from analysis.positional_eval import EvalConfig, ProbeResult, build_probes, evaluate_probes
 from data_builders.build import build_datasets
 from data_builders.probes import ProbeItem, in2_probe
+from models.attn_calibration import AttnCalibration
 from models.build import DType
 from models.checkpoint import (
     STEP_DIR,
@@ -237,10 +238,12 @@ def answer_probes(
     tokenizer: PreTrainedTokenizerBase,
     probes: Mapping[str, Sequence[ProbeItem]],
     cfg: EvalConfig,
+    calibration: AttnCalibration | None = None,
 ) -> dict[str, ProbeResult]:
     """Greedy answers to every probe's items, scored: each probe with its budget and metric in `cfg`.
 
     `cfg.chat_template`: text prompts (kv, mdqa, needle) go through the tokenizer's chat template as one
-    user turn; token-id prompts (in2) are always used as they are.
+    user turn; token-id prompts (in2) are always used as they are. `calibration`: an installed attention
+    calibration (`analysis.interventions.model_intervention`) the answers are made with.
     """
-    return evaluate_probes(model, tokenizer, probes, cfg)[1]
+    return evaluate_probes(model, tokenizer, probes, cfg, calibration)[1]

@@ -65,7 +65,9 @@ from analysis.interventions import (
     Spec,
     by_final_position,
     check_intervention,
+    check_model_intervention,
     intervened,
+    intervention_settings,
     model_intervention,
     paired_delta,
 )
@@ -101,6 +103,7 @@ from data_builders.probes import NQ_FILE, ProbeItem, nq_filler
 from data_builders.synthetic import generate_documents
 from data_builders.tokenizer import encode_pieces
 from data_builders.windows import join_documents
+from models.attn_calibration import AttnCalibrationConfig
 from models.ms_poe import MsPoEConfig
 
 HELDOUT_SEED = 7919  # synthetic documents for measured profiles: other names than the default training data
@@ -309,6 +312,7 @@ def evaluate_target(
     dtype: str,
     interventions: Sequence[tuple[Spec, ProbeBank]] = (),
     ms_poe_cfg: MsPoEConfig | None = None,
+    calibration_cfg: AttnCalibrationConfig | None = None,
 ) -> Entry:
     """Reuse what the PATH's run recorded and compute the rest (loading the model only then); then answer the
     probes each intervention changes, with its bank of items (always evaluated: nothing records them)."""
@@ -350,15 +354,18 @@ def evaluate_target(
     for spec, spec_bank in interventions:
         asked = {p: spec_bank.items(p, tokenizer) for p in spec.probes(probes)}
         started = time.perf_counter()
+        settings = (ms_poe_cfg or MsPoEConfig(), calibration_cfg or AttnCalibrationConfig())
         try:
-            context = model_intervention(spec.name, model, ms_poe_cfg or MsPoEConfig())
+            check_model_intervention(spec.name, model, *settings)
         except ValueError as err:
             raise CompareError(f"{target.path}: intervention {spec.tag}: {err}") from err
-        with context:
-            results = answer_probes(model, tokenizer, {p: its for p, its in asked.items() if its}, spec_bank.cfg)
+        with model_intervention(spec.name, model, tokenizer, *settings, spec_bank.cfg.batch_tokens) as calibration:
+            results = answer_probes(model, tokenizer, {p: its for p, its in asked.items() if its}, spec_bank.cfg,
+                                    calibration)
+            recorded = intervention_settings(spec.name, model, *settings, calibration)
         entry.intervention_seconds[spec.tag] = time.perf_counter() - started
         for result in results.values():
-            result.settings["intervention"] = spec.tag
+            result.settings.update(intervention=spec.tag, **recorded)
         entry.interventions[spec.tag] = results
         entry.notes.append(f"intervention {spec.tag}: {', '.join(results)} answered in "
                            f"{entry.intervention_seconds[spec.tag]:.1f} s")
@@ -654,6 +661,7 @@ def compare(
     log_wandb: str | None = None,
     interventions: Sequence[str] = (),
     ms_poe: MsPoEConfig | None = None,
+    calibration: AttnCalibrationConfig | None = None,
 ) -> Path:
     """Evaluate what the PATHs lack and write `<out>/report.md` with its PNGs; returns the report's path.
 
@@ -663,8 +671,9 @@ def compare(
     Jacobian profiles; None = the reference run's `jacobian.seq_len` (256 without one). Every PATH's
     probe results are also saved as `<out>/eval/<PATH label>_<probe>.json`.
     `log_wandb`: offline | online: also log the report's PNGs and accuracy tables as a wandb run.
-    `interventions`: `Spec.parse` texts (reorder[:order], truncate:K[:order], query_aware, ms_poe), each answered
-    by every PATH on the probes it changes; `ms_poe`: Ms-PoE's settings.
+    `interventions`: `Spec.parse` texts (reorder[:order], truncate:K[:order], query_aware, ms_poe,
+    attn_calibration), each answered by every PATH on the probes it changes; `ms_poe`, `calibration`: the
+    settings of Ms-PoE and of attention calibration.
     Raises CompareError naming the PATH that cannot be read or compared.
     """
     if not paths:
@@ -700,7 +709,7 @@ def compare(
     banks = [(spec, ProbeBank(intervened(eval_cfg, spec.name, spec.order, spec.keep), in2)) for spec in specs]
     jacobian = jacobian_settings(reference, seq_len)
     entries = [
-        evaluate_target(t, tok, probes, bank, jacobian, data_dir, device, dtype, banks, ms_poe)
+        evaluate_target(t, tok, probes, bank, jacobian, data_dir, device, dtype, banks, ms_poe, calibration)
         for t, tok in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path")
     ]
     out = Path(out)
@@ -738,7 +747,11 @@ def _spec_list(text: str) -> list[str]:
 
 
 def _layers(text: str) -> str | list[int]:
-    return text if text in ("reference", "all") else [int(i) for i in text.split(",")]
+    """A layers option: a named set (reference, last_half, all) or comma-separated 0-based indices."""
+    try:
+        return text if text in ("reference", "last_half", "all") else [int(i) for i in text.split(",")]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"layers {text!r}: a named set or comma-separated indices") from err
 
 
 def positive_int(text: str) -> int:
@@ -808,10 +821,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype (default float32)")
     parser.add_argument("--interventions", type=_spec_list, default=[],
                         help="comma-separated inference-time interventions answered beside the plain probes: "
-                             "reorder[:outside_in|descending|ascending], truncate:K[:order], query_aware, ms_poe "
-                             "(default: none)")
-    parser.add_argument("--ms-poe-layers", default="reference",
+                             "reorder[:outside_in|descending|ascending], truncate:K[:order], query_aware, ms_poe, "
+                             "attn_calibration (default: none)")
+    parser.add_argument("--ms-poe-layers", type=_layers, default="reference",
                         help="ms_poe: the layers patched: reference (all but the first two, the paper's runs), all, "
+                             "or comma-separated 0-based indices")
+    parser.add_argument("--calibration-layers", type=_layers, default="last_half",
+                        help="attn_calibration: the layers calibrated: last_half (the paper's last 16 of 32), all, "
                              "or comma-separated 0-based indices")
     parser.add_argument("--wandb", action="store_true",
                         help="also read each run's wandb summary (optional; metrics.jsonl has the same numbers)")
@@ -832,7 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
             device=args.device, dtype=args.dtype, use_wandb=args.wandb, log_wandb=args.wandb_log,
-            interventions=args.interventions, ms_poe=MsPoEConfig(layers=_layers(args.ms_poe_layers)),
+            interventions=args.interventions, ms_poe=MsPoEConfig(layers=args.ms_poe_layers),
+            calibration=AttnCalibrationConfig(layers=args.calibration_layers),
         )
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -10,6 +10,10 @@
   (or pairs) too, with the reference's prompt text (templates `*_query_aware.txt`).
 - `ms_poe`: Multi-scale Positional Encoding (Zhang et al. 2024), per-head RoPE position compression
   (`models.ms_poe`).
+- `attn_calibration`: found-in-the-middle attention calibration (Hsieh et al. 2024): each document's (kv: each
+  pair's) attention minus that of a dummy document at its position, and the attention after the documents
+  redistributed among them by that calibrated relevance, total document attention kept
+  (`models.attn_calibration`).
 
 Positions of reordered or truncated mdqa items stay the gold's rank, so their curves pair with the
 un-intervened ones; each outcome keeps its final position (`extra["final_position"]`).
@@ -17,17 +21,24 @@ un-intervened ones; each outcome keeps its final position (`extra["final_positio
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
-from typing import ContextManager, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.positional_eval import EvalConfig, ProbeResult
 from analysis.scoring import paired_bootstrap_ci
 from data_builders.probes import Order
+from models.attn_calibration import (
+    AttnCalibration,
+    AttnCalibrationConfig,
+    attn_calibration,
+    check_attn_calibration,
+)
+from models.attn_calibration import resolve_layers as resolve_calibrated_layers
 from models.ms_poe import MsPoEConfig, check_ms_poe, ms_poe, resolve_layers
 
 
@@ -37,11 +48,13 @@ class Intervention(StrEnum):
     truncate = "truncate"
     query_aware = "query_aware"
     ms_poe = "ms_poe"
+    attn_calibration = "attn_calibration"
 
 
-# The probes each prompt-level intervention changes (ms_poe changes the model: every probe).
+# The probes each intervention changes (ms_poe changes the model: every probe; attn_calibration needs the
+# documents or pairs of a prompt).
 APPLIES_TO = {Intervention.reorder: {"mdqa"}, Intervention.truncate: {"mdqa"},
-              Intervention.query_aware: {"kv", "mdqa"}}
+              Intervention.query_aware: {"kv", "mdqa"}, Intervention.attn_calibration: {"kv", "mdqa"}}
 
 
 def check_intervention(name: Intervention | str, probes: Iterable[str], order: Optional[Order],
@@ -50,7 +63,7 @@ def check_intervention(name: Intervention | str, probes: Iterable[str], order: O
     name = Intervention(name)
     probes = [str(p) for p in probes]
     if name in APPLIES_TO and (untouched := [p for p in probes if p not in APPLIES_TO[name]]):
-        raise ValueError(f"intervention={name} changes the prompts of {sorted(APPLIES_TO[name])} only; "
+        raise ValueError(f"intervention={name} applies to {sorted(APPLIES_TO[name])} only; "
                          f"probes={untouched} would be asked as they are: leave them out")
     if name == Intervention.truncate and (keep is None or keep < 1):
         raise ValueError(f"intervention=truncate needs keep=K >= 1, the documents kept (got keep={keep})")
@@ -72,13 +85,50 @@ def intervened(cfg: EvalConfig, name: Intervention | str, order: Optional[Order]
     return cfg
 
 
-def model_intervention(name: Intervention | str, model: PreTrainedModel, ms_poe_cfg: MsPoEConfig) -> ContextManager:
-    """The context in which the model answers: Ms-PoE installed (checked first), or the model as it is."""
-    if Intervention(name) == Intervention.ms_poe:
+def check_model_intervention(name: Intervention | str, model: PreTrainedModel, ms_poe_cfg: MsPoEConfig,
+                             calibration_cfg: AttnCalibrationConfig) -> None:
+    """Raise ValueError naming why the intervention cannot change `model` (before anything is answered)."""
+    name = Intervention(name)
+    if name == Intervention.ms_poe:
         check_ms_poe(model)
-        resolve_layers(ms_poe_cfg.layers, model.config.num_hidden_layers)  # before answering, not at the first one
-        return ms_poe(model, ms_poe_cfg)
-    return nullcontext()
+        resolve_layers(ms_poe_cfg.layers, model.config.num_hidden_layers)
+    elif name == Intervention.attn_calibration:
+        check_attn_calibration(model, calibration_cfg)
+
+
+@contextmanager
+def model_intervention(name: Intervention | str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                       ms_poe_cfg: MsPoEConfig, calibration_cfg: AttnCalibrationConfig,
+                       batch_tokens: int | None = None) -> Iterator[Optional[AttnCalibration]]:
+    """The context in which the model answers (checked first): Ms-PoE installed, attention calibration installed
+    (yielded: pass it to `answer_probes`), or the model as it is (None)."""
+    check_model_intervention(name, model, ms_poe_cfg, calibration_cfg)
+    if Intervention(name) == Intervention.ms_poe:
+        with ms_poe(model, ms_poe_cfg):
+            yield None
+    elif Intervention(name) == Intervention.attn_calibration:
+        with attn_calibration(model, tokenizer, calibration_cfg, batch_tokens) as calibration:
+            yield calibration
+    else:
+        yield None
+
+
+def intervention_settings(name: Intervention | str, model: PreTrainedModel, ms_poe_cfg: MsPoEConfig,
+                          calibration_cfg: AttnCalibrationConfig, calibration: Optional[AttnCalibration] = None
+                          ) -> dict[str, Any]:
+    """What a result's settings record of the intervention it was made with: its name and, for the ones that
+    change the model, their settings (layers resolved) and, for attn_calibration, the query rows recalibrated
+    (summed over layers: 0 would mean it never acted)."""
+    name = Intervention(name)
+    settings: dict[str, Any] = {}
+    num_layers = model.config.num_hidden_layers
+    if name == Intervention.ms_poe:
+        settings["ms_poe"] = {**asdict(ms_poe_cfg), "layers": resolve_layers(ms_poe_cfg.layers, num_layers)}
+    elif name == Intervention.attn_calibration:
+        settings["attn_calibration"] = {
+            **asdict(calibration_cfg), "layers": resolve_calibrated_layers(calibration_cfg.layers, num_layers),
+            "calibrated_rows": None if calibration is None else calibration.calibrated_rows}
+    return settings
 
 
 def tag(name: Intervention | str, order: Optional[Order], keep: Optional[int]) -> str:
@@ -94,7 +144,7 @@ def tag(name: Intervention | str, order: Optional[Order], keep: Optional[int]) -
 @dataclass(frozen=True)
 class Spec:
     """One intervention with its settings, as `analysis.compare --interventions` names it: `reorder`,
-    `reorder:ascending`, `truncate:5`, `truncate:5:outside_in`, `query_aware`, `ms_poe`."""
+    `reorder:ascending`, `truncate:5`, `truncate:5:outside_in`, `query_aware`, `ms_poe`, `attn_calibration`."""
 
     name: Intervention
     order: Optional[Order] = None
@@ -117,7 +167,7 @@ class Spec:
                 spec = cls(intervention)
         except (ValueError, IndexError) as err:
             raise ValueError(f"intervention {text!r}: {err} (known: reorder[:{'|'.join(Order)}], "
-                             "truncate:K[:order], query_aware, ms_poe)") from err
+                             "truncate:K[:order], query_aware, ms_poe, attn_calibration)") from err
         if intervention == Intervention.none:
             raise ValueError("intervention 'none' is the plain evaluation, always reported")
         return spec

@@ -14,10 +14,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,10 +51,14 @@ from data_builders.probes import (
     synthetic_filler,
 )
 
+if TYPE_CHECKING:
+    from models.attn_calibration import AttnCalibration
+
 log = logging.getLogger(__name__)
 
 Scorer = Callable[[str, Sequence[str]], float]
 GenerateFn = Callable[[Sequence[ProbeItem]], list[str]]
+BatchContext = Callable[[Sequence[int], int], ContextManager]
 
 REFERENCE = "Liu et al. 2023, Lost in the Middle (github.com/nelson-liu/lost-in-the-middle)"
 
@@ -289,6 +294,7 @@ def greedy_generate(
     progress: bool = True,
     first_line_only: bool = False,
     batch_tokens: int | None = None,
+    batch_context: BatchContext | None = None,
 ) -> list[str]:
     """Greedy continuations of token-id prompts, decoded without special tokens, in prompt order.
 
@@ -297,7 +303,8 @@ def greedy_generate(
     padded prompt tokens (one prompt at least). Generation stops at the model's eos ids and the tokenizer's eos, and with
     `first_line_only` also once a row's first non-blank line is complete (what `first_line` keeps:
     the scores are those of the full budget, for less compute). The model is put in eval mode and
-    its previous mode restored.
+    its previous mode restored. `batch_context(rows, width)`, when given, is entered around each batch's
+    generate call (rows: the prompts' indices, width: the padded length), e.g. to calibrate attention.
     """
     limit = getattr(model.config, "max_position_embeddings", None)
     too_long = sum(len(p) + max_new_tokens > limit for p in prompts) if limit else 0
@@ -330,21 +337,22 @@ def greedy_generate(
                 n = len(prompts[i])
                 ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
                 mask[r, width - n :] = 1
-            out = model.generate(
-                input_ids=ids.to(model.device),
-                attention_mask=mask.to(model.device),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                num_beams=1,
-                # Hub generation configs may set penalties (Qwen2-Instruct: repetition_penalty=1.05)
-                # that generate() would apply; pinned off so this stays plain argmax.
-                repetition_penalty=1.0,
-                no_repeat_ngram_size=0,
-                pad_token_id=pad,
-                eos_token_id=eos or None,
-                stopping_criteria=StoppingCriteriaList([FirstLineComplete(tokenizer, width)]) if first_line_only
-                else None,
-            )  # (B, L + new)
+            with batch_context(rows, width) if batch_context is not None else nullcontext():
+                out = model.generate(
+                    input_ids=ids.to(model.device),
+                    attention_mask=mask.to(model.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    # Hub generation configs may set penalties (Qwen2-Instruct: repetition_penalty=1.05)
+                    # that generate() would apply; pinned off so this stays plain argmax.
+                    repetition_penalty=1.0,
+                    no_repeat_ngram_size=0,
+                    pad_token_id=pad,
+                    eos_token_id=eos or None,
+                    stopping_criteria=StoppingCriteriaList([FirstLineComplete(tokenizer, width)]) if first_line_only
+                    else None,
+                )  # (B, L + new)
             texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
             for i, text in zip(rows, texts):
                 outputs[i] = text
@@ -375,14 +383,26 @@ def model_generate_fn(
     progress: bool = True,
     first_line_only: bool = False,
     batch_tokens: int | None = None,
+    calibration: AttnCalibration | None = None,
 ) -> GenerateFn:
     """A `generate_fn` for `run_probe` that answers items with `greedy_generate` on `model`; text prompts go
-    through the chat template when `chat_template`, token-id prompts (in2) never do."""
+    through the chat template when `chat_template`, token-id prompts (in2) never do. With `calibration` (an
+    installed `models.attn_calibration`), each batch is answered with its items' segments calibrated."""
 
     def generate(items: Sequence[ProbeItem]) -> list[str]:
-        prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
+        if calibration is None:
+            prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
+            return greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                                   batch_tokens)
+        encoded = [calibration.encode(it.prompt, it.segments or [], chat_template) if isinstance(it.prompt, str)
+                   else (list(it.prompt), []) for it in items]
+        prompts, spans = [ids for ids, _ in encoded], [s for _, s in encoded]
+
+        def calibrated(rows: Sequence[int], width: int) -> ContextManager:
+            return calibration.batch([prompts[i] for i in rows], [spans[i] for i in rows], width)
+
         return greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
-                               batch_tokens)
+                               batch_tokens, calibrated)
 
     return generate
 
@@ -541,13 +561,15 @@ def evaluate_probes(
     tokenizer: PreTrainedTokenizerBase,
     probes: Mapping[str, Sequence[ProbeItem]],
     cfg: EvalConfig,
+    calibration: AttnCalibration | None = None,
 ) -> tuple[dict[str, float], dict[str, ProbeResult]]:
     """Run the probes from `build_probes` (and in2 items) on `model`, each with its budget and metric;
-    metrics of all probes and the result of each."""
+    metrics of all probes and the result of each. `calibration`: answer with attention calibration."""
     results = {}
     for name, items in probes.items():
         generate = model_generate_fn(model, tokenizer, probe_budget(name, cfg), cfg.batch_size,
-                                     cfg.chat_template, first_line_only=name == "mdqa", batch_tokens=cfg.batch_tokens)
+                                     cfg.chat_template, first_line_only=name == "mdqa", batch_tokens=cfg.batch_tokens,
+                                     calibration=calibration)
         results[name] = run_probe(items, generate, probe_metric(name, cfg), probe_settings(name, cfg, items))
     metrics = {k: v for result in results.values() for k, v in result.to_metrics("eval").items()}
     return metrics, results

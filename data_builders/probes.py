@@ -92,6 +92,9 @@ class ProbeItem:
     extra: dict[str, Any] = field(default_factory=dict)  # JSON-serializable details kept with the outcome
     label: str | None = None  # name of the position in metric keys; None = str(position)
     query: str | None = None  # shared by one query's items at all positions (pairs them); None = id
+    # Character spans [start, end) of the documents (mdqa) or pairs (kv) in a text prompt, in order: what
+    # attention calibration (models.attn_calibration) treats as segments. Not saved with the outcomes.
+    segments: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if self.label is None:
@@ -158,6 +161,24 @@ def _check_positions(positions: Sequence[int], n_slots: int) -> None:
 def format_kv_records(pairs: Sequence[Sequence[str]]) -> str:
     """The pairs as a JSON object, one pair a line (the layout of Liu et al.)."""
     return "{" + ",\n ".join(f'"{k}": "{v}"' for k, v in pairs) + "}"
+
+
+def joined_spans(parts: Sequence[str], sep: str, offset: int) -> list[tuple[int, int]]:
+    """Character spans of `parts` in `sep.join(parts)` placed at `offset`."""
+    spans, at = [], offset
+    for part in parts:
+        spans.append((at, at + len(part)))
+        at += len(part) + len(sep)
+    return spans
+
+
+def fill_template(template: str, field_name: str, parts: Sequence[str], sep: str, prefix: str = "", suffix: str = "",
+                  **fields: str) -> tuple[str, list[tuple[int, int]]]:
+    """`template` with `{field_name}` = prefix + sep.join(parts) + suffix and the other fields, and the spans of
+    `parts` in the result."""
+    before = template[: template.index("{" + field_name + "}")].format(**fields)
+    prompt = template.format(**{field_name: prefix + sep.join(parts) + suffix}, **fields)
+    return prompt, joined_spans(parts, sep, len(before) + len(prefix))
 
 
 def _synthetic_kv(n_pairs: int, rng: random.Random) -> tuple[list[tuple[str, str]], str, str]:
@@ -247,11 +268,14 @@ def kv_probe(
             raise ValueError(f"{where}: {len(pairs)} pairs, fewer than n_pairs={n_pairs}")
         others = [p for p in pairs if p != (key, value)][: n_pairs - 1]
         for pos in positions:
-            kv = format_kv_records(others[:pos] + [(key, value)] + others[pos:])
+            ordered = others[:pos] + [(key, value)] + others[pos:]
+            prompt, segments = fill_template(template, "kv_records", [f'"{k}": "{v}"' for k, v in ordered], ",\n ",
+                                             "{", "}", key=key)
             items.append(
                 ProbeItem(
                     id=f"kv-{i}@{pos}",
-                    prompt=template.format(kv_records=kv, key=key),
+                    prompt=prompt,
+                    segments=segments,
                     answers=[value],
                     position=pos,
                     n_positions=n_pairs,
@@ -263,8 +287,8 @@ def kv_probe(
     return items
 
 
-def _format_documents(docs: Sequence[Mapping[str, str]]) -> str:
-    return "\n".join(f"Document [{k + 1}](Title: {d['title']}) {d['text']}" for k, d in enumerate(docs))
+def _document_lines(docs: Sequence[Mapping[str, str]]) -> list[str]:
+    return [f"Document [{k + 1}](Title: {d['title']}) {d['text']}" for k, d in enumerate(docs)]
 
 
 @dataclass(frozen=True)
@@ -295,11 +319,15 @@ def _qa_item(
     if ctxs and layout.moves_documents:
         ctxs, extra["final_position"] = arrange_documents(ctxs, position, layout.order, layout.keep)
     template = "mdqa_query_aware" if layout.query_aware else "mdqa"
-    prompt = (load_template(template).format(documents=_format_documents(ctxs), question=rec["question"]) if ctxs
-              else load_template("closedbook_qa").format(question=rec["question"]))
+    if ctxs:
+        prompt, segments = fill_template(load_template(template), "documents", _document_lines(ctxs), "\n",
+                                         question=rec["question"])
+    else:
+        prompt, segments = load_template("closedbook_qa").format(question=rec["question"]), []
     return ProbeItem(
         id=f"mdqa-{i}@{label or position}",
         prompt=prompt,
+        segments=segments,
         answers=list(rec["answers"]),
         position=position,
         n_positions=len(ctxs),

@@ -265,7 +265,7 @@ class _OneKeyHeadPerQueryHead:
         return getattr(self._module, name)
 
 
-def _window(module: nn.Module, model_type: str) -> tuple[int | None, dict[str, Any]]:
+def attention_window(module: nn.Module, model_type: str) -> tuple[int | None, dict[str, Any]]:
     """The layer's sliding window, and the `sliding_window` kwarg the original forward passes (Llama: none)."""
     if model_type == "llama":
         return None, {}
@@ -281,7 +281,7 @@ def _make_forward(module: nn.Module, rotary: nn.Module, model_type: str, cfg: Ms
     """The Ms-PoE forward of one attention module (HF attention forward, RoPE per head)."""
     modeling = sys.modules[type(module).__module__]  # the architecture's own helpers, as its forward uses
     rotate_half, eager = modeling.rotate_half, modeling.eager_attention_forward
-    window, window_kwargs = _window(module, model_type)
+    window, window_kwargs = attention_window(module, model_type)
     groups = module.num_key_value_groups
 
     def forward(hidden_states: torch.Tensor, position_embeddings: Any = None,

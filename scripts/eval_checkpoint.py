@@ -10,6 +10,7 @@
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=../shared/data intervention=truncate keep=5
     python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa] intervention=query_aware data_dir=../shared/data
     python -m scripts.eval_checkpoint CKPT intervention=ms_poe ms_poe.ratio_min=1.2 ms_poe.ratio_max=1.8
+    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=../shared/data intervention=attn_calibration
 
 (`python scripts/eval_checkpoint.py ...` works the same once the project is installed: pip install -e .;
 quote list values in zsh: 'probes=[kv,needle]')
@@ -34,10 +35,13 @@ the metric and settings it was made with. `needle.lengths` x `needle.depths` is 
 `intervention=` answers with an inference-time intervention that changes no weights (analysis.interventions):
 `reorder` (mdqa documents laid out by `order`: outside_in (default), descending, ascending), `truncate`
 (the top `keep` ranked documents, laid out by `order` when set), `query_aware` (kv and mdqa: the query before
-the data too, the reference's prompts), `ms_poe` (per-head RoPE compression, `ms_poe.*`). Reordered and
-truncated items keep the gold's rank as their position (each outcome's `extra.final_position` says where it
-went); an intervention that cannot apply (a probe it does not change, a model without RoPE for ms_poe)
-fails before anything is answered. Its outputs go to `<out>/interventions/<name>/`, beside the plain ones.
+the data too, the reference's prompts), `ms_poe` (per-head RoPE compression, `ms_poe.*`), `attn_calibration`
+(kv and mdqa: attention after the documents redistributed by their attention minus a dummy document's at the
+same position, `attn_calibration.*`: layers (last_half), heads, temperature (5e-5), weighting, reference,
+dummy_text). Reordered and truncated items keep the gold's rank as their position (each outcome's
+`extra.final_position` says where it went); an intervention that cannot apply (a probe it does not change, a
+model without RoPE for ms_poe, differential attention) fails before anything is answered. Its outputs go to
+`<out>/interventions/<name>/`, beside the plain ones; their settings record the intervention's.
 
 With N the checkpoint's training step (0 for a folder without trainer_state.json, and for a hub id), it
 writes
@@ -76,7 +80,15 @@ from analysis.checkpoints import (
     reference_run,
     resolve_target,
 )
-from analysis.interventions import Intervention, check_intervention, intervened, model_intervention, tag
+from analysis.interventions import (
+    Intervention,
+    check_intervention,
+    check_model_intervention,
+    intervened,
+    intervention_settings,
+    model_intervention,
+    tag,
+)
 from analysis.plots import plot_needle_grid, plot_position_accuracy
 from analysis.positional_eval import (
     EvalConfig,
@@ -90,6 +102,7 @@ from analysis.positional_eval import (
 )
 from data_builders.files import atomic_write_text
 from data_builders.probes import Order
+from models.attn_calibration import AttnCalibrationConfig
 from models.distributed import Device
 from models.ms_poe import MsPoEConfig
 
@@ -114,10 +127,13 @@ class EvalCheckpointConfig:
     attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
     trust_remote_code: bool = False  # run the model repository's own code (hub models that need it)
-    intervention: Intervention = Intervention.none  # reorder | truncate | query_aware | ms_poe (see above)
+    # reorder | truncate | query_aware | ms_poe | attn_calibration (see above)
+    intervention: Intervention = Intervention.none
     order: Optional[Order] = None  # reorder (default outside_in) and truncate: the documents' layout
     keep: Optional[int] = None  # truncate: the top-ranked documents kept
     ms_poe: MsPoEConfig = field(default_factory=MsPoEConfig)  # ms_poe: ratio_min, ratio_max, layers
+    # attn_calibration: layers, heads, temperature, weighting, reference, dummy_text
+    attn_calibration: AttnCalibrationConfig = field(default_factory=AttnCalibrationConfig)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
@@ -130,7 +146,11 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
     except OmegaConfBaseException as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
-    cfg = OmegaConf.to_object(cfg)
+    try:
+        cfg = OmegaConf.to_object(cfg)
+    except ValueError as err:  # a settings class's own check (attn_calibration.temperature, ...)
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
     if not cfg.probes or cfg.examples < 1:
         print(f"error: give at least one probe (got {cfg.probes}) and examples >= 1 (got {cfg.examples})",
               file=sys.stderr)
@@ -168,14 +188,16 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
         print(f"{probe}: skipped (mdqa needs data_dir or mdqa.path)", file=sys.stderr)
     model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
     try:
-        context = model_intervention(cfg.intervention, model, cfg.ms_poe)
+        check_model_intervention(cfg.intervention, model, cfg.ms_poe, cfg.attn_calibration)
     except ValueError as err:
         raise CompareError(f"{ckpt}: {err}") from err
-    with context:
-        results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg)
+    with model_intervention(cfg.intervention, model, tokenizer, cfg.ms_poe, cfg.attn_calibration,
+                            cfg.batch_tokens) as calibration:
+        results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg, calibration)
+        recorded = intervention_settings(cfg.intervention, model, cfg.ms_poe, cfg.attn_calibration, calibration)
     name = tag(cfg.intervention, cfg.order, cfg.keep)
     for result in results.values():
-        result.settings["intervention"] = name
+        result.settings.update(intervention=name, **recorded)
 
     step = 0 if target.step is None else target.step
     default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")

@@ -114,14 +114,15 @@ def test_probe_options_reach_the_probe_settings():
     assert (args.kv_path, args.mdqa_path, args.distractors) == ("kv-140.jsonl.gz", "qa/*.jsonl.gz", "random")
     assert args.needle_lens == [128, 256] and args.needle_depths == [0.0, 0.5, 1.0]
     args = build_parser().parse_args(["runA", "--kv-pairs", "20", "--mdqa-docs", "10", "--interventions",
-                                      "reorder:ascending,truncate:5,ms_poe", "--ms-poe-layers", "1,2"])
-    assert (args.kv_pairs, args.mdqa_docs, args.ms_poe_layers) == (20, 10, "1,2")
-    assert args.interventions == ["reorder:ascending", "truncate:5", "ms_poe"]
+                                      "reorder:ascending,truncate:5,ms_poe,attn_calibration", "--ms-poe-layers", "1,2",
+                                      "--calibration-layers", "all"])
+    assert (args.kv_pairs, args.mdqa_docs, args.ms_poe_layers, args.calibration_layers) == (20, 10, [1, 2], "all")
+    assert args.interventions == ["reorder:ascending", "truncate:5", "ms_poe", "attn_calibration"]
     defaults = build_parser().parse_args(["runA"])
     assert defaults.distractors == "retrieved" and defaults.max_new_tokens is None  # the reference's setup
     assert defaults.interventions == [] and defaults.kv_pairs is None
     for bad in (["--needle-depths", "0,1.5"], ["--distractors", "bm25"], ["--interventions", "shuffle"],
-                ["--interventions", "truncate"]):
+                ["--interventions", "truncate"], ["--calibration-layers", "middle"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["runA", *bad])
 
@@ -234,6 +235,7 @@ def test_eval_checkpoint_rejects_bad_choices_before_loading(tmp_path, capsys, ar
 
 def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
     from analysis.positional_eval import MDQAProbeConfig
+    from models.attn_calibration import AttnCalibrationConfig
     from models.ms_poe import MsPoEConfig
 
     ctxs = [{"title": f"title {k}", "text": f"text {k}", "isgold": k == 3} for k in range(6)]
@@ -242,15 +244,18 @@ def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
                             for i in range(3)))
     report = compare([run_dir], tmp_path / "cmp", ["mdqa", "needle"], examples=3, max_new_tokens=2,
                      mdqa=MDQAProbeConfig(path=str(mdqa), closed_book=False),
-                     interventions=["reorder", "truncate:2", "query_aware", "ms_poe"],
+                     interventions=["reorder", "truncate:2", "query_aware", "ms_poe", "attn_calibration"],
                      needle=NeedleProbeConfig(lengths=[128], depths=[0.0, 1.0]), device="cpu",
-                     ms_poe=MsPoEConfig(layers="all"))
+                     ms_poe=MsPoEConfig(layers="all"), calibration=AttnCalibrationConfig(layers="all"))
     text = report.read_text()
     section = text.split("## Interventions", 1)[1].split("## Jacobian profiles", 1)[0]
-    for name in ("reorder-outside_in", "truncate-2", "query_aware", "ms_poe"):
+    for name in ("reorder-outside_in", "truncate-2", "query_aware", "ms_poe", "attn_calibration"):
         assert f"| runA | {name} |" in section
     needle_rows = section.split("### needle", 1)[1]
     assert "| runA | ms_poe |" in needle_rows and "reorder" not in needle_rows  # only the probes each changes
+    assert "attn_calibration" not in needle_rows  # needle prompts have no documents
+    calibrated = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "runA_mdqa_attn_calibration.json")
+    assert calibrated.settings["attn_calibration"]["calibrated_rows"] > 0
     for png in ("interventions_mdqa.png", "interventions_mdqa_final_position.png", "interventions_needle.png"):
         assert_png(report.parent / png)
     moved = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "runA_mdqa_reorder-outside_in.json")

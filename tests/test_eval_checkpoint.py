@@ -186,7 +186,7 @@ def test_reorder_intervention_writes_beside_the_plain_results(model_dir, tmp_pat
 
 
 @pytest.mark.parametrize("args, message", [
-    (["probes=[kv]", "intervention=reorder"], "changes the prompts of ['mdqa'] only"),
+    (["probes=[kv]", "intervention=reorder"], "applies to ['mdqa'] only"),
     (["probes=[mdqa]", "intervention=truncate"], "keep=K"),
     (["probes=[needle]", "intervention=query_aware"], "needle"),
     (["probes=[mdqa]", "keep=3"], "truncate's setting"),
@@ -202,5 +202,22 @@ def test_ms_poe_intervention_answers_through_the_patched_model(model_dir, tmp_pa
     assert eval_checkpoint.main([str(model_dir), *ARGS, "intervention=ms_poe", "ms_poe.layers=all", f"out={out}"]) == 0
     result = ProbeResult.load_json(out / "interventions" / "ms_poe" / "eval" / "needle_step0.json")
     assert result.settings["intervention"] == "ms_poe" and len(result.outcomes) == 6
+    assert result.settings["ms_poe"]["layers"] == [0, 1]
     # the default layers (all but the first two) leave nothing to patch in a 2-layer model: said before answering
     assert eval_checkpoint.main([str(model_dir), *ARGS, "intervention=ms_poe", f"out={tmp_path / 'x'}"]) == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_attn_calibration_answers_kv_with_its_pairs_calibrated(model_dir, tmp_path, chat):
+    out = tmp_path / "run"
+    args = ["probes=[kv]", "examples=2", "kv.n_pairs=4", "max_new_tokens=3", "device=cpu", f"chat_template={chat}",
+            "intervention=attn_calibration", f"out={out}"]
+    assert eval_checkpoint.main([str(model_dir), *args]) == 0
+    result = ProbeResult.load_json(out / "interventions" / "attn_calibration" / "eval" / "kv_step0.json")
+    recorded = result.settings["attn_calibration"]
+    assert result.settings["intervention"] == "attn_calibration" and len(result.outcomes) == 2 * 4  # every pair position
+    assert recorded["layers"] == [1] and recorded["temperature"] == 5e-5  # last_half of 2 layers
+    # every prompt's rows after its pairs, in the one calibrated layer: the prefill's and each decoding step's
+    assert recorded["calibrated_rows"] >= 8 * 3
+    assert eval_checkpoint.main([str(model_dir), *args[:-1], "attn_calibration.heads=[9]",
+                                 f"out={tmp_path / 'x'}"]) == 1  # said before answering

@@ -1,10 +1,11 @@
-"""Prompt-level inference interventions of the kv and mdqa probes: document order, truncation, query-aware prompts."""
+"""Inference interventions: document order, truncation, query-aware prompts of the kv and mdqa probes; the specs."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from analysis.interventions import Intervention, Spec, check_intervention
 from data_builders.probes import Layout, Order, arrange_documents, arrangement, kv_probe, mdqa_probe
 
 # Written out from the reference's tests/test_prompting.py (nelson-liu/lost-in-the-middle), not read from it.
@@ -87,3 +88,15 @@ def test_closed_book_items_are_untouched(tmp_path, layout):
     plain = [it for it in mdqa_probe(path) if it.label == "closedbook"]
     changed = [it for it in mdqa_probe(path, layout=layout) if it.label == "closedbook"]
     assert [it.prompt for it in plain] == [it.prompt for it in changed] == ["Question: test question\nAnswer:"]
+
+
+def test_specs_parse_and_name_the_probes_each_changes():
+    assert Spec.parse("truncate:5:outside_in") == Spec(Intervention.truncate, Order.outside_in, 5)
+    assert Spec.parse("reorder").tag == "reorder-outside_in"
+    assert Spec.parse("attn_calibration").probes(["kv", "mdqa", "needle"]) == ["kv", "mdqa"]  # needs documents
+    assert Spec.parse("ms_poe").probes(["needle", "in2"]) == ["needle", "in2"]  # changes the model: every probe
+    for bad in ("attn_calibration:1", "truncate", "truncate:0", "none", "shuffle", "reorder:sideways"):
+        with pytest.raises(ValueError):
+            Spec.parse(bad)
+    with pytest.raises(ValueError, match=r"applies to \['kv', 'mdqa'\] only"):
+        check_intervention("attn_calibration", ["kv", "needle"], None, None)
