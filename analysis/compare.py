@@ -132,9 +132,10 @@ class Entry:
     profiles: JacobianProfiles | None = None
     topology: dict[str, dict[str, float]] = field(default_factory=dict)  # set -> METRIC_KEYS -> value
     notes: list[str] = field(default_factory=list)
-    # intervention tag -> probe -> result, and the wall time each intervention's answers took
+    # intervention tag -> probe -> result, and the wall time each probe's answers took (tag -> probe -> s)
     interventions: dict[str, dict[str, ProbeResult]] = field(default_factory=dict)
-    intervention_seconds: dict[str, float] = field(default_factory=dict)
+    intervention_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    plain_seconds: dict[str, float] = field(default_factory=dict)  # probe -> s, for the probes answered now
 
 
 def short_labels(paths: Sequence[str | Path]) -> list[str]:
@@ -339,10 +340,12 @@ def evaluate_target(
     model = None
     if pending or profiles is None or interventions:
         model = load_model(target, device, dtype)
-    entry.results.update(answer_probes(model, tokenizer, pending, bank.cfg))
     for probe, items in pending.items():
+        started = time.perf_counter()
+        entry.results.update(answer_probes(model, tokenizer, {probe: items}, bank.cfg))
+        entry.plain_seconds[probe] = time.perf_counter() - started
         entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to {probe_budget(probe, bank.cfg)} "
-                           "new tokens)")
+                           f"new tokens, {entry.plain_seconds[probe]:.1f} s)")
     if profiles is None:
         profiles = measure_profiles(model, tokenizer, jacobian, data_dir)
     entry.profiles = profiles
@@ -352,23 +355,24 @@ def evaluate_target(
         entry.topology[name].update({f"rollout/{v}/{m}": value for v, curve in by_variant.items()
                                      for m, value in rollout_metrics(profiles.latest[name], curve).items()})
     for spec, spec_bank in interventions:
-        asked = {p: spec_bank.items(p, tokenizer) for p in spec.probes(probes)}
-        started = time.perf_counter()
+        asked = {p: its for p in spec.probes(probes) if (its := spec_bank.items(p, tokenizer))}
         settings = (ms_poe_cfg or MsPoEConfig(), calibration_cfg or AttnCalibrationConfig())
         try:
             check_model_intervention(spec.name, model, *settings)
         except ValueError as err:
             raise CompareError(f"{target.path}: intervention {spec.tag}: {err}") from err
+        results, seconds = {}, entry.intervention_seconds.setdefault(spec.tag, {})
         with model_intervention(spec.name, model, tokenizer, *settings, spec_bank.cfg.batch_tokens) as calibration:
-            results = answer_probes(model, tokenizer, {p: its for p, its in asked.items() if its}, spec_bank.cfg,
-                                    calibration)
+            for probe, items in asked.items():
+                started = time.perf_counter()
+                results.update(answer_probes(model, tokenizer, {probe: items}, spec_bank.cfg, calibration))
+                seconds[probe] = time.perf_counter() - started
             recorded = intervention_settings(spec.name, model, *settings, calibration)
-        entry.intervention_seconds[spec.tag] = time.perf_counter() - started
         for result in results.values():
             result.settings.update(intervention=spec.tag, **recorded)
         entry.interventions[spec.tag] = results
-        entry.notes.append(f"intervention {spec.tag}: {', '.join(results)} answered in "
-                           f"{entry.intervention_seconds[spec.tag]:.1f} s")
+        entry.notes.append(f"intervention {spec.tag}: " + ", ".join(f"{p} answered in {s:.1f} s"
+                                                                    for p, s in seconds.items()))
     return entry
 
 
@@ -581,13 +585,19 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
              "Inference-time interventions (analysis.interventions), each asked the items of the probes it changes. "
              "Δ: its accuracy minus the same PATH's un-intervened accuracy on the same items, with a paired 95% "
              "bootstrap interval (`*`: excludes 0). Reordered or truncated mdqa items stay at the gold's retriever "
-             "rank; the `by final position` figure puts them where the gold ended. Wall time: answering every "
-             "probe of the intervention, this machine.", ""]
+             "rank; the `by final position` figure puts them where the gold ended. Wall time: answering the "
+             "probe's items, this machine (`plain`: the un-intervened answers, when answered in this run).", ""]
     for probe in probes:
         rows, curves, final = [], {}, {}
         for e in entries:
             if probe in e.results:
                 curves[e.target.label] = e.results[probe]
+                if any(probe in results for results in e.interventions.values()):
+                    plain = e.results[probe]
+                    seconds = e.plain_seconds.get(probe)
+                    rows.append([e.target.label, "plain", _fmt(plain.mean), "",
+                                 str(sum(o["position"] >= 0 for o in plain.outcomes)),
+                                 "reused" if seconds is None else f"{seconds:.1f}"])
             for name, results in e.interventions.items():
                 if probe not in results:
                     continue
@@ -599,7 +609,7 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
                                       else (math.nan, (math.nan, math.nan), 0))
                 star = " *" if n and (lo > 0 or hi < 0) else ""
                 rows.append([e.target.label, name, _fmt(result.mean), f"{delta:+.3f} [{lo:+.3f}, {hi:+.3f}]{star}",
-                             str(n), f"{e.intervention_seconds[name]:.1f}"])
+                             str(n), f"{e.intervention_seconds[name][probe]:.1f}"])
         if not rows:
             continue
         header = ["PATH", "intervention", "accuracy", "Δ vs plain [95% CI]", "items", "wall s"]

@@ -249,8 +249,10 @@ def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
                      ms_poe=MsPoEConfig(layers="all"), calibration=AttnCalibrationConfig(layers="all"))
     text = report.read_text()
     section = text.split("## Interventions", 1)[1].split("## Jacobian profiles", 1)[0]
-    for name in ("reorder-outside_in", "truncate-2", "query_aware", "ms_poe", "attn_calibration"):
+    for name in ("plain", "reorder-outside_in", "truncate-2", "query_aware", "ms_poe", "attn_calibration"):
         assert f"| runA | {name} |" in section
+    plain_row = next(line for line in section.splitlines() if line.startswith("| runA | plain |"))
+    float(plain_row.split("|")[-2])  # the un-intervened answers' wall time, beside each intervention's
     needle_rows = section.split("### needle", 1)[1]
     assert "| runA | ms_poe |" in needle_rows and "reorder" not in needle_rows  # only the probes each changes
     assert "attn_calibration" not in needle_rows  # needle prompts have no documents
