@@ -1,4 +1,5 @@
-"""Synthetic retrieval samples for `debias.needle_mix`: needle and key-value questions at uniform depth.
+"""Synthetic retrieval samples for `debias.needle_mix`: needle, key-value and multi-document questions at
+uniform depth.
 
 Built with the probe generators of `data_builders.probes` (same templates, same formats) from a seed of
 their own, each sample a training row: the prompt, then the answer and eos as the only labelled tokens,
@@ -18,14 +19,18 @@ from data_builders.probes import (
     NEEDLE_WORDS,
     ProbeItem,
     _synthetic_kv,
+    document_lines,
     format_kv_records,
     load_template,
     needle_probe,
     synthetic_filler,
 )
+from data_builders.synthetic import Document, generate_documents
 
 IGNORE = -100
 KV_MAX_PAIRS = 16  # the most pairs a kv sample starts from; fewer when the budget holds fewer
+MDQA_MAX_DOCS = 20  # the most documents an mdqa sample starts from (the reference's 20); fewer when they do not fit
+MDQA_POOL = 2000  # synthetic entity documents an mdqa sample draws its gold and distractors from
 
 
 def protected_strings(items: Iterable[ProbeItem]) -> set[str]:
@@ -76,6 +81,24 @@ def _kv(tokenizer, budget: int, rng: random.Random) -> dict[str, Any] | None:
     return None
 
 
+def _mdqa(tokenizer, documents: Sequence[Document], budget: int, rng: random.Random) -> dict[str, Any] | None:
+    """A question about one invented person over documents about others, in the reference's mdqa prompt (titles:
+    the persons' names); as many documents as fit, none stating the answer."""
+    gold = rng.choice(documents)
+    qa = rng.choice(gold.qa)
+    others = [d for d in rng.sample(documents, MDQA_MAX_DOCS + 10) if d is not gold and qa.answers[0] not in d.text]
+    template = load_template("mdqa")
+    for n in range(MDQA_MAX_DOCS, 1, -1):
+        pos = rng.randrange(n)
+        docs = others[: n - 1]
+        docs = [{"title": d.entity, "text": d.text} for d in docs[:pos] + [gold] + docs[pos:]]
+        prompt = template.format(documents="\n".join(document_lines(docs)), question=qa.question)
+        row = _row(tokenizer, prompt, qa.answers[0], pos / (n - 1), budget)
+        if row is not None:
+            return row
+    return None
+
+
 def retrieval_samples(tokenizer: PreTrainedTokenizerBase, n: int, budget: int, kinds: Sequence[str], seed: int,
                       protected: set[str] = frozenset()) -> list[dict[str, Any]]:
     """`n` training rows (input_ids, labels, depth), kinds in turn, each within `budget` tokens.
@@ -84,6 +107,7 @@ def retrieval_samples(tokenizer: PreTrainedTokenizerBase, n: int, budget: int, k
     """
     rng = random.Random(seed)
     filler, overhead = synthetic_filler(seed=seed), _needle_overhead(tokenizer)
+    documents = generate_documents(MDQA_POOL, seed, prefix="mix") if "mdqa" in kinds else []
     if overhead >= budget:
         raise ValueError(f"debias.needle_mix: a needle question alone takes {overhead} tokens, data.context_len="
                          f"{budget}")
@@ -92,14 +116,16 @@ def retrieval_samples(tokenizer: PreTrainedTokenizerBase, n: int, budget: int, k
     with tqdm(total=n, desc="needle_mix samples", leave=False) as bar:
         while len(rows) < n:
             kind = kinds[len(rows) % len(kinds)]
-            row = (_needle(tokenizer, filler, budget, overhead, rng) if kind == "needle"
-                   else _kv(tokenizer, budget, rng))
+            if kind == "needle":
+                row = _needle(tokenizer, filler, budget, overhead, rng)
+            else:
+                row = _kv(tokenizer, budget, rng) if kind == "kv" else _mdqa(tokenizer, documents, budget, rng)
             if row is None or row["answer"] in protected or row.get("key") in protected:
                 misses += 1
                 if misses > 10 * n + 100:
                     raise ValueError(f"debias.needle_mix.kinds has {kind}, but no {kind} sample fits data.context_len="
-                                     f"{budget} tokens with this tokenizer (kv needs two UUID pairs): raise "
-                                     "data.context_len or drop the kind")
+                                     f"{budget} tokens with this tokenizer (kv needs two UUID pairs, mdqa two "
+                                     "documents): raise data.context_len or drop the kind")
                 continue
             rows.append({k: row[k] for k in ("input_ids", "labels", "depth")})
             bar.update()

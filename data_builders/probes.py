@@ -287,7 +287,8 @@ def kv_probe(
     return items
 
 
-def _document_lines(docs: Sequence[Mapping[str, str]]) -> list[str]:
+def document_lines(docs: Sequence[Mapping[str, str]]) -> list[str]:
+    """The reference's mdqa document lines: `Document [k](Title: <title>) <text>`."""
     return [f"Document [{k + 1}](Title: {d['title']}) {d['text']}" for k, d in enumerate(docs)]
 
 
@@ -320,7 +321,7 @@ def _qa_item(
         ctxs, extra["final_position"] = arrange_documents(ctxs, position, layout.order, layout.keep)
     template = "mdqa_query_aware" if layout.query_aware else "mdqa"
     if ctxs:
-        prompt, segments = fill_template(load_template(template), "documents", _document_lines(ctxs), "\n",
+        prompt, segments = fill_template(load_template(template), "documents", document_lines(ctxs), "\n",
                                          question=rec["question"])
     else:
         prompt, segments = load_template("closedbook_qa").format(question=rec["question"]), []

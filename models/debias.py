@@ -47,6 +47,7 @@ class Objective(StrEnum):
 class MixKind(StrEnum):
     needle = "needle"  # "The secret code of <word> is <number>." in filler sentences (data_builders.probes)
     kv = "kv"  # one UUID key's value among UUID pairs (Liu et al.'s probe)
+    mdqa = "mdqa"  # a question about an invented person among documents about others (the mdqa prompt)
 
 
 @dataclass

@@ -239,6 +239,25 @@ def test_retrieval_mix_never_uses_an_evaluation_item():
     assert all(len(r["input_ids"]) <= 512 and 0 <= r["depth"] <= 1 for r in rows)
 
 
+def test_mdqa_mix_rows_are_reference_prompts_with_one_answering_document():
+    from data_builders.probes import load_template, synthetic_filler
+
+    tok = train_bpe_tokenizer(synthetic_filler(300), 400)
+    rows = retrieval_samples(tok, 12, 512, ["mdqa"], seed=3)
+    instruction = load_template("mdqa").split("\n")[0]
+    for row in rows:
+        answer = tok.decode([t for t in row["labels"] if t >= 0][:-1]).strip()
+        prompt = tok.decode(row["input_ids"][: row["labels"].index(next(t for t in row["labels"] if t >= 0))])
+        documents = [line for line in prompt.split("\n") if line.startswith("Document [")]
+        question = prompt.split("Question: ")[1].split("\n")[0]
+        titles = [d.split("(Title: ")[1].split(")")[0] for d in documents]
+        assert prompt.startswith(instruction) and len(documents) >= 2 and len(row["input_ids"]) <= 512
+        gold = [k for k, title in enumerate(titles) if title in question]  # the person the question names
+        assert len(gold) == 1 and answer in documents[gold[0]]  # the answer is in the gold document
+        assert not [d for k, d in enumerate(documents) if k != gold[0] and answer in d]  # and in no other one
+        assert row["depth"] == pytest.approx(gold[0] / (len(documents) - 1))
+
+
 def test_mixed_rows_replace_the_tail_of_each_batch_and_resume_exactly():
     data = [{"input_ids": [i + 1] * 3, "labels": [-100, i + 1, i + 1], "depth": i / 40} for i in range(40)]
     mix = [{"input_ids": [99, 98, 97], "labels": [-100, 98, 97], "depth": k / 10} for k in range(10)]

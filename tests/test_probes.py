@@ -15,6 +15,7 @@ from data_builders.probes import (
     mdqa_probe,
     needle_probe,
     read_jsonl,
+    reference_positions,
     synthetic_filler,
 )
 
@@ -182,3 +183,19 @@ def test_in2_probe_bins_by_depth():
     assert all(it.prompt == [5, 6, 7, 8] and it.n_positions == 10 and it.probe == "in2" for it in items)
     assert items[3].extra == {"depth": 0.34, "context_tokens": 3, "task": "fine_grained", "source": "synthetic"}
     assert [it.label for it in in2_probe(records[:2], bins=20)] == ["0.0", "0.05"]
+
+
+def test_synthetic_oracle_feeds_the_mdqa_probe(tmp_path):
+    from scripts.synthetic_oracle import main as synthetic_oracle
+
+    path = tmp_path / "oracle.jsonl.gz"
+    assert synthetic_oracle([str(path), "--n", "30", "--seed", "5"]) == 0
+    first = path.read_bytes()
+    assert synthetic_oracle([str(path), "--n", "30", "--seed", "5"]) == 0 and path.read_bytes() == first
+    items = mdqa_probe(path, n_docs=6, n_examples=4, closed_book=False)
+    assert len(items) == 4 * len(reference_positions(6, "mdqa"))
+    for item in items:
+        (a, b) = item.segments[item.position]
+        gold = item.prompt[a:b]
+        assert item.answers[0] in gold and gold.split("(Title: ")[1].split(")")[0] in item.extra["question"]
+        assert sum(item.answers[0] in item.prompt[s:e] for s, e in item.segments) == 1
