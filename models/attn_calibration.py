@@ -55,7 +55,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from models.ms_poe import ARCHS, attention_window
+from models.ms_poe import ARCHS, attention_window, chosen_indices
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # kernels whose 4D (or absent, causal) masks the recomputed rows read
 _MARK = "_attn_calibration_forward"  # set on the installed forwards, to refuse nesting
@@ -93,31 +93,13 @@ class AttnCalibrationConfig:
 
 def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:
     """0-based indices of the calibrated layers ("last_half": L//2 .. L-1, "all", or the list)."""
-    if layers == "last_half":
-        chosen = list(range(num_layers // 2, num_layers))
-    elif layers == "all":
-        chosen = list(range(num_layers))
-    elif isinstance(layers, str):
-        raise ValueError(f"attn_calibration.layers={layers!r}: use last_half, all, or a list of layer indices")
-    else:
-        chosen = sorted({int(i) for i in layers})
-    if not chosen or not all(0 <= i < num_layers for i in chosen):
-        raise ValueError(f"attn_calibration.layers={layers!r} selects no valid layer of a {num_layers}-layer "
-                         f"model (indices in [0, {num_layers}))")
-    return chosen
+    named = {"last_half": list(range(num_layers // 2, num_layers)), "all": list(range(num_layers))}
+    return chosen_indices(layers, num_layers, named, "attn_calibration.layers")
 
 
 def resolve_heads(heads: str | Sequence[int], num_heads: int) -> list[int]:
     """0-based query heads calibrated in each chosen layer ("all" or the list)."""
-    if heads == "all":
-        return list(range(num_heads))
-    if isinstance(heads, str):
-        raise ValueError(f"attn_calibration.heads={heads!r}: use all, or a list of head indices")
-    chosen = sorted({int(h) for h in heads})
-    if not chosen or not all(0 <= h < num_heads for h in chosen):
-        raise ValueError(f"attn_calibration.heads={heads!r} selects no valid head of {num_heads} (indices in "
-                         f"[0, {num_heads}))")
-    return chosen
+    return chosen_indices(heads, num_heads, {"all": list(range(num_heads))}, "attn_calibration.heads")
 
 
 def check_attn_calibration(model: nn.Module, cfg: AttnCalibrationConfig | None = None) -> None:

@@ -176,18 +176,24 @@ def check_ms_poe(model: nn.Module) -> None:
                          f"one of {ATTN_IMPLEMENTATIONS}, got {attn_impl!r}")
 
 
-def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:
-    """0-based indices of the patched layers ("reference": 2..L-1, "all": 0..L-1, or the list)."""
-    if layers == "reference":
-        chosen = list(range(2, num_layers))
-    elif layers == "all":
-        chosen = list(range(num_layers))
+def chosen_indices(value: str | Sequence[int], count: int, named: dict[str, list[int]], setting: str) -> list[int]:
+    """0-based indices a layers/heads setting selects among `count`: a name of `named`, or a list of indices;
+    ValueError naming `setting` when it selects none or one out of range."""
+    if isinstance(value, str):
+        if value not in named:
+            raise ValueError(f"{setting}={value!r}: use {', '.join(named)}, or a list of indices")
+        chosen = named[value]
     else:
-        chosen = sorted({int(i) for i in layers})
-    if not chosen or not all(0 <= i < num_layers for i in chosen):
-        raise ValueError(f"Ms-PoE layers={layers!r} selects no valid layer of a {num_layers}-layer model "
-                         f"(indices must be in [0, {num_layers}); 'reference' skips layers 0 and 1)")
+        chosen = sorted({int(i) for i in value})
+    if not chosen or not all(0 <= i < count for i in chosen):
+        raise ValueError(f"{setting}={value!r} selects none of the {count} (indices must be in [0, {count}))")
     return chosen
+
+
+def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:
+    """0-based indices of the patched layers ("reference": 2..L-1, the reference's runs; "all": 0..L-1; a list)."""
+    return chosen_indices(layers, num_layers, {"reference": list(range(2, num_layers)), "all": list(range(num_layers))},
+                          "ms_poe.layers")
 
 
 def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:

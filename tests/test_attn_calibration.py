@@ -218,9 +218,9 @@ def test_restores_the_model_and_refuses_nesting_and_bad_settings():
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
     assert [type(layer.self_attn).forward for layer in model.model.layers] == forwards
     assert resolve_layers("last_half", 32) == list(range(16, 32))  # the paper's last 16 of 32
-    with pytest.raises(ValueError, match="selects no valid layer"):
+    with pytest.raises(ValueError, match=r"attn_calibration.layers=\[3\] selects none"):
         check_attn_calibration(model, AttnCalibrationConfig(layers=[3]))
-    with pytest.raises(ValueError, match="selects no valid head"):
+    with pytest.raises(ValueError, match=r"attn_calibration.heads=\[4\] selects none"):
         check_attn_calibration(model, AttnCalibrationConfig(heads=[4]))
     with pytest.raises(ValueError, match="temperature"):
         AttnCalibrationConfig(temperature=0)

@@ -279,7 +279,7 @@ def test_check_ms_poe_names_the_reason():
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="architecture 'gpt2'"):
         check_ms_poe(gpt2)
-    with pytest.raises(ValueError, match="selects no valid layer"):
+    with pytest.raises(ValueError, match=r"ms_poe.layers=\[5\] selects none of the 3"):
         with ms_poe(tiny("qwen2"), MsPoEConfig(layers=[5])):
             pass
     with pytest.raises(ValueError, match="ratio_min <= ratio_max"):
