@@ -185,7 +185,7 @@ def by_final_position(result: ProbeResult) -> ProbeResult:
     """A reordered or truncated mdqa result with each item at the gold's final position (truncated-away golds
     and closed-book items left out): the curve a reader of the laid-out prompt sees."""
     outcomes = [{**o, "position": o["extra"]["final_position"], "label": str(o["extra"]["final_position"])}
-                for o in result.outcomes if o["extra"].get("final_position", -1) >= 0]
+                for o in result.outcomes if o["position"] >= 0 and o["extra"].get("final_position", -1) >= 0]
     return ProbeResult(result.probe, outcomes, {**result.settings, "positions": "final"})
 
 

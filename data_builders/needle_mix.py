@@ -31,6 +31,7 @@ IGNORE = -100
 KV_MAX_PAIRS = 16  # the most pairs a kv sample starts from; fewer when the budget holds fewer
 MDQA_MAX_DOCS = 20  # the most documents an mdqa sample starts from (the reference's 20); fewer when they do not fit
 MDQA_POOL = 2000  # synthetic entity documents an mdqa sample draws its gold and distractors from
+MDQA_FACTS = 1  # sentences per mdqa document: ~6 one-fact documents fit a tiny model's 256-token contexts
 
 
 def protected_strings(items: Iterable[ProbeItem]) -> set[str]:
@@ -82,8 +83,8 @@ def _kv(tokenizer, budget: int, rng: random.Random) -> dict[str, Any] | None:
 
 
 def _mdqa(tokenizer, documents: Sequence[Document], budget: int, rng: random.Random) -> dict[str, Any] | None:
-    """A question about one invented person over documents about others, in the reference's mdqa prompt (titles:
-    the persons' names); as many documents as fit, none stating the answer."""
+    """A question about one invented person over one-fact documents about others, in the reference's mdqa prompt
+    (titles: the persons' names); as many documents as fit (up to 20), none stating the answer."""
     gold = rng.choice(documents)
     qa = rng.choice(gold.qa)
     others = [d for d in rng.sample(documents, MDQA_MAX_DOCS + 10) if d is not gold and qa.answers[0] not in d.text]
@@ -107,7 +108,7 @@ def retrieval_samples(tokenizer: PreTrainedTokenizerBase, n: int, budget: int, k
     """
     rng = random.Random(seed)
     filler, overhead = synthetic_filler(seed=seed), _needle_overhead(tokenizer)
-    documents = generate_documents(MDQA_POOL, seed, prefix="mix") if "mdqa" in kinds else []
+    documents = generate_documents(MDQA_POOL, seed, prefix="mix", facts=MDQA_FACTS) if "mdqa" in kinds else []
     if overhead >= budget:
         raise ValueError(f"debias.needle_mix: a needle question alone takes {overhead} tokens, data.context_len="
                          f"{budget}")

@@ -455,8 +455,10 @@ def mdqa_probe(
         first_items: dict[str, ProbeItem] = {}
         for it in items:
             first_items.setdefault(it.query, it)
-        items += [_qa_item(it.extra["example"], {"question": it.extra["question"], "answers": it.answers}, [],
-                           -1, "closedbook", it.extra) for q, it in first_items.items() if q not in has_baseline]
+        # the question's details without where its gold went: a closed-book item has no document to place
+        items += [_qa_item(it.extra["example"], {"question": it.extra["question"], "answers": it.answers}, [], -1,
+                           "closedbook", {k: v for k, v in it.extra.items() if k != "final_position"})
+                  for q, it in first_items.items() if q not in has_baseline]
     no_gold_labels = sorted({it.label for it in items if it.position < 0})
     if len(no_gold_labels) > 1:
         raise ValueError(f"{path}: records without a gold document and closed-book items would share position -1 "

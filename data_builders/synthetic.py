@@ -65,8 +65,9 @@ def max_documents() -> int:
     return len({"".join(p) for k in (2, 3) for p in itertools.product(_SYLLABLES, repeat=k)})
 
 
-def generate_documents(n: int, seed: int, prefix: str = "syn") -> list[Document]:
-    """`n` documents with distinct entity names; deterministic in `seed`."""
+def generate_documents(n: int, seed: int, prefix: str = "syn", facts: int | None = None) -> list[Document]:
+    """`n` documents with distinct entity names; deterministic in `seed`. `facts`: keep each document's first
+    `facts` sentences (and their questions) only, the same persons and values as the full documents."""
     rng = random.Random(seed)
     docs, seen = [], set()
     while len(docs) < n:
@@ -83,7 +84,7 @@ def generate_documents(n: int, seed: int, prefix: str = "syn") -> list[Document]
             sentences.append(statement.format(n=name, v=value))
             lead = statement.split(" {v}")[0].format(n=name)
             qa.append(QAItem(question.format(n=name), (value,), attr, lead))
-        docs.append(Document(f"{prefix}-{seed}-{len(docs)}", name, " ".join(sentences), tuple(qa)))
+        docs.append(Document(f"{prefix}-{seed}-{len(docs)}", name, " ".join(sentences[:facts]), tuple(qa[:facts])))
     return docs
 
 

@@ -22,11 +22,11 @@ from typing import Any, Sequence
 from data_builders.synthetic import generate_documents
 
 
-def oracle_records(n: int, seed: int) -> list[dict[str, Any]]:
-    """`n` records: one question (of its five, chosen with `seed`) about each of `n` invented persons."""
+def oracle_records(n: int, seed: int, facts: int = 1) -> list[dict[str, Any]]:
+    """`n` records: one question (of its `facts`, chosen with `seed`) about each of `n` invented persons."""
     rng = random.Random(seed)
     records = []
-    for doc in generate_documents(n, seed, prefix="oracle"):
+    for doc in generate_documents(n, seed, prefix="oracle", facts=facts):
         qa = rng.choice(doc.qa)
         records.append({"question": qa.question, "answers": list(qa.answers),
                         "ctxs": [{"title": doc.entity, "text": doc.text}]})
@@ -38,11 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the JSON-lines file to write (.gz: gzipped)")
     parser.add_argument("--n", type=int, default=300, help="questions, one per invented person (default 300)")
     parser.add_argument("--seed", type=int, default=777, help="persons and questions (default 777)")
+    parser.add_argument("--facts", type=int, default=1, choices=range(1, 6), metavar="{1..5}",
+                        help="sentences per passage (default 1, as the mdqa rows of debias.needle_mix.kinds=[mdqa])")
     args = parser.parse_args(argv)
     if args.n < 2:
         parser.error(f"--n {args.n}: an mdqa probe needs at least two passages")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(r) + "\n" for r in oracle_records(args.n, args.seed)).encode("utf-8")
+    data = "".join(json.dumps(r) + "\n" for r in oracle_records(args.n, args.seed, args.facts)).encode("utf-8")
     if args.out.suffix == ".gz":
         data = gzip.compress(data, mtime=0)  # the same arguments write the same bytes
     args.out.write_bytes(data)

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from analysis.interventions import Intervention, Spec, check_intervention
+from analysis.interventions import Intervention, Spec, by_final_position, check_intervention
+from analysis.positional_eval import ProbeResult
 from data_builders.probes import Layout, Order, arrange_documents, arrangement, kv_probe, mdqa_probe
 
 # Written out from the reference's tests/test_prompting.py (nelson-liu/lost-in-the-middle), not read from it.
@@ -88,6 +89,17 @@ def test_closed_book_items_are_untouched(tmp_path, layout):
     plain = [it for it in mdqa_probe(path) if it.label == "closedbook"]
     changed = [it for it in mdqa_probe(path, layout=layout) if it.label == "closedbook"]
     assert [it.prompt for it in plain] == [it.prompt for it in changed] == ["Question: test question\nAnswer:"]
+    assert all("final_position" not in it.extra for it in changed)  # no document, so no place it went
+
+
+def test_curve_by_final_position_leaves_out_closed_book_items(tmp_path):
+    items = mdqa_probe(_reference_format(tmp_path, gold=3), layout=Layout(order=Order.outside_in, keep=5))
+    outcomes = [{"id": it.id, "query": it.query, "position": it.position, "label": it.label, "prediction": "",
+                 "answers": it.answers, "correct": float(it.position >= 0), "extra": it.extra} for it in items]
+    # a closed-book outcome carrying a stale final position (as files written before the fix do) stays out too
+    outcomes.append({**outcomes[-1], "id": "stale", "extra": {**outcomes[-1]["extra"], "final_position": 0}})
+    final = by_final_position(ProbeResult("mdqa", outcomes))
+    assert final.accuracy_by_position() == {3: 1.0}  # 4th of the 5 kept, outside-in (ranks 1,3,5,4,2): index 3
 
 
 def test_specs_parse_and_name_the_probes_each_changes():

@@ -199,3 +199,12 @@ def test_synthetic_oracle_feeds_the_mdqa_probe(tmp_path):
         gold = item.prompt[a:b]
         assert item.answers[0] in gold and gold.split("(Title: ")[1].split(")")[0] in item.extra["question"]
         assert sum(item.answers[0] in item.prompt[s:e] for s, e in item.segments) == 1
+        assert gold.count(". ") == 0  # one-fact passages by default
+
+
+def test_documents_cut_to_fewer_facts_keep_their_persons_and_values():
+    from data_builders.synthetic import generate_documents
+
+    full, short = generate_documents(20, 3), generate_documents(20, 3, facts=2)
+    for a, b in zip(full, short):
+        assert (a.entity, a.qa[:2]) == (b.entity, b.qa) and a.text.startswith(b.text) and b.text.count(".") == 2
