@@ -579,6 +579,11 @@ def write_report(
     return report
 
 
+def _with_documents(result: ProbeResult) -> ProbeResult:
+    """`result` without its closed-book outcomes (position -1)."""
+    return ProbeResult(result.probe, [o for o in result.outcomes if o["position"] >= 0], result.settings)
+
+
 def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
     """The interventions section: per probe a table (paired Δ against each PATH's plain answers) and a figure."""
     lines = ["## Interventions", "",
@@ -602,7 +607,7 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
                 if probe not in results:
                     continue
                 result = results[probe]
-                curves[f"{e.target.label} · {name}"] = result
+                curves[f"{e.target.label} · {name}"] = _with_documents(result)  # closed-book: the plain line only
                 if any("final_position" in o["extra"] for o in result.outcomes):
                     final[f"{e.target.label} · {name}"] = by_final_position(result)
                 delta, (lo, hi), n = (paired_delta(e.results[probe], result) if probe in e.results
@@ -615,7 +620,8 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
         header = ["PATH", "intervention", "accuracy", "Δ vs plain [95% CI]", "items", "wall s"]
         lines += [f"### {probe}", "", *markdown_table(header, rows), ""]
         png = plot_position_accuracy(curves, out / f"interventions_{probe}.png",
-                                     f"{probe}: accuracy by gold position, plain and intervened", POSITION_AXIS[probe])
+                                     f"{probe}: accuracy by gold position, plain and intervened (closed-book: plain)",
+                                     POSITION_AXIS[probe])
         lines += [f"![interventions_{probe}]({png.name})", ""]
         if final:
             png = plot_position_accuracy(final, out / f"interventions_{probe}_final_position.png",

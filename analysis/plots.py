@@ -197,15 +197,21 @@ def plot_depth_accuracy(
 def position_accuracy_figure(
     results: Mapping[str, "ProbeResult"], title: str = "", xlabel: str = "gold position"
 ) -> Figure:
-    """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed."""
+    """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed.
+
+    Past ten curves the colours come from a 20-colour map (no two curves share one up to 20); past four, the
+    legend sits beside the axes, so it never hides a curve."""
     labels: dict[int, str] = {}
     for result in results.values():
         labels.update(result.labels())
     positions = sorted(p for p in labels if p >= 0)
-    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    beside = len(results) > 4
+    fig = Figure(figsize=(11.5 if beside else 7.5, 4.5), layout="constrained")
     ax = fig.subplots()
+    palette = colormaps["tab20"] if len(results) > 10 else None
     for i, (name, result) in enumerate(results.items()):
-        acc, ci, colour = result.accuracy_by_position(), result.ci_by_position(), f"C{i % 10}"
+        colour = palette(i % 20) if palette is not None else f"C{i % 10}"
+        acc, ci = result.accuracy_by_position(), result.ci_by_position()
         shown = [p for p in positions if p in acc]
         # A small sideways offset keeps overlapping intervals of different curves apart.
         x = np.array([positions.index(p) for p in shown]) + 0.08 * (i - (len(results) - 1) / 2)
@@ -217,7 +223,10 @@ def position_accuracy_figure(
     ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
     ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "Accuracy by gold position")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if beside:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=8)
     return fig
 
 

@@ -164,6 +164,12 @@ def test_position_accuracy_points_intervals_and_closed_book_line(tmp_path):
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "4", "9"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["A, closed-book", "A"]
     assert_png(plot_position_accuracy({"A": a}, tmp_path / "mdqa.png", "mdqa"))
+    # twelve curves (checkpoints x interventions): twelve colours, and the legend beside the axes, off the data
+    fig = position_accuracy_figure({f"run {i}": a for i in range(12)}, "mdqa")
+    ax = fig.axes[0]
+    assert len({tuple(c.lines[0].get_color()) for c in ax.containers}) == 12
+    fig.canvas.draw()
+    assert ax.get_legend().get_window_extent().x0 > ax.get_window_extent().x1
 
 
 def needle_result(cells: dict[tuple[int, float], list[float]]) -> ProbeResult:

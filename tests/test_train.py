@@ -29,9 +29,13 @@ EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
 # +exp=debias_study fine-tunes a checkpoint (`model.pretrained`): a tiny one, without the random-init keys.
 FROM_CHECKPOINT = [o for o in TINY if not o.startswith("model.init.")] + [
     "data.in2.valley_layers=2", "debias.needle_mix.kinds=[needle]", "data.num_eval=8"]
+# +exp=mdqa_reader too, with its own mix kind (mdqa rows: two one-fact documents need ~120 tokens here)
+READER = [o for o in FROM_CHECKPOINT if not o.startswith("debias.")] + [
+    "data.context_len=256", "debias.needle_mix.pool=16"]
 SMOKE = {
     "biased_start": TINY,
     "debias_study": FROM_CHECKPOINT,
+    "mdqa_reader": READER,
     "in2": TINY,
     "in2_diff": TINY,
     "micro100": ["model=qwen2_tiny", "model.init.hidden_size=32", "model.init.num_hidden_layers=2",
@@ -54,8 +58,11 @@ def tiny_checkpoint(tmp_path_factory):
     return run_dir / "checkpoints" / "step-1"
 
 
+STARTS_FROM_CHECKPOINT = ("debias_study", "mdqa_reader")
+
+
 def _start_from(exp, checkpoint):
-    return [f"model.pretrained={checkpoint}"] if exp == "debias_study" else []
+    return [f"model.pretrained={checkpoint}"] if exp in STARTS_FROM_CHECKPOINT else []
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
@@ -67,7 +74,7 @@ def test_every_experiment_composes_converts_and_validates(compose_cfg, exp):
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_runs_two_steps(compose_cfg, tmp_path, exp, request):
-    start = _start_from(exp, request.getfixturevalue("tiny_checkpoint")) if exp == "debias_study" else []
+    start = _start_from(exp, request.getfixturevalue("tiny_checkpoint")) if exp in STARTS_FROM_CHECKPOINT else []
     cfg = compose_cfg(f"+exp={exp}", *SMOKE[exp], *start, "trainer.max_steps=2", "trainer.save_every=0")
     run(cfg, tmp_path)
     assert set(_losses(tmp_path)) == {1, 2}
