@@ -55,10 +55,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from models.ms_poe import ARCHS, attention_window, chosen_indices
+from models.ms_poe import attention_window, check_patchable_attention, chosen_indices, patched_forwards
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # kernels whose 4D (or absent, causal) masks the recomputed rows read
-_MARK = "_attn_calibration_forward"  # set on the installed forwards, to refuse nesting
 
 
 class Weighting(StrEnum):
@@ -105,16 +104,8 @@ def resolve_heads(heads: str | Sequence[int], num_heads: int) -> list[int]:
 def check_attn_calibration(model: nn.Module, cfg: AttnCalibrationConfig | None = None) -> None:
     """Raise ValueError naming why attention calibration cannot be applied to `model` (and `cfg`)."""
     config = model.config
-    if getattr(config, "diff_attention", None) is not None:
-        raise ValueError(f"attn_calibration: differential-attention layers ({config.diff_attention}) subtract two "
-                         "softmax maps; the calibration rescales one softmax map per head")
-    if getattr(config, "model_type", None) not in ARCHS:
-        raise ValueError(f"attn_calibration hooks the attention of {ARCHS}; got architecture "
-                         f"{getattr(config, 'model_type', None)!r}")
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_calibration recomputes attention rows with the model's mask: attn_implementation "
-                         f"must be one of {ATTN_IMPLEMENTATIONS}, got {impl!r}")
+    check_patchable_attention(config, "attn_calibration", "rescales the one softmax map of standard heads",
+                              ATTN_IMPLEMENTATIONS, "recomputes attention rows with the model's mask")
     if cfg is not None:
         resolve_layers(cfg.layers, config.num_hidden_layers)
         resolve_heads(cfg.heads, config.num_attention_heads)
@@ -254,7 +245,6 @@ def _make_forward(module: nn.Module, model_type: str, heads: list[int], cfg: Att
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return module.o_proj(attn_output), attn_weights
 
-    setattr(forward, _MARK, True)
     return forward
 
 
@@ -386,19 +376,11 @@ def attn_calibration(model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: 
     check_attn_calibration(model, cfg)
     layers = resolve_layers(cfg.layers, model.config.num_hidden_layers)
     heads = resolve_heads(cfg.heads, model.config.num_attention_heads)
-    modules = [model.model.layers[i].self_attn for i in layers]
-    if any(getattr(m.__dict__.get("forward"), _MARK, False) for m in modules):
-        raise RuntimeError("attn_calibration is already installed on this model (nested contexts)")
     state = _State()
-    saved: list[tuple[nn.Module, bool, Any]] = []
-    try:
-        for module in modules:
-            saved.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-            module.forward = _make_forward(module, model.config.model_type, heads, cfg, state)
+    modules = {i: model.model.layers[i].self_attn for i in layers}
+
+    def install(idx: int, module: nn.Module) -> Callable:
+        return _make_forward(module, model.config.model_type, heads, cfg, state)
+
+    with patched_forwards(modules, install, "attn_calibration"):
         yield AttnCalibration(model, tokenizer, cfg, layers, heads, state, batch_tokens)
-    finally:
-        for module, had_own, previous in reversed(saved):
-            if had_own:
-                module.forward = previous
-            else:
-                del module.forward

@@ -84,7 +84,7 @@ HEAD_TYPES = ("outlier", "normal")
 ASSIGNMENTS = ("reference", "rank")
 # attention kernels whose masks the head statistic can read: 4D bool/additive masks, or flash's 2D padding mask
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
-_MARK = "_ms_poe_forward"  # attribute set on the installed forward functions, to refuse nesting
+PATCHED_BY = "_patched_by"  # attribute of an installed forward function: the intervention that installed it
 
 
 @dataclass
@@ -157,12 +157,8 @@ def assign_ratios(order: torch.Tensor, table: torch.Tensor, assignment: str) -> 
 def check_ms_poe(model: nn.Module) -> None:
     """Raise ValueError naming why Ms-PoE cannot be applied to `model`; return None when it can."""
     config = model.config
-    if getattr(config, "diff_attention", None) is not None:
-        raise ValueError(f"Ms-PoE: differential-attention layers ({config.diff_attention}) compute two maps "
-                         "per head; Ms-PoE rescales the RoPE of standard attention heads only")
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHS:
-        raise ValueError(f"Ms-PoE supports the RoPE decoders {ARCHS}; got architecture {model_type!r}")
+    check_patchable_attention(config, "Ms-PoE", "rescales the RoPE of standard attention heads only",
+                              ATTN_IMPLEMENTATIONS, "reads the attention mask for its head statistic")
     if is_nope(config):
         raise ValueError("Ms-PoE rescales RoPE positions, but this model has no position encoding "
                          "(NoPE: config.nope=true, models/nope.py)")
@@ -170,10 +166,22 @@ def check_ms_poe(model: nn.Module) -> None:
     if getattr(rotary, "inv_freq", None) is None:
         raise ValueError(f"Ms-PoE needs the model's RoPE frequencies (model.model.rotary_emb.inv_freq); "
                          f"{type(model).__name__} has none")
+
+
+def check_patchable_attention(config: Any, who: str, what: str, implementations: Sequence[str], why: str) -> None:
+    """Raise ValueError when `who` (an intervention that replaces attention forwards) cannot patch a model of
+    `config`: differential attention (`who` `what`), an architecture outside ARCHS, or an attention
+    implementation outside `implementations` (`who` `why`)."""
+    if getattr(config, "diff_attention", None) is not None:
+        raise ValueError(f"{who}: differential-attention layers ({config.diff_attention}) compute two maps per head; "
+                         f"{who} {what}")
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHS:
+        raise ValueError(f"{who} patches the attention of {ARCHS}; got architecture {model_type!r}")
     attn_impl = getattr(config, "_attn_implementation", None)
-    if attn_impl not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"Ms-PoE reads the attention mask for its head statistic: attn_implementation must be "
-                         f"one of {ATTN_IMPLEMENTATIONS}, got {attn_impl!r}")
+    if attn_impl not in implementations:
+        raise ValueError(f"{who} {why}: attn_implementation must be one of {tuple(implementations)}, got "
+                         f"{attn_impl!r}")
 
 
 def chosen_indices(value: str | Sequence[int], count: int, named: dict[str, list[int]], setting: str) -> list[int]:
@@ -354,7 +362,6 @@ def _make_forward(module: nn.Module, rotary: nn.Module, model_type: str, cfg: Ms
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return module.o_proj(attn_output), attn_weights
 
-    setattr(forward, _MARK, True)
     return forward
 
 
@@ -373,19 +380,35 @@ def ms_poe(model: nn.Module, cfg: MsPoEConfig | None = None) -> Iterator[MsPoESt
     check_ms_poe(model)
     decoder = model.model
     chosen = resolve_layers(cfg.layers, len(decoder.layers))
-    modules = [decoder.layers[i].self_attn for i in chosen]
-    if any(getattr(m.__dict__.get("forward"), _MARK, False) for m in modules):
-        raise RuntimeError("Ms-PoE is already installed on this model (nested ms_poe contexts)")
     state = MsPoEState(cfg=cfg, table=ratio_table(cfg, model.config.num_attention_heads))
+
+    def install(idx: int, module: nn.Module) -> Callable:
+        state.layers[idx] = LayerState()
+        return _make_forward(module, decoder.rotary_emb, model.config.model_type, cfg, state.table, state.layers[idx])
+
+    with patched_forwards({i: decoder.layers[i].self_attn for i in chosen}, install, "Ms-PoE"):
+        yield state
+
+
+@contextmanager
+def patched_forwards(modules: dict[int, nn.Module], make: Callable[[int, nn.Module], Callable], who: str
+                     ) -> Iterator[None]:
+    """Give each attention module (by layer index) the forward `make(index, module)` returns, and restore the
+    model's own on exit (errors too). One intervention at a time: modules another one (or this one) patched
+    are refused, as a second patch would silently replace the first."""
+    owners = {getattr(m.__dict__.get("forward"), PATCHED_BY, None) for m in modules.values()} - {None}
+    if owners:
+        raise RuntimeError(f"{who}: {', '.join(sorted(owners))} is already installed on these layers (one "
+                           "intervention at a time)")
     saved: list[tuple[nn.Module, bool, Any]] = []
     try:
-        for idx, module in zip(chosen, modules):
+        for idx, module in modules.items():
             # an instance attribute shadows the class's forward; remember one that was already there
             saved.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-            state.layers[idx] = LayerState()
-            module.forward = _make_forward(module, decoder.rotary_emb, model.config.model_type, cfg,
-                                           state.table, state.layers[idx])
-        yield state
+            forward = make(idx, module)
+            setattr(forward, PATCHED_BY, who)
+            module.forward = forward
+        yield
     finally:
         for module, had_own, previous in reversed(saved):
             if had_own:

@@ -23,6 +23,7 @@ from models.attn_calibration import (
     token_spans,
 )
 from models.build import Attention
+from models.ms_poe import MsPoEConfig, ms_poe
 from tests.conftest import SHARED_DATA
 from tests.test_ms_poe import PAD, VOCAB, tiny
 
@@ -214,6 +215,9 @@ def test_restores_the_model_and_refuses_nesting_and_bad_settings():
         assert "forward" not in model.model.layers[0].self_attn.__dict__  # last_half of 3 layers would be 1, 2
         with pytest.raises(RuntimeError, match="already installed"):
             with attn_calibration(model, StubTokenizer(), AttnCalibrationConfig(layers=[2])):
+                pass
+        with pytest.raises(RuntimeError, match="attn_calibration is already installed"):  # one intervention at a time
+            with ms_poe(model, MsPoEConfig(layers=[2])):
                 pass
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
     assert [type(layer.self_attn).forward for layer in model.model.layers] == forwards
