@@ -117,7 +117,7 @@ def redistribute(probs: torch.Tensor, segment_of_key: torch.Tensor, reference: t
     segment), reference (B, H, K) the dummy attention of each segment -> the recalibrated probs."""
     num_segments = reference.shape[-1]
     inside = segment_of_key >= 0
-    if num_segments == 0 or not bool(inside.any()):
+    if num_segments == 0:
         return probs
     onehot = nn.functional.one_hot(segment_of_key.clamp(min=0), num_segments).to(probs.dtype)
     onehot = onehot * inside[..., None]  # (B, S, K)
@@ -154,8 +154,9 @@ class _State:
     measured: dict[int, torch.Tensor] = field(default_factory=dict)  # measure: layer -> (B, Hc) mean attention
     segment_of_key: torch.Tensor | None = None  # calibrate: (B, W) segment per prompt column, -1 outside
     start: torch.Tensor | None = None  # calibrate: (B,) first column calibrated (after the last segment)
+    first_start: int = 0  # calibrate: start.min(), kept on the host (no device sync in every forward)
     reference: dict[int, torch.Tensor] = field(default_factory=dict)  # calibrate: layer -> (B, Hc, K)
-    calibrated_rows: int = 0  # query rows recalibrated so far, summed over layers (for checks)
+    calibrated_rows: torch.Tensor | int = 0  # query rows recalibrated so far, summed over layers (for checks)
 
 
 def _allowed(mask: Any, rows: slice, q_cols: torch.Tensor, num_keys: int, window: int | None,
@@ -183,13 +184,13 @@ def _make_forward(module: nn.Module, model_type: str, heads: list[int], cfg: Att
     apply_rotary, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
     window, window_kwargs = attention_window(module, model_type)
     groups = module.num_key_value_groups
-    head_index = torch.tensor(heads)
+    head_index = torch.tensor(heads, device=module.q_proj.weight.device)  # the chosen query heads
     layer = module.layer_idx
 
     def rows_probs(query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Softmax attention of the chosen heads' query rows (B, Hc, Q, d) over the keys, in float32+."""
         dtype = torch.promote_types(query.dtype, torch.float32)
-        keys = key[:, head_index.to(key.device) // groups]  # each chosen query head's key head
+        keys = key[:, head_index // groups]  # each chosen query head's key head
         logits = (query.to(dtype) @ keys.to(dtype).transpose(2, 3)) * module.scaling
         return logits.masked_fill(~allowed, float("-inf")).softmax(-1)
 
@@ -216,7 +217,7 @@ def _make_forward(module: nn.Module, model_type: str, heads: list[int], cfg: Att
         )  # (B, L, H, d)
         batch, num_queries, num_keys = query.shape[0], query.shape[2], key.shape[2]
         q_cols = torch.arange(offset, offset + num_queries, device=query.device)
-        chosen = query[:, head_index.to(query.device)]
+        chosen = query[:, head_index]
         if state.mode == "measure":  # the last token's attention to the dummy segment of each row
             last = slice(num_queries - 1, num_queries)
             allowed = _allowed(attention_mask, last, q_cols[last], num_keys, window, batch)
@@ -224,7 +225,7 @@ def _make_forward(module: nn.Module, model_type: str, heads: list[int], cfg: Att
             probe = state.probe_keys.to(probs.dtype)[:, None, :]  # (B, 1, S)
             state.measured[layer] = (probs * probe).sum(-1) / probe.sum(-1).clamp(min=1)
         elif state.mode == "calibrate":
-            first = max(int(state.start.min()) - offset, 0)  # the first local row any batch row calibrates
+            first = max(state.first_start - offset, 0)  # the first local row any batch row calibrates
             if first < num_queries:
                 rows = slice(first, num_queries)
                 allowed = _allowed(attention_mask, rows, q_cols[rows], num_keys, window, batch)
@@ -235,13 +236,13 @@ def _make_forward(module: nn.Module, model_type: str, heads: list[int], cfg: Att
                                                        value=-1)
                 probs = redistribute(probs, segment_of_key[:, :num_keys], state.reference[layer],
                                      cfg.weighting, cfg.temperature)
-                values = value[:, head_index.to(value.device) // groups]
+                values = value[:, head_index // groups]
                 new = (probs.to(value.dtype) @ values).transpose(1, 2)  # (B, Q', Hc, d)
                 keep = (q_cols[rows][None, :] >= state.start.to(query.device)[:, None])  # (B, Q')
                 part = attn_output[:, rows]  # a view: (B, Q', H, d)
-                part[:, :, head_index.to(part.device)] = torch.where(
-                    keep[:, :, None, None], new.to(part.dtype), part[:, :, head_index.to(part.device)])
-                state.calibrated_rows += int(keep.sum())
+                part[:, :, head_index] = torch.where(
+                    keep[:, :, None, None], new.to(part.dtype), part[:, :, head_index])
+                state.calibrated_rows = state.calibrated_rows + keep.sum()  # a device tensor: no sync here
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return module.o_proj(attn_output), attn_weights
 
@@ -281,7 +282,7 @@ class AttnCalibration:
 
     @property
     def calibrated_rows(self) -> int:
-        return self.state.calibrated_rows
+        return int(self.state.calibrated_rows)
 
     def encode(self, prompt: str, segments: Sequence[tuple[int, int]], chat_template: bool = False
                ) -> tuple[list[int], list[tuple[int, int]]]:
@@ -326,7 +327,7 @@ class AttnCalibration:
         self.state.mode = "measure"
         try:
             for i in range(0, len(copies), per_pass):
-                self.state.probe_keys = torch.stack(probes[i:i + per_pass])
+                self.state.probe_keys = torch.stack(probes[i:i + per_pass]).to(self.model.device)
                 self._forward(torch.stack(copies[i:i + per_pass]))
                 for layer in self.layers:
                     measured[layer].append(self.state.measured[layer].float().cpu())
@@ -355,6 +356,7 @@ class AttnCalibration:
                 reference[layer][row, :, :ref.shape[1]] = ref
         device = self.model.device
         self.state.segment_of_key, self.state.start = segment_of_key.to(device), start.to(device)
+        self.state.first_start = int(start.min())
         self.state.reference = {layer: ref.to(device) for layer, ref in reference.items()}
         self.state.mode = "calibrate"
         try:
