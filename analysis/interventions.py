@@ -100,9 +100,9 @@ def check_model_intervention(name: Intervention | str, model: PreTrainedModel, m
 def model_intervention(name: Intervention | str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        ms_poe_cfg: MsPoEConfig, calibration_cfg: AttnCalibrationConfig,
                        batch_tokens: int | None = None) -> Iterator[Optional[AttnCalibration]]:
-    """The context in which the model answers (checked first): Ms-PoE installed, attention calibration installed
-    (yielded: pass it to `answer_probes`), or the model as it is (None)."""
-    check_model_intervention(name, model, ms_poe_cfg, calibration_cfg)
+    """The context in which the model answers: Ms-PoE installed, attention calibration installed (yielded: pass
+    it to `answer_probes`), or the model as it is (None). Each checks the model as it installs; call
+    `check_model_intervention` first to fail before any other work."""
     if Intervention(name) == Intervention.ms_poe:
         with ms_poe(model, ms_poe_cfg):
             yield None

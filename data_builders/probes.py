@@ -158,9 +158,17 @@ def _check_positions(positions: Sequence[int], n_slots: int) -> None:
         raise ValueError(f"positions {bad} are outside 0..{n_slots - 1}")
 
 
+KV_SEPARATOR = ",\n "  # between the pairs of the JSON object, one pair a line (the layout of Liu et al.)
+
+
+def kv_pair_texts(pairs: Sequence[Sequence[str]]) -> list[str]:
+    """Each pair as it reads inside the JSON object: `"key": "value"`."""
+    return [f'"{k}": "{v}"' for k, v in pairs]
+
+
 def format_kv_records(pairs: Sequence[Sequence[str]]) -> str:
     """The pairs as a JSON object, one pair a line (the layout of Liu et al.)."""
-    return "{" + ",\n ".join(f'"{k}": "{v}"' for k, v in pairs) + "}"
+    return "{" + KV_SEPARATOR.join(kv_pair_texts(pairs)) + "}"
 
 
 def joined_spans(parts: Sequence[str], sep: str, offset: int) -> list[tuple[int, int]]:
@@ -269,8 +277,8 @@ def kv_probe(
         others = [p for p in pairs if p != (key, value)][: n_pairs - 1]
         for pos in positions:
             ordered = others[:pos] + [(key, value)] + others[pos:]
-            prompt, segments = fill_template(template, "kv_records", [f'"{k}": "{v}"' for k, v in ordered], ",\n ",
-                                             "{", "}", key=key)
+            prompt, segments = fill_template(template, "kv_records", kv_pair_texts(ordered), KV_SEPARATOR, "{", "}",
+                                             key=key)
             items.append(
                 ProbeItem(
                     id=f"kv-{i}@{pos}",

@@ -116,11 +116,10 @@ def redistribute(probs: torch.Tensor, segment_of_key: torch.Tensor, reference: t
     """Eq. 5 on attention rows: probs (B, H, Q, S), segment_of_key (B, S) (segment index, -1 outside every
     segment), reference (B, H, K) the dummy attention of each segment -> the recalibrated probs."""
     num_segments = reference.shape[-1]
-    inside = segment_of_key >= 0
     if num_segments == 0:
         return probs
-    onehot = nn.functional.one_hot(segment_of_key.clamp(min=0), num_segments).to(probs.dtype)
-    onehot = onehot * inside[..., None]  # (B, S, K)
+    inside = segment_of_key >= 0
+    onehot = _segment_onehot(segment_of_key, num_segments, probs.dtype)  # (B, S, K)
     mass = probs @ onehot[:, None]  # (B, H, Q, K): each segment's total attention
     count = onehot.sum(1)[:, None, None, :]  # (B, 1, 1, K): its tokens
     present = (count > 0) & (mass > 0)
@@ -138,10 +137,15 @@ def redistribute(probs: torch.Tensor, segment_of_key: torch.Tensor, reference: t
     return probs * torch.where(inside[:, None, None, :], token_scale, 1.0)
 
 
+def _segment_onehot(segment_of_key: torch.Tensor, num_segments: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S) segment labels (-1: none) -> (B, S, K) membership, zero rows outside every segment."""
+    onehot = nn.functional.one_hot(segment_of_key.clamp(min=0), max(num_segments, 1))[..., :num_segments]
+    return (onehot * (segment_of_key >= 0)[..., None]).to(dtype)
+
+
 def segment_attention(probs: torch.Tensor, segment_of_key: torch.Tensor, num_segments: int) -> torch.Tensor:
     """(B, H, Q, K) mean attention of each segment's tokens, Attn(x_k, k) (0 for an empty segment)."""
-    onehot = nn.functional.one_hot(segment_of_key.clamp(min=0), max(num_segments, 1))[..., :num_segments]
-    onehot = (onehot * (segment_of_key >= 0)[..., None]).to(probs.dtype)
+    onehot = _segment_onehot(segment_of_key, num_segments, probs.dtype)
     return (probs @ onehot[:, None]) / onehot.sum(1)[:, None, None, :].clamp(min=1)
 
 
