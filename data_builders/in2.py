@@ -378,17 +378,20 @@ def task_counts(shares: dict[str, float], n: int) -> dict[str, int]:
     return counts
 
 
-def _budget(cfg: DataConfig, rng: random.Random, ramp: float = 1.0) -> int:
+def _budget(cfg: DataConfig, rng: random.Random, ramp: float = 1.0, template_len: int = 0) -> int:
     """A sample's token budget: from `in2.context_lens`, uniform in [in2.context_len_min, context_len], or fixed.
 
     `ramp` in (0, 1] shrinks the range's upper end to context_len_min + ramp² (context_len - context_len_min):
     squared, so that short contexts fill most of the ramp's first half (a random-init model learns to
     copy on them; the longer ones then teach it to find the right fact among distractors).
+    `template_len`: the chat template's fixed tokens, which the range's lower end counts from (the shortest
+    contexts keep their room under a template: SmolLM2's takes 30); context_len stays the hard cap.
     """
     lens, low = cfg.in2.context_lens, cfg.in2.context_len_min
     if lens:
         return rng.choice(lens)
     if low is not None:
+        low = min(low + template_len, cfg.context_len)
         return rng.randint(low, round(low + ramp**2 * (cfg.context_len - low)))
     return cfg.context_len
 
@@ -421,7 +424,7 @@ def iter_plans(
         return min(1.0, (i + 1) / ramp_samples) if ramp_samples else 1.0
 
     for start in range(0, n, _BLOCK):
-        block = [(t, rng.choice(choices[t]), _budget(cfg, rng, ramp(i)))
+        block = [(t, rng.choice(choices[t]), _budget(cfg, rng, ramp(i), len(fmt.prefix) + len(fmt.suffix)))
                  for i, t in enumerate(tasks[start : start + _BLOCK], start)]
         pieces.prefetch([item for _, item, _ in block])
         for i, (task, item, budget) in enumerate(block, start):

@@ -17,6 +17,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTr
 
 from models.diff_attention import convert_to_diff_attention
 from models.nope import NOPE_KEY, disable_rope, is_nope
+from models.wheel_models import is_wheel_model, local_pretrained, wheel_model_name
 
 DIFF_ARCHS = ("qwen2", "llama", "mistral")
 
@@ -94,6 +95,8 @@ def validate_model(cfg: ModelConfig) -> None:
         if cfg.dtype == DType.float32:
             raise ValueError("model.attn_implementation=flash_attention_2 runs on bf16/fp16 weights: set "
                              "model.dtype=bfloat16 (trainer.precision=bf16 keeps fp32 master weights)")
+    if is_wheel_model(cfg.pretrained):
+        wheel_model_name(cfg.pretrained)  # an unknown name fails here, before anything is fetched
     if cfg.pretrained:
         return
     if cfg.arch not in CONFIG_MAPPING:
@@ -117,7 +120,7 @@ def differs_from_pretrained(cfg: ModelConfig) -> bool:
         return True
     if cfg.attention == Attention.standard and cfg.rope:
         return False
-    config = AutoConfig.from_pretrained(cfg.pretrained, trust_remote_code=cfg.trust_remote_code)
+    config = AutoConfig.from_pretrained(local_pretrained(cfg.pretrained), trust_remote_code=cfg.trust_remote_code)
     new_diff = cfg.attention != Attention.standard and not getattr(config, "diff_attention", None)
     return new_diff or (not cfg.rope and not is_nope(config))
 
@@ -135,7 +138,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
         # Importing models.diff_attention registers the diff model types with the Auto classes, so a
         # checkpoint saved with differential attention restores its diff layers (and weights) here.
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.pretrained, dtype=dtype, trust_remote_code=cfg.trust_remote_code, attn_implementation=attention
+            local_pretrained(cfg.pretrained), dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=attention,
         )
     else:
         config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **_plain(cfg.init))

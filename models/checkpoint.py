@@ -26,6 +26,7 @@ from data_builders.files import fsync_tree, publish_dir
 from models.build import DType
 from models.diff_attention import DiffAttentionMixin, set_diff_step  # registers the diff model types
 from models.nope import disable_rope, is_nope
+from models.wheel_models import local_pretrained
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -188,7 +189,7 @@ def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base
         return BaseWeights(str(checkpoint), False, "the checkpoint itself")
     run_dir = run_dir_of(checkpoint) if run_dir is None else Path(run_dir)
     if base:
-        found = BaseWeights(base, True, "the given base")
+        found = BaseWeights(local_pretrained(base), True, "the given base")
     elif run_dir is not None and (run_dir / BASE_MODEL).is_dir():
         found = BaseWeights(str(run_dir / BASE_MODEL), True, f"the run's {BASE_MODEL}/ folder")
     elif recorded := json.loads(adapter_config.read_text()).get("base_model_name_or_path"):

@@ -23,8 +23,7 @@ from omegaconf import OmegaConf
 
 from data_builders.build import BUILD_FILE, DataBundle, build_datasets, save_built
 from data_builders.in2 import TASKS
-from data_builders.tokenizer import load_tokenizer
-from train import as_train_config, compose_config
+from train import as_train_config, compose_config, model_tokenizer
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
@@ -132,9 +131,7 @@ def build(overrides: Sequence[str], out: Path) -> DataBundle:
     if out.exists() and any(out.iterdir()) and not (out / BUILD_FILE).exists():
         raise FileExistsError(f"{out} exists and is not a dataset folder; choose another out=")
     cfg = as_train_config(compose_config(list(overrides)))  # typed: a typo fails naming the key
-    tok_source = cfg.model.tokenizer or cfg.model.pretrained
-    tokenizer = load_tokenizer(tok_source, cfg.model.trust_remote_code) if tok_source else None
-    bundle = build_datasets(cfg.data, tokenizer)
+    bundle = build_datasets(cfg.data, model_tokenizer(cfg.model))
     save_built(bundle, out, replace=True)
     write_card(bundle, out, "python -m scripts.build_dataset " + " ".join([*overrides, f"out={out}"]))
     return bundle

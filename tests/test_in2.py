@@ -192,6 +192,21 @@ def test_curriculum_ramps_training_budgets_and_training_reads_them_in_order():
     assert sorted(epoch1.tolist()) == sorted(lengths.tolist()) and epoch1.tolist() != lengths.tolist()
 
 
+def test_a_chat_template_adds_its_own_tokens_to_the_shortest_budget_never_to_the_longest():
+    # An instruct model's template (SmolLM2's: 30 tokens with its default system line) would leave a
+    # 72-token minimum no room for a question and its evidence: the minimum counts from after it.
+    base = dict(context_len=256, num_train=200, num_eval=20, **SMALL)
+    tokenizer = build_datasets(DataConfig(in2=In2Config(context_len_min=72), **base)).tokenizer
+    tokenizer.chat_template = ("<|system|>You are a helpful assistant who answers from the documents given. "
+                               "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>")
+    chat = build_datasets(DataConfig(in2=In2Config(context_len_min=72, chat_template=True), **base), tokenizer)
+    template = len(tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True,
+                                                 return_dict=False))
+    lengths = np.array([len(ids) for ids in chat.train["input_ids"]])
+    assert template > 20
+    assert lengths.min() >= 72 + template and lengths.max() <= 256
+
+
 QA_FIELDS = FieldMap(question="query", answers="answers", evidence="passages", title="titles")
 
 
