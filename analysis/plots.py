@@ -106,19 +106,43 @@ def profile_vs_prior_figure(
     raw.plot(x, prior, lw=1.0, ls="--", color="k", label=prior_label)
     anchored.plot(x, profile / profile[-1], lw=1.0, label="measured")
     anchored.plot(x, prior / prior[-1], lw=1.0, ls="--", color="k", label="prior")
+    # The y-range is the measured profile's and the prior's: a trained model's attention-only rollout spans
+    # ~40 decades (its attention sink raised to H layers) and would flatten them into a line at the bottom.
+    raw_range = log_range(profile, prior)
+    anchored_range = log_range(profile / profile[-1], prior / prior[-1])
     for k, (name, curve) in enumerate((rollouts or {}).items()):
         curve = np.abs(np.asarray(curve, dtype=np.float64))
         scaled = curve * 10.0 ** np.mean(log10_profile(profile) - log10_profile(curve))  # (L,)
         style = {"lw": 0.9, "ls": "-.", "color": f"C{k + 1}"}
-        raw.plot(x, scaled, label=f"rollout, {name}", **style)
-        anchored.plot(x, scaled / scaled[-1], label=f"rollout, {name}", **style)
-    raw.set(yscale="log", xlabel=X_LABEL, ylabel=RHO_LABEL, title="raw (prior and rollouts scaled by their fit)")
-    anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1")
+        raw.plot(x, scaled, label=f"rollout, {name}{off_scale_note(scaled, raw_range)}", **style)
+        if scaled[-1] > 0:  # an attention-only rollout can give the last token no weight at all
+            anchored_curve = scaled / scaled[-1]
+            anchored.plot(x, anchored_curve, label=f"rollout, {name}{off_scale_note(anchored_curve, anchored_range)}",
+                          **style)
+    raw.set(yscale="log", xlabel=X_LABEL, ylabel=RHO_LABEL, title="raw (prior and rollouts scaled by their fit)",
+            ylim=raw_range)
+    anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1",
+                 ylim=anchored_range)
     for ax in (raw, anchored):
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "Jacobian profile vs. Cesàro prior")
     return fig
+
+
+def log_range(*curves: np.ndarray, margin_decades: float = 1.0) -> tuple[float, float]:
+    """Log-axis limits spanning the positive values of `curves`, `margin_decades` wider at each end."""
+    values = np.concatenate([np.asarray(c, dtype=np.float64).ravel() for c in curves])
+    logs = np.log10(values[np.isfinite(values) & (values > 0)])
+    return 10.0 ** (logs.min() - margin_decades), 10.0 ** (logs.max() + margin_decades)
+
+
+def off_scale_note(curve: np.ndarray, limits: tuple[float, float]) -> str:
+    """' (clipped: 1e-20 to 1e+20)' when part of the curve lies outside `limits`, else ''."""
+    shown = curve[np.isfinite(curve) & (curve > 0)]
+    if shown.size == 0 or (shown.min() >= limits[0] and shown.max() <= limits[1]):
+        return ""
+    return f" (clipped: {shown.min():.0e} to {shown.max():.0e})"
 
 
 def plot_profile_vs_prior(

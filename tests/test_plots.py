@@ -130,6 +130,21 @@ def test_profile_vs_prior_draws_rollouts_on_the_profiles_scale(tmp_path):
     assert_png(plot_profile_vs_prior(profile, H, tmp_path / "r.png", rollouts={"measured λ": rollout}))
 
 
+def test_a_rollout_spanning_forty_decades_leaves_the_profile_and_prior_readable():
+    # SmolLM2's attention-only rollout at step 0: the attention sink raised to 30 layers, 1e20 at token 0.
+    profile = prior_profile(L, H, 0.35) * 50.0
+    sink = np.logspace(20, -20, L)
+    sink[-1] = 0.0  # no weight at all on the last token: no anchored curve to draw
+    raw, anchored = profile_vs_prior_figure(profile, H, rollouts={"attention_only": sink, "measured": profile}).axes
+    for ax, shown in ((raw, profile), (anchored, profile / profile[-1])):
+        low, high = ax.get_ylim()
+        assert np.log10(high) - np.log10(low) < np.ptp(np.log10(shown)) + 2 * 1.0 + 1.0
+        assert low <= shown.min() and shown.max() <= high
+    labels = [t.get_text() for t in raw.get_legend().get_texts()]
+    assert labels[2].startswith("rollout, attention_only (clipped:") and labels[3] == "rollout, measured"
+    assert len(anchored.lines) == 3  # measured, prior, the measured rollout
+
+
 def test_depth_accuracy_draws_each_curve_in_its_bins(tmp_path):
     curves = {"step 0": [0.9, 0.5, 0.4, 0.6, 0.95], "step 500": [0.92, 0.8, 0.78, 0.85, 0.96]}
     ax = depth_accuracy_figure(curves, title="IN2 accuracy by depth").axes[0]
