@@ -76,10 +76,12 @@ from analysis.rollout import (
     record_name,
     rollout_set_metrics,
 )
+from analysis.run_summary import SUMMARY_FILE, headline_numbers, run_summary
 from analysis.topology import prefixed, topology_metrics
 from data_builders.build import DataBundle, build_datasets, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
+from data_builders.files import atomic_write_text
 from data_builders.needle_mix import protected_strings, retrieval_samples
 from data_builders.tokenizer import load_tokenizer
 from models.build import (
@@ -495,6 +497,11 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
                          depths=cfg.debias.needs_depths, mix=needle_mix(cfg, tokenizer, probe_items),
                          mix_rows=mixed_rows(cfg))
     if info.is_main_process:
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # whole under ZeRO-3 too
+        log.info("%s: model %s (%s, %d layers, %.1fM parameters), data %s: %d training / %d held-out samples of "
+                 "up to %d tokens; writing to %s", cfg.exp_name, cfg.model.name, cfg.model.pretrained or "random init",
+                 model.config.num_hidden_layers, n_params / 1e6, cfg.data.name, len(bundle.train), len(bundle.eval),
+                 cfg.data.context_len, run_dir)
         log.info("global batch = %d micro x %d accumulation x %d data-parallel ranks = %d samples%s",
                  t.micro_batch_size, t.grad_accum, groups, t.micro_batch_size * t.grad_accum * groups,
                  f" (each sequence split over {t.sequence_parallel} ranks)" if t.sequence_parallel > 1 else "")
@@ -623,6 +630,9 @@ def depth_accuracy(run: Run, step: int) -> dict[str, float]:
         return {}
     metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval)
     if run.is_main:
+        log.info("step %d: in2 exact match %.3f over %d held-out questions, by depth bin %s", step,
+                 metrics["eval/in2/acc_mean"], len(result.outcomes),
+                 " ".join(f"{acc:.2f}" for acc in result.accuracy_by_position().values()))
         write_eval_json(run.run_dir, step, "in2", result)
         log_accuracy(run, "in2", result, step)
     return metrics
@@ -646,6 +656,7 @@ def run_probes(run: Run, step: int) -> dict[str, float]:
     metrics, results = evaluate_probes(run.model, run.tokenizer, run.probe_items, run.cfg.eval)
     if run.is_main:
         for name, result in results.items():
+            log.info("step %d: %s accuracy %.3f over %d questions", step, name, result.mean, len(result.outcomes))
             write_eval_json(run.run_dir, step, name, result)
             png = plot_position_accuracy({f"step {step}": result},
                                          run.run_dir / "plots" / f"{name}_accuracy_step{step}.png",
@@ -682,7 +693,10 @@ def save(run: Run, step: int) -> Path:
             extra[RUN_ID_KEY] = run.logger.run_id  # a run resumed from this checkpoint continues its wandb run
         save_trainer_state(folder, step, run.info.rank, extra)
 
-    return atomic_checkpoint(run.run_dir, step, write, run.cfg.trainer.keep_last_n, run.is_main, barrier)
+    folder = atomic_checkpoint(run.run_dir, step, write, run.cfg.trainer.keep_last_n, run.is_main, barrier)
+    if run.is_main:
+        log.info("saved checkpoint %s", folder)
+    return folder
 
 
 def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -781,7 +795,18 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
                                       plots / f"jacobian_step0_vs_prior_{name}.png",
                                       title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}), the prior and "
                                             "the rollouts", rollouts=curves)
+    report_end(run)
     return {**metrics, **acc}
+
+
+def report_end(run: Run) -> None:
+    """The end-of-run summary (`analysis.run_summary`): logged (console and train.log), written to
+    summary.md, and its headline numbers put in the wandb run summary."""
+    text = run_summary(run.run_dir, run.cfg.exp_name, run.cfg.model.pretrained)
+    atomic_write_text(run.run_dir / SUMMARY_FILE, text)
+    log.info("run finished\n%s", text)
+    if run.logger.wandb_run is not None:
+        run.logger.wandb_run.summary.update(headline_numbers(run.run_dir))
 
 
 def cleanup(run: Run) -> None:
@@ -813,12 +838,15 @@ def main(cfg: DictConfig) -> None:
     name, group = run_names(cfg.exp_name, list(hydra_cfg.overrides.task), sweep_dir)
     cfg.logger.name = cfg.logger.name or name
     cfg.logger.group = cfg.logger.group or group
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run(cfg, Path(hydra_cfg.runtime.output_dir))
+        run(cfg, run_dir)
     except Exception as exc:
         # With several ranks, say which one failed: the launcher interleaves their output.
         if info.world_size > 1:
             print(f"[rank {info.rank} of {info.world_size}] {type(exc).__name__}: {exc}", file=sys.stderr)
+        if info.is_main_process:
+            log.error("run failed: %s: %s (log: %s)", type(exc).__name__, exc, run_dir / "train.log")
         raise
 
 

@@ -1,0 +1,159 @@
+"""What a person reads when a run ends: `summary.md`, made from the run directory's own files.
+
+`train.py` prints it, writes it to `train.log` and to `<run_dir>/summary.md`, and puts its headline
+numbers in the wandb run summary. Everything in it is read back from what the run wrote (metrics.jsonl,
+eval/in2_step*.json, checkpoints/, plots/, wandb/), so the summary never says what the files do not.
+"""
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from analysis.compare import markdown_table
+from analysis.metrics_log import read_metrics
+from analysis.positional_eval import ProbeResult
+from analysis.study import fairness
+from models.checkpoint import list_checkpoints
+
+SUMMARY_FILE = "summary.md"
+# Per measured set: the valley's depth and width, the prior's fit, and the best rollout's fit.
+JACOBIAN_KEYS = (
+    "valley/{set}/anchor_to_trough_log10",
+    "valley/{set}/peak_to_trough_log10",
+    "valley/{set}/middle_mass",
+    "prior/{set}/spearman",
+    "prior/{set}/w1",
+    "rollout/{set}/measured/w1",
+    "rollout/{set}/attention_only/w1",
+)
+FAIRNESS_ROWS = {"worst_bin": "worst bin", "gap": "gap (max − min)", "middle_minus_ends": "middle − ends"}
+
+
+@dataclass
+class DepthCurve:
+    """Held-out IN2 exact match by gold depth bin at one step, and its position-fairness numbers."""
+
+    step: int
+    by_bin: dict[str, float]  # bin label (its lower depth edge) -> accuracy
+    fairness: dict[str, float]
+
+
+def depth_curve(path: Path) -> DepthCurve:
+    result = ProbeResult.load_json(path)
+    outcomes = result.outcomes
+    scores = np.array([o["correct"] for o in outcomes], dtype=np.float64)
+    bins = np.array([o["position"] for o in outcomes], dtype=np.int64)
+    depths = np.array([o["extra"]["depth"] for o in outcomes], dtype=np.float64)
+    labels = result.labels()
+    by_bin = {labels[position]: accuracy for position, accuracy in result.accuracy_by_position().items()}
+    return DepthCurve(int(path.stem.rsplit("step", 1)[1]), by_bin, fairness(scores, bins, depths))
+
+
+def _steps_of(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, Any]]:
+    return [(row["step"], row[key]) for row in rows if key in row]
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if isinstance(value, str):  # metrics.jsonl keeps nan/inf as strings
+        return value
+    return "—" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def progress_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Steps, wall time, tokens/s and peak memory of the training rows."""
+    trained = [row for row in rows if "train/loss" in row]
+    if not trained:
+        return ["- no training step was logged"]
+    wall = max(row.get("train/wall_s", 0.0) for row in trained)
+    tokens = sum(row.get("train/tokens", 0) for row in trained)
+    peak = max(row.get("train/peak_mem_mib", 0.0) for row in trained)
+    steps = [row["step"] for row in trained]
+    first, last = min(steps), max(steps)
+    lines = [f"- steps {first - 1} → {last} ({len(set(steps))} updates), final train/loss "
+             f"{_num(trained[-1]['train/loss'])}"]
+    if first > 1:
+        lines[0] += f" (resumed at step {first - 1})"
+    lines.append(f"- training wall time {_duration(wall)} (evaluation and Jacobian included), "
+                 f"{tokens / wall:.0f} tokens/s" if wall > 0 else "- training wall time not logged")
+    lines.append(f"- peak memory {peak:.0f} MiB")
+    return lines
+
+
+def accuracy_lines(curves: Sequence[DepthCurve]) -> list[str]:
+    """The start and end curves as one table, bins then the fairness rows."""
+    if not curves:
+        return []
+    header = ["gold depth", *(f"step {c.step}" for c in curves)]
+    rows = [[label, *(_num(c.by_bin.get(label)) for c in curves)] for label in curves[0].by_bin]
+    rows += [[f"**{name}**", *(_num(c.fairness.get(key)) for c in curves)] for key, name in FAIRNESS_ROWS.items()]
+    return ["## Accuracy by gold depth (held-out IN2, exact match)", "",
+            *markdown_table(header, rows), "",
+            "middle: gold depth in [0.25, 0.75); gap: best bin minus worst bin.", ""]
+
+
+def jacobian_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Valley depth and fits at the first and last measured steps, per measured set."""
+    sets = sorted({key.split("/")[1] for row in rows for key in row if key.startswith("valley/")})
+    table = []
+    for name in sets:
+        for pattern in JACOBIAN_KEYS:
+            measured = _steps_of(rows, pattern.format(set=name))
+            if measured:
+                table.append((pattern.format(set=name), measured[0], measured[-1]))
+    if not table:
+        return []
+    first_step, last_step = table[0][1][0], table[0][2][0]
+    body = [[f"`{key}`", _num(first[1]), _num(last[1])] for key, first, last in table]
+    return ["## Jacobian profile (valley depth in decades; fits: Spearman, W1 at the W1-optimal α)", "",
+            *markdown_table(["metric", f"step {first_step}", f"step {last_step}"], body), ""]
+
+
+def wandb_sync_command(run_dir: Path) -> Optional[str]:
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    return f"wandb sync {shlex.quote(str(offline[-1]))}" if offline else None
+
+
+def file_lines(run_dir: Path, start_model: Optional[str]) -> list[str]:
+    checkpoints = list_checkpoints(run_dir)
+    plots = sorted((run_dir / "plots").glob("*.png"))
+    lines = ["## Where things are", "",
+             f"- checkpoints: {', '.join(c.name for c in checkpoints) or 'none'} under {run_dir / 'checkpoints'}",
+             f"- plots ({len(plots)}): {', '.join(p.name for p in plots) or 'none'} under {run_dir / 'plots'}",
+             f"- every logged number: {run_dir / 'metrics.jsonl'}; Jacobian profiles: {run_dir / 'jacobian.npz'}"]
+    if sync := wandb_sync_command(run_dir):
+        lines.append(f"- wandb (offline): `{sync}` uploads it")
+    compared = [start_model] if start_model else []
+    lines.append(f"- compare with the starting point: `python -m analysis.compare "
+                 f"{' '.join(shlex.quote(str(p)) for p in [*compared, run_dir])}`")
+    return lines
+
+
+def run_summary(run_dir: str | Path, exp_name: str, start_model: Optional[str] = None) -> str:
+    """The summary of the run in `run_dir`, as markdown. `start_model`: what the run fine-tuned
+    (`model.pretrained`), which `analysis.compare` then compares the run with; None for a random init
+    (the run's own step-0 evaluation is its starting point)."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    evals = sorted((run_dir / "eval").glob("in2_step*.json"), key=lambda p: int(p.stem.rsplit("step", 1)[1]))
+    curves = [depth_curve(path) for path in (evals[0], evals[-1])] if len(evals) > 1 else [
+        depth_curve(path) for path in evals]
+    lines = [f"# Run summary: {exp_name}", "", f"run directory: {run_dir}", "", *progress_lines(rows), "",
+             *accuracy_lines(curves), *jacobian_lines(rows), *file_lines(run_dir, start_model)]
+    return "\n".join(lines) + "\n"
+
+
+def headline_numbers(run_dir: str | Path) -> dict[str, float]:
+    """The end state's fairness numbers for the wandb run summary (`summary/in2/<metric>`)."""
+    evals = sorted(Path(run_dir).glob("eval/in2_step*.json"), key=lambda p: int(p.stem.rsplit("step", 1)[1]))
+    if not evals:
+        return {}
+    return {f"summary/in2/{key}": value for key, value in depth_curve(evals[-1]).fairness.items()}
