@@ -1,6 +1,7 @@
 """Shared fixtures: Hydra `compose` of the real config tree, tiny CPU-scale overrides."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -11,6 +12,30 @@ from train import compose_config
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 SHARED_DATA = ROOT.parent / "shared" / "data"
+# The real data files some tests read, where they come from (README, "Real data"), and the variable that turns
+# their absence from a skip into a failure (.ci/run sets it: CI has ../shared/data and must run every test).
+SHARED_SOURCES = {
+    "nq-open-oracle.jsonl.gz": "qa_data/nq-open-oracle.jsonl.gz",
+    "kv-retrieval-75_keys.jsonl.gz": "kv_retrieval_data/kv-retrieval-75_keys.jsonl.gz",
+}
+REQUIRE_SHARED_DATA = "POSDEBIAS_REQUIRE_SHARED_DATA"
+
+
+def missing_data_message(name: str) -> str:
+    return (f"{SHARED_DATA / name} is absent: get {SHARED_SOURCES[name]} from github.com/nelson-liu/lost-in-the-middle "
+            f"and put it in {SHARED_DATA}")
+
+
+def shared_data_file(name: str) -> Path:
+    """The real data file `name` of ../shared/data; the test skips, naming it and where to get it, when it is
+    absent (a fresh clone has no ../shared), or fails when REQUIRE_SHARED_DATA is set."""
+    path = SHARED_DATA / name
+    if not path.is_file():
+        if os.environ.get(REQUIRE_SHARED_DATA):
+            pytest.fail(f"{missing_data_message(name)} ({REQUIRE_SHARED_DATA} is set)")
+        pytest.skip(missing_data_message(name))
+    return path
+
 
 # A model and data small enough for a few optimizer steps in a couple of seconds on 2 cores.
 TINY = [
@@ -71,3 +96,9 @@ def compose_cfg():
         return compose_config(list(overrides))
 
     return _compose
+
+
+@pytest.fixture
+def nq_file() -> Path:
+    """../shared/data/nq-open-oracle.jsonl.gz (`shared_data_file`)."""
+    return shared_data_file("nq-open-oracle.jsonl.gz")

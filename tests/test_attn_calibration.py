@@ -24,7 +24,6 @@ from models.attn_calibration import (
 )
 from models.build import Attention
 from models.ms_poe import MsPoEConfig, ms_poe
-from tests.conftest import SHARED_DATA
 from tests.test_ms_poe import PAD, VOCAB, tiny
 
 IDENTITY = AttnCalibrationConfig(layers="all", weighting="proportional", reference="zero")
@@ -264,9 +263,9 @@ def tokenizer(tmp_path_factory):
     return train_bpe_tokenizer(synthetic_filler(200), 300, tmp_path_factory.mktemp("bpe"))
 
 
-def test_prompt_segments_map_to_the_tokens_of_each_document(tokenizer):
+def test_prompt_segments_map_to_the_tokens_of_each_document(tokenizer, nq_file):
     items = (kv_probe(None, n_pairs=6, n_examples=1, query_aware=True)
-             + mdqa_probe(SHARED_DATA / "nq-open-oracle.jsonl.gz", n_docs=4, n_examples=1, layout=Layout(True)))
+             + mdqa_probe(nq_file, n_docs=4, n_examples=1, layout=Layout(True)))
     model = tiny("qwen2")
     with attn_calibration(model, tokenizer, IDENTITY) as calibration:
         for item in items:

@@ -30,10 +30,6 @@ from data_builders.text import normalize_answer
 from data_builders.tokenizer import train_bpe_tokenizer
 from scripts.bench_data import bench_case
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-NQ = SHARED_DATA / "nq-open-oracle.jsonl.gz"
-needs_nq = pytest.mark.skipif(not NQ.exists(), reason="needs ../shared/data/nq-open-oracle.jsonl.gz")
-
 
 def write_jsonl(path: Path, records: list, blank_after: int | None = None) -> Path:
     lines = [json.dumps(r) for r in records]
@@ -110,14 +106,13 @@ def test_synthetic_source_splits_disjoint_entities():
     assert {q.task for q in plain.train.questions} == {"fine_grained"}
 
 
-@needs_nq
-def test_nq_source_uses_oracle_passage_and_splits_by_passage(tmp_path):
-    data = file_source("nq", str(NQ), FieldMap(), 10_000, 300, seed=0, cache_dir=tmp_path)
+def test_nq_source_uses_oracle_passage_and_splits_by_passage(tmp_path, nq_file):
+    data = file_source("nq", str(nq_file), FieldMap(), 10_000, 300, seed=0, cache_dir=tmp_path)
     kept = len(data.train.questions) + len(data.heldout.questions)
     assert kept + sum(data.skipped.values()) == 2655
     assert kept > 2500 and "Kwiatkowski" in data.attribution[0] and "CC BY-SA 3.0" in data.attribution[0]
     assert not set(data.train.passages) & set(data.heldout.passages)
-    with gzip.open(NQ, "rt") as f:
+    with gzip.open(nq_file, "rt") as f:
         first = json.loads(f.readline())
     gold = f"{first['ctxs'][0]['title']}\n{first['ctxs'][0]['text']}"
     split = data.train if gold in data.train.passages else data.heldout

@@ -21,9 +21,6 @@ from data_builders.sources import file_source, normalize, synthetic_source
 from data_builders.tokenizer import default_cache_dir, train_bpe_tokenizer
 from scripts.build_dataset import main as build_main
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-NQ = SHARED_DATA / "nq-open-oracle.jsonl.gz"
-needs_nq = pytest.mark.skipif(not NQ.exists(), reason="needs ../shared/data/nq-open-oracle.jsonl.gz")
 SMALL = dict(num_train_docs=1000, num_eval_docs=200, cache=False)
 RECORD_KEYS = {"input_ids", "labels", "prompt_len", "gold_spans", "depth", "depths", "context_tokens", "task",
                "answers", "source", "id"}
@@ -299,11 +296,10 @@ def test_cache_and_prebuilt_round_trip(tmp_path, monkeypatch):
         load_prebuilt(tmp_path / "built", other)
 
 
-@needs_nq
-def test_nq_builds_at_4k_and_8k_with_a_card(tmp_path):
+def test_nq_builds_at_4k_and_8k_with_a_card(tmp_path, nq_file):
     """NQ oracle passages at 4K and 8K tokens with a tiny BPE, through the CLI: records, card, attribution."""
     out = tmp_path / "nq"
-    build_main(["data=in2_nq", f"data.path={NQ}", "data.context_len=8192", "data.in2.context_len_min=null",
+    build_main(["data=in2_nq", f"data.path={nq_file}", "data.context_len=8192", "data.in2.context_len_min=null",
                 "data.in2.context_lens=[4096,8192]", "data.num_train=24", "data.num_eval=8",
                 "data.vocab_size=512",
                 "data.in2.tasks.fine_grained=0.8", "data.in2.tasks.short_qa=0.2", "data.cache=false", f"out={out}"])
@@ -312,7 +308,7 @@ def test_nq_builds_at_4k_and_8k_with_a_card(tmp_path):
     train = bundle.train
     lengths = {len(ids) for ids, t in zip(train["input_ids"], train["task"]) if t == "fine_grained"}
     assert lengths == {4096, 8192}
-    passages = " ".join(normalize(p) for p in _nq_passages())
+    passages = " ".join(normalize(p) for p in _nq_passages(nq_file))
     check_records(bundle.train, bundle.tokenizer, lambda r: passages, all_extractive=True)
     check_records(bundle.eval, bundle.tokenizer, lambda r: passages, all_extractive=True)
     assert bundle.stats["source"] == "nq"
@@ -323,20 +319,19 @@ def test_nq_builds_at_4k_and_8k_with_a_card(tmp_path):
     assert "Answer the question with a short answer" in card  # the decoded prompt example
 
 
-def _nq_passages() -> list[str]:
-    data = file_source("nq", str(NQ), FieldMap(), 10_000, 400, 0, default_cache_dir() / "hf")
+def _nq_passages(path: Path) -> list[str]:
+    data = file_source("nq", str(path), FieldMap(), 10_000, 400, 0, default_cache_dir() / "hf")
     return data.train.passages + data.heldout.passages
 
 
-@needs_nq
 @pytest.mark.slow
-def test_nq_depth_uniform_over_many_samples():
-    cfg = DataConfig(source=DataSource.nq, path=str(NQ), context_len=8192, num_train=3000, num_eval=100,
+def test_nq_depth_uniform_over_many_samples(nq_file):
+    cfg = DataConfig(source=DataSource.nq, path=str(nq_file), context_len=8192, num_train=3000, num_eval=100,
                      vocab_size=1024, cache=False, in2=In2Config(context_lens=[4096, 8192], segment_len=128))
     bundle = build_datasets(cfg)
     depth = np.asarray(bundle.train["depth"])
     assert stats.kstest(depth, "uniform").pvalue > 0.01
-    passages = " ".join(normalize(p) for p in _nq_passages())
+    passages = " ".join(normalize(p) for p in _nq_passages(nq_file))
     check_records(bundle.train.select(range(300)), bundle.tokenizer, lambda r: passages, all_extractive=True)
 
 

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from PIL import Image
 
-from tests.conftest import SHARED_DATA
 from train import run
 
 CPU_SCALE = [
@@ -29,10 +27,8 @@ def test_micro100_cpu_scale_writes_paper_shaped_arrays(compose_cfg, tmp_path):
         Image.open(tmp_path / "plots" / f"jacobian_evolution_{name}.png").verify()
 
 
-def test_micro100_reads_nq_passages(compose_cfg, tmp_path):
-    nq = SHARED_DATA / "nq-open-oracle.jsonl.gz"
-    if not nq.is_file():
-        pytest.skip(f"{nq} is absent: the shared NQ data sits beside the project checkout (../shared/data)")
+def test_micro100_reads_nq_passages(compose_cfg, tmp_path, nq_file):
+    nq = nq_file
     cfg = compose_cfg(*CPU_SCALE, "trainer.max_steps=2", "data.source=nq", f"data.path={nq}",
                       "data.num_train_docs=2000", "data.num_eval_docs=400", "data.vocab_size=2000")
     bundle_metrics = run(cfg, tmp_path)

@@ -1,6 +1,5 @@
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from analysis.positional_eval import (
     write_eval_json,
 )
 from data_builders.probes import KV_FILE, NQ_FILE, ProbeItem, in2_probe, kv_probe, mdqa_probe
+from tests.conftest import SHARED_DATA, shared_data_file
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SENTENCES = [
     "the cat sat on the mat near the door",
     "a dog ran in the park after the rain",
@@ -36,13 +35,6 @@ SENTENCES = [
     "question : what is the code of the door ?",
     "answer : the code is green and the cat is blue",
 ]
-
-
-def data_file(name: str) -> Path:
-    path = DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} is absent")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +109,7 @@ def _kv_items() -> list[ProbeItem]:
 
 @pytest.mark.parametrize("source", ["synthetic", "file"])
 def test_kv_run_gives_scripted_curve(source):
-    items = kv_probe(data_file(KV_FILE), n_examples=10) if source == "file" else _kv_items()
+    items = kv_probe(shared_data_file(KV_FILE), n_examples=10) if source == "file" else _kv_items()
     gen = scripted({0, 74}, right='"{}"', wrong="00000000-0000-4000-8000-000000000000")
     result = run_probe(items, gen, METRICS["substring_match"])
     assert result.accuracy_by_position() == {0: 1.0, 24: 0.0, 49: 0.0, 74: 1.0}
@@ -134,7 +126,7 @@ def test_kv_run_gives_scripted_curve(source):
 
 
 def test_mdqa_run_gives_scripted_curve():
-    items = mdqa_probe(data_file(NQ_FILE), n_docs=10, n_examples=15, seed=2)  # the reference's positions 0, 4, 9
+    items = mdqa_probe(shared_data_file(NQ_FILE), n_docs=10, n_examples=15, seed=2)  # the reference's positions 0, 4, 9
     result = run_probe(items, scripted({0, 9}, right="I think it is {}."), METRICS["best_subspan_em"])
     assert result.accuracy_by_position() == {-1: 0.0, 0: 1.0, 4: 0.0, 9: 1.0}
     metrics = result.to_metrics("eval")
@@ -275,8 +267,8 @@ def test_build_and_evaluate_probes_without_data(model, tokenizer, caplog):
 
 
 def test_build_probes_from_data_dir(tokenizer):
-    data_file(KV_FILE), data_file(NQ_FILE)
-    cfg = EvalConfig(probes=["kv", "mdqa"], probe_examples=3, data_dir=str(DATA))
+    shared_data_file(KV_FILE), shared_data_file(NQ_FILE)
+    cfg = EvalConfig(probes=["kv", "mdqa"], probe_examples=3, data_dir=str(SHARED_DATA))
     probes = build_probes(cfg, tokenizer)
     # kv: 3 queries x the 75-key file's 4 reference positions; mdqa: x 20 documents' 5 positions + closed-book
     assert len(probes["kv"]) == 12 and len(probes["mdqa"]) == 18

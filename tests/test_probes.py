@@ -1,6 +1,5 @@
 import json
 import re
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -18,16 +17,9 @@ from data_builders.probes import (
     reference_positions,
     synthetic_filler,
 )
+from tests.conftest import shared_data_file
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DOC_LINE = re.compile(r"^Document \[(\d+)\]\(Title: (.*?)\) (.*)$")
-
-
-def data_file(name: str) -> Path:
-    path = DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} is absent")
-    return path
 
 
 def parse_kv(prompt: str) -> tuple[list[tuple[str, str]], str]:
@@ -49,7 +41,7 @@ def parse_docs(prompt: str) -> list[tuple[str, str]]:
 
 
 def test_kv_probe_file_places_gold_at_each_position():
-    path = data_file(KV_FILE)
+    path = shared_data_file(KV_FILE)
     records = read_jsonl(path)
     positions = (0, 24, 49, 74)
     items = kv_probe(path, positions=positions, n_examples=12)
@@ -83,7 +75,7 @@ def test_kv_probe_synthetic_is_seeded():
 
 @pytest.mark.parametrize("distractors", ["retrieved", "random"])
 def test_mdqa_probe_places_gold_and_answer_free_distractors(distractors):
-    path = data_file(NQ_FILE)
+    path = shared_data_file(NQ_FILE)
     records = read_jsonl(path)
     positions = (0, 4, 9)
     items = mdqa_probe(path, n_docs=10, positions=positions, distractors=distractors, n_examples=40, seed=1)

@@ -45,8 +45,7 @@ from data_builders.probes import (
 )
 from data_builders.text import normalize_answer
 from scripts import build_mdqa
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from tests.conftest import shared_data_file
 
 # Written out here from the reference's EXPERIMENTS.md, not read from the code under test.
 KV_POSITIONS = {75: [0, 24, 49, 74], 140: [0, 34, 69, 104, 139], 300: [0, 49, 99, 149, 199, 249, 299]}
@@ -57,13 +56,6 @@ MDQA_INSTRUCTION = ("Write a high-quality answer for the given question using on
 WRONG = "xqzv"  # a scripted wrong answer that contains no answer of these tests
 STOPWORDS = set(STOPWORDS_EN) | {"who", "what", "when", "where", "which", "how", "many", "much", "did", "does",
                                  "do", "is", "was", "were", "s", "first", "name"}
-
-
-def data_file(name: str) -> Path:
-    path = DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} is absent")
-    return path
 
 
 def where(path: Path, line: int) -> str:
@@ -190,7 +182,7 @@ def test_kv_file_asked_at_reference_positions(tmp_path, n_pairs, n_records):
 
 
 def test_kv_shared_75_key_file_asked_at_reference_positions():
-    path = data_file(KV_FILE)
+    path = shared_data_file(KV_FILE)
     records = read_jsonl(path)
     assert len(records) == 500
     check_kv_items(kv_probe(path), records, 75, KV_POSITIONS[75])
@@ -319,7 +311,7 @@ def mdqa_file(variant: str, tmp_path: Path, gold_at: int = 9, n_docs: int = 20) 
     if variant == "synthetic":
         records = hand_built(synthetic_oracle(), 6, n_docs, gold_at)
     else:
-        oracle = read_jsonl(data_file(NQ_FILE))
+        oracle = read_jsonl(shared_data_file(NQ_FILE))
         records = build_mdqa_records(oracle, n_docs, [gold_at], chosen=nq_usable(oracle, 12))[gold_at]
     path = tmp_path / f"nq-open-{n_docs}_total_documents_gold_at_{gold_at}.jsonl.gz"
     write_jsonl_gz(path, records)
@@ -484,7 +476,7 @@ def words(text: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def nq_oracle() -> list[dict]:
-    return read_jsonl(data_file(NQ_FILE))
+    return read_jsonl(shared_data_file(NQ_FILE))
 
 
 def test_retrieved_distractors_of_every_built_record(nq_oracle):
@@ -553,7 +545,7 @@ def test_random_distractors_follow_the_seed(nq_oracle):
 
 
 def test_build_mdqa_cli_is_byte_reproducible(tmp_path, capsys):
-    oracle = data_file(NQ_FILE)
+    oracle = shared_data_file(NQ_FILE)
     outs = [tmp_path / "a", tmp_path / "b"]
     for out in outs:
         assert build_mdqa.main([str(oracle), f"out={out}", "examples=50", "n_docs=10"]) == 0

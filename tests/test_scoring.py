@@ -5,7 +5,6 @@ import math
 import re
 import string
 import unicodedata
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,8 @@ from analysis.scoring import (
     substring_match,
     whole_word_subspan_em,
 )
+from tests.conftest import shared_data_file
 
-NQ = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "nq-open-oracle.jsonl.gz"
 NQ_SLICE = (0, 80)  # fixed slice of records whose answers are decorated model-style
 
 
@@ -298,11 +297,9 @@ def _hand_battery():
     return pairs
 
 
-def _nq_battery():
-    """Real NQ-Open answers decorated model-style; [] when the shared data is absent."""
-    if not NQ.exists():
-        return []
-    with gzip.open(NQ, "rt", encoding="utf-8") as f:
+def _nq_battery(path: Path):
+    """Real NQ-Open answers decorated model-style."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         records = [json.loads(line) for line in itertools.islice(f, *NQ_SLICE)]
     pairs = []
     for record, other in zip(records, records[1:] + records[:1]):
@@ -329,23 +326,19 @@ def _nq_battery():
     return pairs
 
 
-def scoring_battery():
-    """All (prediction, golds) pairs; the NQ part only when ../shared/data holds the file."""
-    nq = _nq_battery()
-    if not nq:
-        warnings.warn(f"{NQ} is missing: the scoring battery uses only its hand-written pairs")
-    return _hand_battery() + nq
-
-
-@pytest.fixture(scope="module")
-def battery():
-    return scoring_battery()
+@pytest.fixture(scope="module", params=["hand-written", "with NQ answers"])
+def battery(request):
+    """(prediction, golds) pairs: the hand-written ones, and with them real NQ answers (skipped, saying where
+    to get the file, when ../shared/data does not hold it)."""
+    if request.param == "hand-written":
+        return _hand_battery()
+    return _hand_battery() + _nq_battery(shared_data_file("nq-open-oracle.jsonl.gz"))
 
 
 def test_battery_size(battery):
     hand = _hand_battery()
     assert len(hand) >= 100
-    assert len(battery) >= (500 if NQ.exists() else 100)
+    assert len(battery) >= (100 if battery == hand else 500)
 
 
 def test_best_subspan_em_matches_oracle(battery):
