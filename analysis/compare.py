@@ -1,8 +1,8 @@
 """Compare runs and checkpoints: accuracy by gold position, Jacobian profiles, valley and prior metrics.
 
-    python -m analysis.compare outputs/in2/<runA> outputs/in2/<runB> --data-dir ../shared/data
+    python -m analysis.compare outputs/in2/<runA> outputs/in2/<runB> --data-dir $POSDEBIAS_DATA
     python -m analysis.compare <run>/checkpoints/step-100 <run>/checkpoints/step-300 --probes kv,needle
-    python -m analysis.compare <run> --probes kv,mdqa --data-dir ../shared/data \
+    python -m analysis.compare <run> --probes kv,mdqa --data-dir $POSDEBIAS_DATA \
         --interventions reorder,truncate:5,query_aware,ms_poe
 
 Each PATH is a run directory (its latest checkpoint, metrics.jsonl and jacobian.npz) or a checkpoint

@@ -1,7 +1,7 @@
 """How well each rollout explains the measured Jacobian: Herasimchyk et al.'s comparison at CPU scale.
 
     python -m analysis.rollout_study                       # trains the default in2 run (jacobian off), ~2 min
-    python -m analysis.rollout_study --checkpoint outputs/in2/<time> --data-dir ../shared/data
+    python -m analysis.rollout_study --checkpoint outputs/in2/<time> --data-dir $POSDEBIAS_DATA
 
 For a trained checkpoint (the latest of a run directory, a checkpoint folder, or, by default, a fresh
 `+exp=in2` run without Jacobian measurements) and a random-init model of the same architecture, it

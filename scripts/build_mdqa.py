@@ -1,6 +1,6 @@
 """Build multi-document QA files in the reference format (Liu et al. 2023), one per gold position.
 
-    python -m scripts.build_mdqa ../shared/data/nq-open-oracle.jsonl.gz out=qa_data/20_total_documents
+    python -m scripts.build_mdqa $POSDEBIAS_DATA/nq-open-oracle.jsonl.gz out=qa_data/20_total_documents
     python -m scripts.build_mdqa ORACLE out=qa_data/10 n_docs=10 positions=[0,4,9] examples=500 pool=passages.jsonl
 
 ORACLE holds one question a line with its gold passage (`question`, `answers`, `ctxs` with one passage,

@@ -1,16 +1,16 @@
 """Evaluate one checkpoint on the position-wise probes: eval JSONs, metrics and an accuracy curve per probe.
 
-    python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa,needle] examples=20 data_dir=../shared/data
+    python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa,needle] examples=20 data_dir=$POSDEBIAS_DATA
     python -m scripts.eval_checkpoint outputs/in2/<run> probes=[needle,in2] out=evals/run needle.lengths=[128,256]
     python -m scripts.eval_checkpoint CKPT probes=[kv] kv.path=kv-retrieval-140_keys.jsonl.gz examples=5
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] 'mdqa.path=qa_data/20_total_documents/*.jsonl.gz'
     python -m scripts.eval_checkpoint Qwen/Qwen2-0.5B-Instruct chat_template=true dtype=bfloat16 probes=[kv,needle]
     python -m scripts.eval_checkpoint merged/ dtype=auto attn_implementation=eager device=cuda
-    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=../shared/data intervention=reorder order=outside_in
-    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=../shared/data intervention=truncate keep=5
-    python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa] intervention=query_aware data_dir=../shared/data
+    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=$POSDEBIAS_DATA intervention=reorder order=outside_in
+    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=$POSDEBIAS_DATA intervention=truncate keep=5
+    python -m scripts.eval_checkpoint CKPT probes=[kv,mdqa] intervention=query_aware data_dir=$POSDEBIAS_DATA
     python -m scripts.eval_checkpoint CKPT intervention=ms_poe ms_poe.ratio_min=1.2 ms_poe.ratio_max=1.8
-    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=../shared/data intervention=attn_calibration
+    python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=$POSDEBIAS_DATA intervention=attn_calibration
 
 (`python scripts/eval_checkpoint.py ...` works the same once the project is installed: pip install -e .;
 quote list values in zsh: 'probes=[kv,needle]')
