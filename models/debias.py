@@ -12,10 +12,13 @@ weighting, middle-context curricula or over-sampled retrieval data close the gap
   so beta = 0 is exactly the mean objective.
 - `group_dro`: Group DRO over K equal-width gold-depth bins (Sagawa et al. 2020, "Distributionally Robust
   Neural Networks", Algorithm 1 with its online weights): per micro-batch, loss_k = mean NLL over the
-  answer tokens of the samples in bin k (0 for a bin with none), q_k <- q_k exp(eta loss_k) renormalised,
-  loss = sum_k q_k loss_k / sum_k q_k over the bins present in the micro-batch (Sagawa's code sums over
-  every group, which with fewer samples than bins scales the step down by the absent bins' q). The q
-  update reads every data-parallel rank's bin losses (summed over ranks), so q is the same on every rank;
+  answer tokens of the samples in bin k (0 for a bin with none), q_k <- q_k exp(eta loss_k) renormalised
+  over all K bins, loss = sum_k q_k loss_k over all K bins, an absent bin contributing 0: Sagawa's
+  `LossComputer.compute_robust_loss` (github.com/kohpangwei/group_DRO, loss.py). A bin's samples thus
+  weigh q_k whenever the bin is present, and q_k times its presence rate in expectation; with one sample
+  per micro-batch the step is q of its bin times the plain one. (Until 2026-12-01 the loss was divided by
+  sum_k q_k over the bins present, which with few samples per bin cancels q; docs/DEBIAS_STUDY.md.) Under
+  data parallelism loss_k is the mean over every rank's samples of bin k, so q is the same on every rank;
   it is saved in checkpoints and resumes exactly.
 
 Depth sampling (a middle-heavy gold-depth law, `data.in2.depth_law=valley|beta`) is a data setting
@@ -155,10 +158,36 @@ class GroupDRO:
         return (depths.double() * self.bins).long().clamp(0, self.bins - 1)
 
     def update(self, bin_losses: torch.Tensor) -> torch.Tensor:
-        """q_k <- q_k exp(eta loss_k), renormalised; `bin_losses` (K,) detached (0 for an empty bin)."""
+        """q_k <- q_k exp(eta loss_k), renormalised over all bins; `bin_losses` (K,) detached (0 for an empty
+        bin, whose q so only shrinks relatively): Sagawa's `adv_probs` update."""
         q = self.q * torch.exp(self.eta * bin_losses.detach().double().cpu())
         self.q = q / q.sum()
         return self.q
+
+    def loss(self, sums: torch.Tensor, counts: torch.Tensor, depths: torch.Tensor,
+             all_sum: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """This rank's part of Sagawa's robust loss sum_k q_k loss_k (after the q update), from each sample's
+        (summed NLL, labelled-token count) and gold depth; `all_sum` sums a tensor over data-parallel ranks.
+
+        loss_k is the data-parallel micro-batch's mean NLL over the answer tokens of bin k, Sagawa's
+        sum / (count + (count == 0)): 0 for a bin no rank has. No normalisation: q sums to 1, so with every
+        bin present the loss is on the scale of the mean loss, as in the reference (dividing by the realised
+        sum of q over the present bins cancels q when bins hold one sample each; by K would only rescale the
+        learning rate). Each rank returns its samples' share of every bin's global mean times the number of
+        ranks, because DeepSpeed averages gradients over the data-parallel ranks (and train.py `train/loss`).
+        """
+        K = self.bins
+        bins = self.bin_of(depths)
+        bin_sums = sums.new_zeros(K).index_add(0, bins, sums)
+        bin_counts = counts.new_zeros(K).index_add(0, bins, counts)
+        # one collective: every rank's bin sums and counts, and the number of ranks (the summed ones)
+        total = all_sum(torch.cat([bin_sums.detach().double(), bin_counts.double(), counts.new_ones(1).double()]))
+        global_counts, ranks = total[K:2 * K], total[2 * K]
+        q = self.update(total[:K] / global_counts.clamp(min=1))
+        if not global_counts.any():  # no labelled token on any rank: NaN, as causal_lm_loss (the step is skipped)
+            return sums.sum() * math.nan
+        share = bin_sums * (ranks / global_counts.clamp(min=1)).to(bin_sums.device, bin_sums.dtype)
+        return (q.to(share.device, share.dtype) * share).sum()
 
     def state_dict(self) -> dict[str, Any]:
         return {"q": self.q.tolist()}  # JSON floats round-trip exactly
@@ -201,18 +230,7 @@ class DebiasObjective:
             self._last = {"debias/alpha": self.alpha, "debias/weight_max": float(w.max()),
                           "debias/weight_min": float(w.min())}
             return (w.to(sums.dtype) * sums).sum() / count
-        bins = self.dro.bin_of(depths)
-        K = self.dro.bins
-        bin_sums = sums.new_zeros(K).index_add(0, bins, sums)
-        bin_counts = counts.new_zeros(K).index_add(0, bins, counts)
-        # q follows the bin losses of the whole data-parallel micro-batch: the same q on every rank
-        total = self.all_sum(torch.cat([bin_sums.detach().double(), bin_counts]))
-        q = self.dro.update(total[:K] / total[K:].clamp(min=1))
-        local = bin_sums / bin_counts.clamp(min=1).to(bin_sums.dtype)
-        # Over the bins this micro-batch has: with fewer samples than bins, summing q over all of them
-        # would shrink the step by the q of the absent ones.
-        q = q.to(local.device, local.dtype) * (bin_counts > 0)
-        return (q * local).sum() / q.sum()
+        return self.dro.loss(sums, counts, depths, self.all_sum)
 
     def metrics(self) -> dict[str, float]:
         """Logged every step: depth_weight's alpha and weight range, or group_dro's q per bin."""

@@ -98,25 +98,114 @@ def _per_token(model, batch):
     return nll.view(targets.shape), targets != -100
 
 
-def test_group_dro_step_equals_a_hand_computation():
-    model, rows = _tiny_model(), _batch()
-    batch = collate(rows, 0, depths=True)
-    objective = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=10, eta=0.3), 2, lambda t: t.clone())
-    q0 = objective.dro.q.clone()
-    loss = objective(model, batch)
-    nll, labelled = _per_token(model, batch)
-    bins = [min(int(d * 10), 9) for d in batch["depths"].tolist()]
-    bin_tokens = {k: [] for k in range(10)}
-    for s, k in enumerate(bins):
-        bin_tokens[k] += nll[s][labelled[s]].tolist()
-    bin_loss = torch.tensor([np.mean(v) if v else 0.0 for v in bin_tokens.values()], dtype=torch.float64)
-    q = q0 * torch.exp(0.3 * bin_loss)
-    q = q / q.sum()
-    assert torch.allclose(objective.dro.q, q, rtol=1e-12)
-    present = torch.tensor([bool(v) for v in bin_tokens.values()])
-    expected = (q * bin_loss)[present].sum() / q[present].sum()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
-    assert set(objective.metrics()) == {f"debias/q@{k / 10}" for k in range(10)}
+def _reference_group_dro(per_sample_nll, bins, q, eta, K=10):
+    """Sagawa's `LossComputer.compute_robust_loss` written out (github.com/kohpangwei/group_DRO, loss.py), per
+    answer token: group_loss = sum / (count + (count == 0)), adv_probs *= exp(eta group_loss) renormalised,
+    robust_loss = group_loss @ adv_probs; over all K bins, an absent one with loss 0."""
+    total = [torch.zeros((), dtype=torch.float64) for _ in range(K)]
+    count = torch.zeros(K, dtype=torch.float64)
+    for tokens, k in zip(per_sample_nll, bins):
+        total[k] = total[k] + tokens.sum()
+        count[k] += tokens.numel()
+    group_loss = torch.stack(total) / (count + (count == 0))
+    adv_probs = q * torch.exp(eta * group_loss.detach())
+    adv_probs = adv_probs / adv_probs.sum()
+    return group_loss @ adv_probs, adv_probs
+
+
+def _grads(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_group_dro_steps_equal_the_reference_with_absent_bins():
+    model, eta = _tiny_model(), 0.3
+    objective = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=10, eta=eta), 2, lambda t: t.clone())
+    q = objective.dro.q.clone()
+    # two steps (the second from a non-uniform q); bins 2-4 and 6-8, then 1, 3, 6 and 9, are absent
+    for depths in ((0.05, 0.15, 0.55, 0.58, 0.91, 0.12), (0.0, 0.25, 0.5, 0.55, 0.75, 0.8, 1.0)):
+        batch = collate(_batch(depths), 0, depths=True)
+        nll, labelled = _per_token(model, batch)
+        bins = [min(int(d * 10), 9) for d in batch["depths"].tolist()]
+        expected, q = _reference_group_dro([nll[s][labelled[s]] for s in range(len(bins))], bins, q, eta)
+        assert 0 < len(set(bins)) < 10
+        loss = objective(model, batch)
+        assert torch.allclose(objective.dro.q, q, rtol=1e-12, atol=0)
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+        assert torch.allclose(_grads(model, loss), _grads(model, expected), rtol=1e-10, atol=1e-14)
+    assert q.max() > q.min() and set(objective.metrics()) == {f"debias/q@{k / 10}" for k in range(10)}
+
+
+def test_group_dro_bin_losses_are_means_over_every_data_parallel_rank():
+    """Two ranks (an `all_sum` that adds the other rank's tensor): the same q on both, the mean of their losses
+    (what train/loss logs) and of their gradients (what DeepSpeed applies) are the reference's on the union."""
+    model, eta = _tiny_model(), 0.5
+    rows = _batch((0.05, 0.15, 0.55, 0.58, 0.91, 0.12))
+    shards = [collate(rows[:2], 0, depths=True), collate(rows[2:], 0, depths=True)]  # bin 1 on both ranks
+    cfg = DebiasConfig(objective=Objective.group_dro, bins=10, eta=eta)
+    sent = []  # each rank's contribution to the collective
+    for batch in shards:
+        DebiasObjective(cfg, 2, lambda t: sent.append(t.clone()) or t.clone())(model, batch)
+    ranks = [DebiasObjective(cfg, 2, lambda t, r=r: t + sent[1 - r]) for r in range(2)]
+    losses = [objective(model, batch) for objective, batch in zip(ranks, shards)]
+    per_sample, bins = [], []
+    for batch in shards:
+        nll, labelled = _per_token(model, batch)
+        per_sample += [nll[s][labelled[s]] for s in range(len(batch["depths"]))]
+        bins += [min(int(d * 10), 9) for d in batch["depths"].tolist()]
+    expected, q = _reference_group_dro(per_sample, bins, torch.full((10,), 0.1, dtype=torch.float64), eta)
+    assert torch.equal(ranks[0].dro.q, ranks[1].dro.q) and torch.allclose(ranks[0].dro.q, q, rtol=1e-12, atol=0)
+    assert ((losses[0] + losses[1]) / 2).item() == pytest.approx(expected.item(), rel=1e-12)
+    mean_grad = (_grads(model, losses[0]) + _grads(model, losses[1])) / 2
+    assert torch.allclose(mean_grad, _grads(model, expected), rtol=1e-10, atol=1e-14)
+
+
+def test_group_dro_weighs_a_bin_q_times_its_presence_rate():
+    """Micro-batches of B samples drawn with replacement from the bins with probabilities r_k, q fixed (eta = 0).
+    The loss is sum_k q_k sum_{s in k} nll_s / n_k (n_k: bin k's tokens in the micro-batch), so the weight
+    d loss / d nll of bin k's tokens totals W_k = q_k when the bin is present and 0 otherwise:
+    E[W_k] = q_k P(present) = q_k (1 - (1 - r_k)^B). W_k / q_k is Bernoulli, so over N draws its mean is within
+    5 sqrt(p(1-p)/N) of p except with probability ~6e-7 per bin. The renormalised loss (until 2026-12-01),
+    W_k = q_k [present] / sum_present q, misses this by many of those widths."""
+    K, B, N = 10, 8, 20000
+    r = np.array([0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.01])
+    q = torch.tensor([0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.13, 0.14, 0.15, 0.16], dtype=torch.float64)
+    dro = GroupDRO(K, 0.0)
+    dro.q = q.clone()
+    rng = np.random.default_rng(0)
+    weight, renormalised = np.zeros((N, K)), np.zeros((N, K))
+    for i in range(N):
+        bins = rng.choice(K, size=B, p=r)
+        counts = torch.from_numpy(rng.integers(1, 5, size=B).astype(np.float64))  # answer tokens per sample
+        sums = counts.clone().requires_grad_()  # the value is irrelevant: the weights are the gradient
+        dro.loss(sums, counts, torch.from_numpy((bins + 0.5) / K), lambda t: t.clone()).backward()
+        weight[i] = np.bincount(bins, weights=(sums.grad * counts).numpy(), minlength=K)
+        present = np.bincount(bins, minlength=K) > 0
+        renormalised[i] = q.numpy() * present / q.numpy()[present].sum()
+    assert torch.equal(dro.q, q)  # eta = 0 keeps q
+    p = 1 - (1 - r) ** B
+    width = 5 * np.sqrt(p * (1 - p) / N)
+    np.testing.assert_array_less(np.abs(weight.mean(0) / q.numpy() - p), width)
+    assert (np.abs(renormalised.mean(0) / q.numpy() - p) > 10 * width).any()  # the test tells them apart
+
+
+def test_group_dro_with_one_sample_per_micro_batch_is_not_erm():
+    """One sample per micro-batch: loss = q_k x its mean NLL, so each step's gradient is the plain one times the
+    q of the sample's bin (the renormalised loss gave the plain loss, q cancelling)."""
+    model = _tiny_model()
+    objective = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=10, eta=0.0), 2, lambda t: t.clone())
+    objective.dro.q = torch.tensor([0.3, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.54], dtype=torch.float64)
+    ratios = []
+    for row, q in zip(_batch((0.05, 0.95)), (0.3, 0.54)):  # bin 0, then bin 9
+        batch = collate([row], 0, depths=True)
+        plain = _grads(model, causal_lm_loss(model, batch))
+        dro = _grads(model, objective(model, batch))
+        assert objective(model, batch).item() == pytest.approx(q * causal_lm_loss(model, batch).item(), rel=1e-12)
+        assert torch.allclose(dro, _grads(model, q * causal_lm_loss(model, batch)), rtol=1e-10, atol=1e-14)
+        ratios.append((dro @ plain / (plain @ plain)).item())
+    # (the model's own backward rounds a gradient times 0.3 to ~1e-8 of 0.3 times the gradient)
+    assert ratios == pytest.approx([0.3, 0.54], rel=1e-6)
 
 
 def test_one_bin_and_beta_zero_are_the_plain_loss():
