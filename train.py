@@ -676,6 +676,8 @@ def periodic_eval(run: Run, done: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if run.cfg.eval.every and done % run.cfg.eval.every == 0:
         metrics["eval/loss"] = heldout_loss(run)
+        if run.is_main:
+            log.info("step %d: held-out answer loss %.4f", done, metrics["eval/loss"])
     if run.probe_items and done % run.cfg.eval.probe_every == 0:
         metrics.update(run_probes(run, done))
     return metrics

@@ -23,8 +23,8 @@ JACOBIAN = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32
 def cli_run(tmp_path_factory):
     """`python train.py` as a person runs it: 3 steps, the Jacobian each step, a checkpoint at step 2, offline wandb."""
     run_dir = tmp_path_factory.mktemp("run")
-    overrides = [o for o in TINY if not o.startswith(("jacobian=", "logger.mode="))]
-    done = subprocess.run([sys.executable, "train.py", *overrides, *JACOBIAN, "trainer.max_steps=3",
+    overrides = [o for o in TINY if not o.startswith(("jacobian=", "logger.mode=", "eval.every="))]
+    done = subprocess.run([sys.executable, "train.py", *overrides, *JACOBIAN, "trainer.max_steps=3", "eval.every=2",
                            "trainer.save_every=2", "logger.mode=offline", f"hydra.run.dir={run_dir}"],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_SILENT": "true"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -74,7 +74,8 @@ def test_train_log_holds_start_up_evaluations_and_saves(cli_run):
     assert state["step"] == 3
     checkpoints = run_dir / "checkpoints"
     for expected in ("model qwen2_tiny (random init, 2 layers", f"writing to {run_dir}", "global batch = 4",
-                     "step 0: in2 exact match", "step 3: in2 exact match", f"saved checkpoint {checkpoints / 'step-2'}",
+                     "step 0: in2 exact match", "step 2: held-out answer loss", "step 3: in2 exact match",
+                     f"saved checkpoint {checkpoints / 'step-2'}",
                      f"saved checkpoint {checkpoints / 'step-3'}", "run finished"):
         assert expected in log, expected
 
