@@ -50,6 +50,7 @@ from analysis.metrics_log import (
     profile_charts,
     resolve_mode,
     run_names,
+    truncate_metrics,
 )
 from analysis.plots import (
     plot_depth_accuracy,
@@ -99,7 +100,9 @@ from models.checkpoint import (
     list_checkpoints,
     load_trainer_state,
     newest_checkpoint,
+    remove_stale_temporaries,
     resolve_checkpoint,
+    run_dir_of,
     save_trainer_state,
 )
 from models.debias import DebiasConfig, DebiasObjective, Objective, validate_debias
@@ -131,6 +134,7 @@ from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 from models.wheel_models import local_pretrained
 
 log = logging.getLogger("train")
+METRICS_BYTES = "metrics_bytes"  # trainer_state.json: where metrics.jsonl ended when the checkpoint was saved
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
@@ -498,10 +502,10 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
                          mix_rows=mixed_rows(cfg))
     if info.is_main_process:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # whole under ZeRO-3 too
-        log.info("%s: model %s (%s, %d layers, %.1fM parameters), data %s: %d training / %d held-out samples of "
+        log.info("%s: model %s (%s, %d layers, %s parameters), data %s: %d training / %d held-out samples of "
                  "up to %d tokens; writing to %s", cfg.exp_name, cfg.model.name, cfg.model.pretrained or "random init",
-                 model.config.num_hidden_layers, n_params / 1e6, cfg.data.name, len(bundle.train), len(bundle.eval),
-                 cfg.data.context_len, run_dir)
+                 model.config.num_hidden_layers, f"{n_params / 1e6:.1f}M" if n_params >= 1e6 else f"{n_params / 1e3:.0f}K",
+                 cfg.data.name, len(bundle.train), len(bundle.eval), cfg.data.context_len, run_dir)
         log.info("global batch = %d micro x %d accumulation x %d data-parallel ranks = %d samples%s",
                  t.micro_batch_size, t.grad_accum, groups, t.micro_batch_size * t.grad_accum * groups,
                  f" (each sequence split over {t.sequence_parallel} ranks)" if t.sequence_parallel > 1 else "")
@@ -513,6 +517,8 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     rollout_recorder = JacobianRecorder(
         run_dir / ROLLOUT_FILE, {record_name(k, v): n.shape[0] for k, n in seqs.items() for v in RolloutVariant},
         jac.seq_len) if seqs and jac.rollout and info.is_main_process else None
+    if info.is_main_process:
+        remove_stale_temporaries(run_dir)
     ckpt = None
     if t.resume_from:
         # Every rank looks (a missing checkpoint fails on all of them), then takes the main process's
@@ -521,6 +527,13 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
         if ckpt is None and info.is_main_process:
             log.info("trainer.resume_from=auto: no checkpoint of any %s run under %s: starting fresh",
                      cfg.exp_name, run_dir.parent)
+    if info.is_main_process:
+        # metrics.jsonl holds each step once: resuming in place keeps the rows logged before the checkpoint (a
+        # stopped or killed run's later rows are logged again), a fresh start in this directory none.
+        if ckpt is None:
+            truncate_metrics(run_dir, 0)
+        elif run_dir_of(ckpt) == run_dir.resolve():
+            truncate_metrics(run_dir, json.loads((ckpt / TRAINER_STATE).read_text()).get(METRICS_BYTES, math.inf))
     # The logger continues the wandb run of the checkpoint resumed from (before `resume`: it needs the id).
     logger = (MetricsLogger(cfg.logger, run_dir, dataclasses.asdict(cfg), wandb_run_id(ckpt))
               if info.is_main_process else NullLogger())
@@ -683,12 +696,14 @@ def periodic_eval(run: Run, done: int) -> dict[str, float]:
     return metrics
 
 
-def save(run: Run, step: int) -> Path:
-    """A complete checkpoint `checkpoints/step-<step>` (written aside, then renamed)."""
+def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
+    """A complete checkpoint `checkpoints/step-<step>` (written aside, then renamed). `metrics_bytes`: where
+    metrics.jsonl ends for this checkpoint (default: now), which resuming in place cuts the file back to."""
+    metrics_bytes = run.logger.bytes_written() if metrics_bytes is None else metrics_bytes
 
     def write(folder: Path) -> None:
         run.engine.save(folder, run.tokenizer)
-        extra: dict[str, Any] = {"stream_position": run.stream.position}
+        extra: dict[str, Any] = {"stream_position": run.stream.position, METRICS_BYTES: metrics_bytes}
         if run.objective is not None:
             extra["debias"] = run.objective.state_dict()  # group_dro's q: an exact resume needs it
         if run.logger.run_id is not None:
@@ -770,12 +785,14 @@ def train(run: Run) -> dict[str, float]:
 def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     """After the last update: one more profile, accuracy by depth, the final checkpoint and plots."""
     final, cfg = run.cfg.trainer.max_steps, run.cfg
+    # A run resumed from the final checkpoint logs these end rows again: that checkpoint keeps the log before them.
+    before_end = run.logger.bytes_written()
     if run.jacobian_seqs and final % cfg.jacobian.every == 0:
         # One more profile after the last update: the paper's (n, steps + 1, L) arrays.
         run.logger.log(measure_jacobian(run, final), step=final)
     acc = depth_accuracy(run, final)
     run.logger.log(acc, step=final)
-    save(run, final)
+    save(run, final, before_end)
     if not run.is_main:
         return {**metrics, **acc}
     plots = run.run_dir / "plots"

@@ -209,6 +209,12 @@ class MetricsLogger:
             self._define_summaries(metrics)
             self._wandb.log(metrics, step=step)
 
+    def bytes_written(self) -> int:
+        """Where metrics.jsonl ends now: a checkpoint records it, and resuming in place cuts the file back to
+        it (`truncate_metrics`), so that each step is in the file once however the run was stopped."""
+        self._file.flush()
+        return self._file.tell()
+
     def log_media(self, media: dict[str, Any], step: int) -> None:
         """wandb-only objects (images, plots); the run directory keeps their PNGs instead."""
         if self._wandb is not None:
@@ -236,6 +242,9 @@ class NullLogger:
     wandb_run = None
     run_id = None
 
+    def bytes_written(self) -> int:
+        return 0
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
 
@@ -244,6 +253,15 @@ class NullLogger:
 
     def close(self) -> None:
         pass
+
+
+def truncate_metrics(run_dir: str | Path, size: int) -> None:
+    """Cut `run_dir/metrics.jsonl` back to its first `size` bytes: the rows logged before a checkpoint was
+    saved (a killed run's later rows, a torn last line included, are logged again when training resumes)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.is_file() and path.stat().st_size > size:
+        with open(path, "r+b") as f:
+            f.truncate(size)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

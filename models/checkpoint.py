@@ -13,7 +13,10 @@ layers swapped in or with RoPE turned off: without it the adapters are useless),
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -28,7 +31,11 @@ from models.diff_attention import DiffAttentionMixin, set_diff_step  # registers
 from models.nope import disable_rope, is_nope
 from models.wheel_models import local_pretrained
 
+log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^\.tmp-step-\d+$|^\.step-\d+\.old\d+$")  # what a crash mid-save can leave in checkpoints/
+FILES_KEY = "files"  # trainer_state.json: the size of every other file of the checkpoint, to find a damaged one
+NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_MODEL = "base_model"  # <run_dir>/base_model/: the saved base of a LoRA run (see the module docstring)
@@ -47,7 +54,7 @@ def newest_checkpoint(run_dirs: list[Path]) -> Path | None:
     """The most recently written complete checkpoint of any of `run_dirs` (its trainer_state.json is
     written last), or None."""
     found = [ckpt for run_dir in run_dirs for ckpt in list_checkpoints(run_dir)]
-    return max(found, key=lambda p: ((p / TRAINER_STATE).stat().st_mtime_ns, p.name), default=None)
+    return max(found, key=_written_at, default=None)
 
 
 def resolve_checkpoint(resume_from: str, run_dir: str | Path) -> Path | None:
@@ -62,7 +69,8 @@ def resolve_checkpoint(resume_from: str, run_dir: str | Path) -> Path | None:
     run_dir = Path(run_dir)
     if resume_from == "auto":
         parent = run_dir.resolve().parent
-        return newest_checkpoint(sorted(p for p in parent.iterdir() if p.is_dir())) if parent.is_dir() else None
+        runs = sorted(p for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+        return newest_intact(sorted((c for r in runs for c in list_checkpoints(r)), key=_written_at))
     if resume_from == "latest":
         ckpts = list_checkpoints(run_dir)
         if not ckpts:
@@ -70,12 +78,86 @@ def resolve_checkpoint(resume_from: str, run_dir: str | Path) -> Path | None:
                 f"trainer.resume_from=latest: no checkpoint under {run_dir / 'checkpoints'}. `latest` continues "
                 f"the run of this directory (set hydra.run.dir to it); to continue the newest run of the "
                 f"experiment from a fresh directory use trainer.resume_from=auto")
-        return ckpts[-1]
+        found = newest_intact(ckpts)
+        if found is None:
+            raise FileNotFoundError(f"trainer.resume_from=latest: every checkpoint under {run_dir / 'checkpoints'} "
+                                    "is damaged (see the warnings above)")
+        return found
     path = Path(resume_from)
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"trainer.resume_from={resume_from}: not a checkpoint folder (no {TRAINER_STATE}); "
                                 f"or `latest` (this run directory) or `auto` (the newest run of the experiment)")
+    if (damage := checkpoint_damage(path)) is not None:
+        raise ValueError(f"trainer.resume_from={resume_from}: damaged checkpoint: {damage}")
     return path
+
+
+def _written_at(ckpt: Path) -> tuple[int, str]:
+    state = ckpt / TRAINER_STATE  # written last
+    return (state.stat().st_mtime_ns if state.is_file() else 0), ckpt.name
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """Why the checkpoint cannot be resumed from (naming the file), or None when it is intact: its
+    trainer_state.json must parse, and every file it lists must be there at the size it was written with
+    (a file cut short by a crash or a full disk). Checkpoints from before the list are only parsed."""
+    state_file = Path(ckpt) / TRAINER_STATE
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as err:
+        return f"{state_file} is unreadable ({err})"
+    for name, size in state.get(FILES_KEY, {}).items():
+        path = Path(ckpt) / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def newest_intact(ckpts: list[Path]) -> Path | None:
+    """The last of `ckpts` (oldest first) that is intact; each damaged one skipped says so in the log."""
+    for ckpt in reversed(ckpts):
+        damage = checkpoint_damage(ckpt)
+        if damage is None:
+            return ckpt
+        log.warning("skipping damaged checkpoint %s: %s", ckpt, damage)
+    return None
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Remove the half-written checkpoint folders an earlier crash left in `run_dir/checkpoints` (logged)."""
+    root = Path(run_dir) / "checkpoints"
+    stale = sorted(p for p in root.iterdir() if TMP_DIR.match(p.name)) if root.is_dir() else []
+    for path in stale:
+        log.info("removing %s, left by a crash while it was being written", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def out_of_space(err: BaseException) -> bool:
+    """A write failed for lack of room: an OSError with ENOSPC, EFBIG or EDQUOT, or a library's error around
+    one (safetensors reports the io error in its message)."""
+    if isinstance(err, OSError):
+        return err.errno in NO_SPACE
+    said = str(err)
+    return any(os.strerror(code) in said for code in NO_SPACE) or any(
+        kind in said for kind in ("StorageFull", "FileTooLarge", "QuotaExceeded"))  # Rust's io::ErrorKind
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def _record_files(folder: Path) -> None:
+    """Add the size of every file of the finished checkpoint to its trainer_state.json (`checkpoint_damage`)."""
+    state_file = folder / TRAINER_STATE
+    if not state_file.is_file():  # a folder of other files (tests of the publishing alone)
+        return
+    state = json.loads(state_file.read_text())
+    state[FILES_KEY] = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                        if p.is_file() and p != state_file}
+    state_file.write_text(json.dumps(state, indent=2))
 
 
 def atomic_checkpoint(
@@ -100,10 +182,26 @@ def atomic_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     barrier()
-    write(tmp)
-    if not is_main:
-        fsync_tree(tmp)  # this rank's files, from its own page cache; the main process flushes the rest
-    barrier()
+    try:
+        write(tmp)
+        if not is_main:
+            fsync_tree(tmp)  # this rank's files, from its own page cache; the main process flushes the rest
+        barrier()
+        if is_main:
+            _record_files(tmp)
+            fsync_tree(tmp)
+    except Exception as err:
+        written = _tree_bytes(tmp)
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not out_of_space(err):
+            raise
+        last = list_checkpoints(run_dir)
+        need = (f"about {_tree_bytes(last[-1]) / 2**20:.1f} MiB (the size of {last[-1].name})" if last
+                else f"more than the {written / 2**20:.1f} MiB written when it failed")
+        kept = f"the last good checkpoint {last[-1]} is intact" if last else "no earlier checkpoint exists"
+        raise OSError(errno.ENOSPC, f"saving {final} failed for lack of space ({err}): it needs {need}; "
+                                    f"the partial folder was removed and {kept}") from err
     if is_main:
         publish_dir(tmp, final, replace=True)  # re-saving a step (e.g. after a resume) replaces it
         if keep_last_n > 0:

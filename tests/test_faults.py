@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import resource
 import signal
 import socket
 import subprocess
@@ -11,10 +13,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from analysis.jacobian import read_jacobian
 from models.checkpoint import atomic_checkpoint, list_checkpoints, resolve_checkpoint
 from models.distributed import TorchEngine
 from tests.conftest import ROOT, TINY
@@ -132,3 +136,114 @@ def test_rank_that_cannot_reach_the_others_fails_naming_itself(tmp_path):
                          timeout=240)
     assert out.returncode != 0
     assert "rank 0 of 2: could not join the process group within 5 s" in out.stderr
+
+
+def train_cli(run_dir, *overrides, limit_file_bytes=None, timeout=300) -> subprocess.CompletedProcess:
+    """`python train.py` into `run_dir` in a process of its own; `limit_file_bytes`: no file it writes may grow
+    past this size (RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails as on a full disk)."""
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
+
+    return subprocess.run([sys.executable, "train.py", *TINY, *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit if limit_file_bytes else None)
+
+
+def test_a_full_disk_keeps_the_last_good_checkpoint_and_says_what_it_needed(tmp_path):
+    first = train_cli(tmp_path, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    good = tmp_path / "checkpoints" / "step-2"
+    files = {p.name: p.read_bytes() for p in good.iterdir()}
+    weights = (good / "model.safetensors").stat().st_size
+    full = train_cli(tmp_path, "trainer.max_steps=4", "trainer.resume_from=latest", limit_file_bytes=weights - 1)
+    assert full.returncode != 0
+    failed = next(line for line in (full.stdout + full.stderr).splitlines() if "run failed:" in line)
+    assert f"saving {tmp_path / 'checkpoints' / 'step-4'} failed for lack of space" in failed, failed
+    assert "it needs about" in failed and "(the size of step-2)" in failed and f"{good} is intact" in failed
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-2"]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")], "partial folder left"
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == files
+    assert resolve_checkpoint("latest", tmp_path) == good
+
+
+@pytest.mark.parametrize("damaged", ["optimizer.pt", "model.safetensors"])
+def test_a_damaged_checkpoint_fails_by_name_and_latest_skips_it(tmp_path, damaged):
+    first = train_cli(tmp_path, "trainer.max_steps=4", "trainer.save_every=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    newest = tmp_path / "checkpoints" / "step-4"
+    cut = newest / damaged
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])  # a crash or a full disk mid-write
+    leftover = tmp_path / "checkpoints" / ".tmp-step-6"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+
+    named = train_cli(tmp_path / "other", "trainer.max_steps=6", f"trainer.resume_from={newest}")
+    assert named.returncode != 0 and not (tmp_path / "other" / "metrics.jsonl").exists()  # before training
+    assert f"{cut} has {cut.stat().st_size} bytes" in named.stdout + named.stderr, named.stderr[-2000:]
+
+    latest = train_cli(tmp_path, "trainer.max_steps=6", "trainer.resume_from=latest")
+    assert latest.returncode == 0, latest.stderr[-2000:]
+    log = (tmp_path / "train.log").read_text()
+    assert f"skipping damaged checkpoint {newest}: {cut} has" in log
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-2'} at step 2" in log
+    assert f"removing {leftover}, left by a crash" in log and not leftover.exists()
+
+
+TIMING_KEYS = ("train/wall_s", "train/tokens_per_s", "train/peak_mem_mib")
+KILL_RUN = ["trainer.max_steps=8", "trainer.save_every=1", "trainer.keep_last_n=2", "eval.every=2",
+            "jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2",
+            "jacobian.n_vanilla=1", "jacobian.n_chunked=1"]
+
+
+def metric_rows(run_dir) -> list[dict]:
+    """metrics.jsonl's rows without timings; every line must parse (a torn line fails here)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def killed_and_resumed(run_dir, kills: int, seed: int, span_s: float) -> None:
+    """Start the run, SIGKILL it `kills` times at moments drawn uniformly over `span_s` seconds after each
+    start (imports, data, steps, saves, evaluations, Jacobian journal), each time resuming from the latest
+    checkpoint (from scratch while there is none); then let it finish."""
+    rng = random.Random(seed)
+    for attempt in range(kills + 1):
+        resume = ["trainer.resume_from=latest"] if list_checkpoints(run_dir) else []
+        proc = subprocess.Popen([sys.executable, "train.py", *TINY, *KILL_RUN, *resume, f"hydra.run.dir={run_dir}"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if attempt < kills:
+            try:
+                proc.wait(timeout=rng.uniform(0.0, span_s))
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        else:
+            assert proc.wait(timeout=600) == 0
+
+
+def check_survives_sigkill(tmp_path, kills: int, seed: int) -> None:
+    started = time.perf_counter()
+    reference = train_cli(tmp_path / "reference", *KILL_RUN)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    span = time.perf_counter() - started
+    killed = tmp_path / "killed"
+    killed_and_resumed(killed, kills, seed, span)
+    weights = [(d / "checkpoints" / "step-8" / "model.safetensors").read_bytes() for d in (tmp_path / "reference", killed)]
+    assert weights[0] == weights[1], "final weights differ from the uninterrupted run's"
+    assert metric_rows(killed) == metric_rows(tmp_path / "reference")  # each step once, in order, same values
+    for journal in ("jacobian.npz", "rollout.npz"):
+        steps, arrays = read_jacobian(killed / journal)
+        ref_steps, ref_arrays = read_jacobian(tmp_path / "reference" / journal)
+        assert steps.tolist() == ref_steps.tolist() == list(range(9))
+        for name in ref_arrays:
+            np.testing.assert_array_equal(arrays[name], ref_arrays[name])
+
+
+def test_sigkill_at_random_moments_loses_nothing(tmp_path):
+    check_survives_sigkill(tmp_path, kills=3, seed=0)
+
+
+@pytest.mark.slow
+def test_sigkill_twenty_times_loses_nothing(tmp_path):
+    check_survives_sigkill(tmp_path, kills=20, seed=1)
