@@ -204,10 +204,11 @@ def metric_rows(run_dir) -> list[dict]:
 
 
 def watched_state(run_dir, moment: str):
-    """What changes when the run reaches a moment of that kind again: a checkpoint save in progress (its
-    temporary folder), a Jacobian journal record, an evaluation file, a logged row."""
+    """What changes when the run reaches a moment of that kind again: a checkpoint save starting (a folder
+    appears under checkpoints/, whatever its name), a Jacobian journal record, an evaluation file, a logged row."""
     if moment == "save":
-        return any((run_dir / "checkpoints").glob(".tmp-step-*"))
+        folder = run_dir / "checkpoints"
+        return tuple(sorted(p.name for p in folder.iterdir())) if folder.is_dir() else ()
     paths = {"journal": [run_dir / "jacobian.journal"], "eval": sorted((run_dir / "eval").glob("*.json")),
              "rows": [run_dir / "metrics.jsonl"]}[moment]
     return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in paths if p.is_file())
@@ -226,14 +227,13 @@ def killed_and_resumed(run_dir, kills: int, seed: int) -> list[str]:
         if attempt == kills:
             assert proc.wait(timeout=600) == 0
             break
-        moment, nth = rng.choice(["save", "journal", "eval", "rows", "time"]), rng.randint(1, 3)
+        moment = rng.choice(["save", "journal", "eval", "rows", "time"])
+        nth = 1 if moment == "save" else rng.randint(1, 3)  # a save is seen as its folder appears
         deadline = time.monotonic() + (rng.uniform(0.0, 15.0) if moment == "time" else 300.0)
         state, changes = None if moment == "time" else watched_state(run_dir, moment), 0
         while proc.poll() is None and time.monotonic() < deadline and changes < nth:
             time.sleep(0.001)
-            if moment == "save":
-                changes += watched_state(run_dir, moment)
-            elif moment != "time" and (now := watched_state(run_dir, moment)) != state:
+            if moment != "time" and (now := watched_state(run_dir, moment)) != state:
                 state, changes = now, changes + 1
         proc.send_signal(signal.SIGKILL)
         landed.append(moment if proc.wait() == -signal.SIGKILL else f"{moment} (finished first)")
