@@ -17,7 +17,7 @@ import numpy as np
 from analysis.compare import markdown_table
 from analysis.metrics_log import read_metrics
 from analysis.positional_eval import ProbeResult
-from analysis.study import fairness
+from analysis.study import eval_files, fairness
 from models.checkpoint import list_checkpoints
 
 SUMMARY_FILE = "summary.md"
@@ -43,7 +43,7 @@ class DepthCurve:
     fairness: dict[str, float]
 
 
-def depth_curve(path: Path) -> DepthCurve:
+def depth_curve(step: int, path: Path) -> DepthCurve:
     result = ProbeResult.load_json(path)
     outcomes = result.outcomes
     scores = np.array([o["correct"] for o in outcomes], dtype=np.float64)
@@ -51,7 +51,7 @@ def depth_curve(path: Path) -> DepthCurve:
     depths = np.array([o["extra"]["depth"] for o in outcomes], dtype=np.float64)
     labels = result.labels()
     by_bin = {labels[position]: accuracy for position, accuracy in result.accuracy_by_position().items()}
-    return DepthCurve(int(path.stem.rsplit("step", 1)[1]), by_bin, fairness(scores, bins, depths))
+    return DepthCurve(step, by_bin, fairness(scores, bins, depths))
 
 
 def _steps_of(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, Any]]:
@@ -143,9 +143,8 @@ def run_summary(run_dir: str | Path, exp_name: str, start_model: Optional[str] =
     (the run's own step-0 evaluation is its starting point)."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    evals = sorted((run_dir / "eval").glob("in2_step*.json"), key=lambda p: int(p.stem.rsplit("step", 1)[1]))
-    curves = [depth_curve(path) for path in (evals[0], evals[-1])] if len(evals) > 1 else [
-        depth_curve(path) for path in evals]
+    files = eval_files(run_dir)
+    curves = [depth_curve(step, files[step]) for step in sorted({min(files), max(files)})] if files else []
     lines = [f"# Run summary: {exp_name}", "", f"run directory: {run_dir}", "", *progress_lines(rows), "",
              *accuracy_lines(curves), *jacobian_lines(rows), *file_lines(run_dir, start_model)]
     return "\n".join(lines) + "\n"
@@ -153,7 +152,8 @@ def run_summary(run_dir: str | Path, exp_name: str, start_model: Optional[str] =
 
 def headline_numbers(run_dir: str | Path) -> dict[str, float]:
     """The end state's fairness numbers for the wandb run summary (`summary/in2/<metric>`)."""
-    evals = sorted(Path(run_dir).glob("eval/in2_step*.json"), key=lambda p: int(p.stem.rsplit("step", 1)[1]))
-    if not evals:
+    files = eval_files(Path(run_dir))
+    if not files:
         return {}
-    return {f"summary/in2/{key}": value for key, value in depth_curve(evals[-1]).fairness.items()}
+    last = max(files)
+    return {f"summary/in2/{key}": value for key, value in depth_curve(last, files[last]).fairness.items()}

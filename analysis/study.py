@@ -163,7 +163,8 @@ def _read_overrides(path: Path) -> list[str]:
     return [str(item) for item in data]
 
 
-def _eval_files(job_dir: Path) -> dict[int, Path]:
+def eval_files(job_dir: Path) -> dict[int, Path]:
+    """A run's held-out IN2 eval JSONs by training step (`eval/in2_step<N>.json`)."""
     folder = job_dir / "eval"
     found = {}
     if folder.is_dir():
@@ -187,7 +188,7 @@ def _merged_metrics(job_dir: Path) -> dict[int, dict[str, Any]]:
 
 def _load_job(job_dir: Path) -> Job:
     overrides = _read_overrides(job_dir / ".hydra" / "overrides.yaml")
-    files = _eval_files(job_dir)
+    files = eval_files(job_dir)
     if 0 not in files:
         raise StudyError(f"{job_dir / 'eval' / f'{PROBE}_step0.json'}: missing (every job needs its step-0 eval)")
     final_step = max(files)
