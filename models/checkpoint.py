@@ -189,7 +189,7 @@ def atomic_checkpoint(
         barrier()
         if is_main:
             _record_files(tmp)
-            fsync_tree(tmp)
+            publish_dir(tmp, final, replace=True)  # re-saving a step (e.g. after a resume) replaces it
     except Exception as err:
         written = _tree_bytes(tmp)
         if is_main:
@@ -202,11 +202,9 @@ def atomic_checkpoint(
         kept = f"the last good checkpoint {last[-1]} is intact" if last else "no earlier checkpoint exists"
         raise OSError(errno.ENOSPC, f"saving {final} failed for lack of space ({err}): it needs {need}; "
                                     f"the partial folder was removed and {kept}") from err
-    if is_main:
-        publish_dir(tmp, final, replace=True)  # re-saving a step (e.g. after a resume) replaces it
-        if keep_last_n > 0:
-            for stale in list_checkpoints(run_dir)[:-keep_last_n]:
-                shutil.rmtree(stale)
+    if is_main and keep_last_n > 0:
+        for stale in list_checkpoints(run_dir)[:-keep_last_n]:
+            shutil.rmtree(stale)
     barrier()
     return final
 
