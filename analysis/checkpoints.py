@@ -36,7 +36,7 @@ from models.checkpoint import (
     run_dir_of,
 )
 from models.distributed import resolve_device
-from models.wheel_models import WheelModelError, ensure_model, is_wheel_model, wheel_model_name
+from models.wheel_models import WheelModelError, is_wheel_model, local_pretrained
 
 
 class CheckpointProbe(StrEnum):
@@ -122,7 +122,7 @@ def resolve_target(path: str | Path, label: str | None = None) -> Target:
     """
     if is_wheel_model(str(path)):
         try:
-            folder = ensure_model(wheel_model_name(str(path)))
+            folder = Path(local_pretrained(str(path)))
         except WheelModelError as err:
             raise CompareError(str(err)) from err
         return Target(folder, label or folder.name, folder, None, None)
