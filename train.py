@@ -32,7 +32,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.jacobian import (
+from analysis.evaluation.config import EvalConfig, check_probe_files
+from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes
+from analysis.evaluation.result import ProbeResult, write_eval_json
+from analysis.measure.jacobian import (
     ChunkedSource,
     JacobianConfig,
     JacobianRecorder,
@@ -41,7 +44,24 @@ from analysis.jacobian import (
     excerpts_per_sequence,
     measure_sets,
 )
-from analysis.metrics_log import (
+from analysis.measure.rollout import (
+    ROLLOUT_FILE,
+    RolloutVariant,
+    mean_rollout,
+    measure_rollouts,
+    record_name,
+    rollout_set_metrics,
+)
+from analysis.measure.topology import prefixed, topology_metrics
+from analysis.report.figures import (
+    plot_depth_accuracy,
+    plot_evolution,
+    plot_heatmap,
+    plot_needle_grid,
+    plot_position_accuracy,
+    plot_profile_vs_prior,
+)
+from analysis.report.metrics_log import (
     RUN_ID_KEY,
     LoggerConfig,
     MetricsLogger,
@@ -52,39 +72,15 @@ from analysis.metrics_log import (
     run_names,
     truncate_metrics,
 )
-from analysis.plots import (
-    plot_depth_accuracy,
-    plot_evolution,
-    plot_heatmap,
-    plot_needle_grid,
-    plot_position_accuracy,
-    plot_profile_vs_prior,
-)
-from analysis.positional_eval import (
-    EvalConfig,
-    ProbeResult,
-    build_probes,
-    check_probe_files,
-    evaluate_in2,
-    evaluate_probes,
-    write_eval_json,
-)
-from analysis.rollout import (
-    ROLLOUT_FILE,
-    RolloutVariant,
-    mean_rollout,
-    measure_rollouts,
-    record_name,
-    rollout_set_metrics,
-)
-from analysis.run_summary import SUMMARY_FILE, headline_numbers, run_summary
-from analysis.topology import prefixed, topology_metrics
+from analysis.report.run_summary import SUMMARY_FILE, headline_numbers, run_summary
 from data_builders.build import DataBundle, build_datasets, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.files import atomic_write_text
 from data_builders.needle_mix import protected_strings, retrieval_samples
 from data_builders.tokenizer import load_tokenizer
+from models.attention.diff import diff_lambda_stats, set_diff_step
+from models.attention.packed import SDPA_PACKED
 from models.build import (
     Attention,
     AttnImplementation,
@@ -93,7 +89,8 @@ from models.build import (
     differs_from_pretrained,
     validate_model,
 )
-from models.checkpoint import (
+from models.peft_setup import PeftConfig, PeftMethod, apply_peft
+from models.training.checkpoint import (
     TRAINER_STATE,
     atomic_checkpoint,
     check_resume_rope,
@@ -105,32 +102,31 @@ from models.checkpoint import (
     run_dir_of,
     save_trainer_state,
 )
-from models.debias import DebiasConfig, DebiasObjective, Objective, validate_debias
-from models.diff_attention import diff_lambda_stats, set_diff_step
-from models.distributed import (
-    DeepSpeedEngine,
+from models.training.debias import DebiasConfig, DebiasObjective, Objective, validate_debias
+from models.training.distributed import (
     Device,
     DistInfo,
-    Precision,
-    TorchEngine,
     all_mean,
     all_sum,
     any_rank,
     barrier,
     broadcast_object,
-    deepspeed_config,
     dist_info,
-    gathered,
     init_distributed,
     main_first,
-    partitioned_count,
     peak_memory_mib,
     resolve_device,
+)
+from models.training.engines import (
+    DeepSpeedEngine,
+    Precision,
+    TorchEngine,
+    deepspeed_config,
+    gathered,
+    partitioned_count,
     zero3_load_context,
 )
-from models.loss import causal_lm_loss, labelled_nll
-from models.packed_attention import SDPA_PACKED
-from models.peft_setup import PeftConfig, PeftMethod, apply_peft
+from models.training.loss import causal_lm_loss, labelled_nll
 from models.wheel_models import local_pretrained
 
 log = logging.getLogger("train")
@@ -819,7 +815,7 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
 
 
 def report_end(run: Run) -> None:
-    """The end-of-run summary (`analysis.run_summary`): logged (console and train.log), written to
+    """The end-of-run summary (`analysis.report.run_summary`): logged (console and train.log), written to
     summary.md, and its headline numbers put in the wandb run summary."""
     text = run_summary(run.run_dir, run.cfg.exp_name, run.cfg.model.pretrained)
     atomic_write_text(run.run_dir / SUMMARY_FILE, text)

@@ -19,12 +19,12 @@ Only what is missing is computed:
 IN2 records are token ids, so the in2 probe needs one tokenizer for all PATHs; they come from the
 runs' own `eval/in2_step<N>.json` when those agree, else are rebuilt from the first run config's data
 section (`build_datasets`, cached). `--interventions` also answers the probes each inference-time intervention
-changes (analysis.interventions) with every PATH, and reports them beside the plain curves: one figure per
+changes (analysis.evaluation.interventions) with every PATH, and reports them beside the plain curves: one figure per
 probe and a table with each intervention's accuracy minus the un-intervened checkpoint's on the same items
 (paired 95% bootstrap interval). Writes `<out>/report.md` and its PNGs; nothing reads wandb unless
 --wandb is given, nothing is logged to wandb unless --wandb-log is (the report's PNGs and accuracy
 tables as one wandb run of job type `report`, written under `<out>/wandb/`). Resolving PATHs, loading
-checkpoints and answering probes is `analysis.checkpoints`; this module is the report and its CLI.
+checkpoints and answering probes is `analysis.evaluation.checkpoints`; this module is the report and its CLI.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.checkpoints import (
+from analysis.evaluation.checkpoints import (
     POSITION_AXIS,
     PROBES,
     RUN_CONFIG,
@@ -61,7 +61,17 @@ from analysis.checkpoints import (
     reference_run,
     resolve_target,
 )
-from analysis.interventions import (
+from analysis.evaluation.comparability import REFERENCE, describe_settings
+from analysis.evaluation.config import (
+    EvalConfig,
+    KVProbeConfig,
+    MDQAProbeConfig,
+    NeedleProbeConfig,
+    probe_budget,
+    probe_metric,
+    with_budget,
+)
+from analysis.evaluation.interventions import (
     Spec,
     by_final_position,
     check_intervention,
@@ -71,23 +81,10 @@ from analysis.interventions import (
     model_intervention,
     paired_delta,
 )
-from analysis.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
-from analysis.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
-from analysis.plots import plot_needle_grid, plot_position_accuracy
-from analysis.positional_eval import (
-    REFERENCE,
-    EvalConfig,
-    KVProbeConfig,
-    MDQAProbeConfig,
-    NeedleProbeConfig,
-    ProbeResult,
-    describe_settings,
-    probe_budget,
-    probe_metric,
-    with_budget,
-)
-from analysis.prior import log10_profile, scaled_prior
-from analysis.rollout import (
+from analysis.evaluation.result import ProbeResult
+from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
+from analysis.measure.prior import log10_profile, scaled_prior
+from analysis.measure.rollout import (
     ROLLOUT_FILE,
     ROLLOUT_METRICS,
     RolloutVariant,
@@ -96,15 +93,17 @@ from analysis.rollout import (
     record_name,
     rollout_metrics,
 )
-from analysis.topology import METRIC_KEYS, topology_metrics
+from analysis.measure.topology import METRIC_KEYS, topology_metrics
+from analysis.report.figures import plot_needle_grid, plot_position_accuracy
+from analysis.report.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
 from data_builders.probes import NQ_FILE, ProbeItem, nq_filler
 from data_builders.synthetic import generate_documents
 from data_builders.tokenizer import encode_pieces
 from data_builders.windows import join_documents
-from models.attn_calibration import AttnCalibrationConfig
-from models.ms_poe import MsPoEConfig
+from models.attention.attn_calibration import AttnCalibrationConfig
+from models.attention.ms_poe import MsPoEConfig
 
 HELDOUT_SEED = 7919  # synthetic documents for measured profiles: other names than the default training data
 X_LABEL = "relative position x = (j-1)/(L-1)"
@@ -117,7 +116,7 @@ class JacobianProfiles:
     latest: dict[str, np.ndarray]
     initial: dict[str, np.ndarray]  # empty when no step-0 record exists
     source: str  # where `latest` comes from, for the report
-    # {set: {variant: (L,)}}: the checkpoint's attention rollouts (analysis.rollout); empty when unknown
+    # {set: {variant: (L,)}}: the checkpoint's attention rollouts (analysis.measure.rollout); empty when unknown
     rollouts: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
@@ -558,7 +557,7 @@ def write_report(
     sets = list(dict.fromkeys(name for e in entries if e.profiles for name in e.profiles.latest))
     lines += ["## Jacobian profiles", "",
               "Solid: the checkpoint; dashed: its best-fitting Cesàro prior (free scale); dotted: step 0 of "
-              "its run; dash-dot: its attention rollout with measured residual shares (analysis.rollout, free "
+              "its run; dash-dot: its attention rollout with measured residual shares (analysis.measure.rollout, free "
               "scale). Anchored: divided by the last position.", ""]
     for name in sets:
         png = plot_profiles(entries, name, out / f"jacobian_{name}.png")
@@ -587,7 +586,7 @@ def _with_documents(result: ProbeResult) -> ProbeResult:
 def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
     """The interventions section: per probe a table (paired Δ against each PATH's plain answers) and a figure."""
     lines = ["## Interventions", "",
-             "Inference-time interventions (analysis.interventions), each asked the items of the probes it changes. "
+             "Inference-time interventions (analysis.evaluation.interventions), each asked the items of the probes it changes. "
              "Δ: its accuracy minus the same PATH's un-intervened accuracy on the same items, with a paired 95% "
              "bootstrap interval (`*`: excludes 0). Reordered or truncated mdqa items stay at the gold's retriever "
              "rank; the `by final position` figure puts them where the gold ended. Wall time: answering the "

@@ -5,8 +5,8 @@
 
 For a trained checkpoint (the latest of a run directory, a checkpoint folder, or, by default, a fresh
 `+exp=in2` run without Jacobian measurements) and a random-init model of the same architecture, it
-measures the exact Jacobian profile (`analysis.jacobian`, estimator exact) of held-out sequences (the
-run's vanilla and chunked kinds) and compares it with every rollout variant of `analysis.rollout` and
+measures the exact Jacobian profile (`analysis.measure.jacobian`, estimator exact) of held-out sequences (the
+run's vanilla and chunked kinds) and compares it with every rollout variant of `analysis.measure.rollout` and
 with the fitted Cesàro prior: Spearman, W1 and RMSE of log10 (free scale) of the mean profiles. It also
 reports how much smaller the measured-λ rollout's discrepancy is than that of the attention-only (λ=1)
 and fixed-residual (λ=0.5) baselines: 1 - W1(measured) / W1(baseline), the paper's ~85%. Writes
@@ -30,14 +30,14 @@ import torch
 from matplotlib.figure import Figure
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from analysis.checkpoints import CompareError, load_checkpoint_tokenizer, load_model, resolve_target
 from analysis.compare import heldout_documents
-from analysis.jacobian import Estimator, JacobianConfig, build_eval_sequences, measure_sets
-from analysis.prior import fit_alpha, prior_profile, spearman
-from analysis.rollout import ROLLOUT_METRICS, RolloutVariant, capture, rollout_metrics, rollouts
+from analysis.evaluation.checkpoints import CompareError, load_checkpoint_tokenizer, load_model, resolve_target
+from analysis.measure.jacobian import Estimator, JacobianConfig, build_eval_sequences, measure_sets
+from analysis.measure.prior import fit_alpha, prior_profile, spearman
+from analysis.measure.rollout import ROLLOUT_METRICS, RolloutVariant, capture, rollout_metrics, rollouts
 from data_builders.files import atomic_write_text
-from models.checkpoint import checkpoint_config
-from models.nope import disable_rope, is_nope
+from models.attention.nope import disable_rope, is_nope
+from models.training.checkpoint import checkpoint_config
 
 JACOBIAN = "Jacobian (exact)"  # the measured profile, in the plot
 PRIOR_ROW = "cesaro_prior"  # the closed-form prior at its log-space fit α (prior/alpha)

@@ -38,9 +38,9 @@ import yaml
 from matplotlib.figure import Figure
 
 from analysis.compare import markdown_table, positive_int
-from analysis.metrics_log import read_metrics
-from analysis.positional_eval import ProbeResult
-from analysis.scoring import bootstrap_ci
+from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.scoring import bootstrap_ci
+from analysis.report.metrics_log import read_metrics
 from data_builders.files import atomic_write_text
 
 REFERENCE_ARM = "none"  # the arm of jobs without a debias override

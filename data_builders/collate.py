@@ -6,7 +6,7 @@ samples end to end with `position_ids` restarting at 0 per sample and no `attent
 which transformers builds a block-diagonal causal mask (sdpa, eager, flex) or the sequence
 boundaries (flash_attention_2): no token attends across samples, and no compute goes to padding
 beyond each row's tail. Either way `num_tokens` counts the real tokens (it is not a model input).
-With `depths` (the per-sample objectives of models.debias) a batch also carries `depths` (S,), each
+With `depths` (the per-sample objectives of models.training.debias) a batch also carries `depths` (S,), each
 sample's gold depth, and `sample_ids` (B, L), the sample each token belongs to (-1: padding).
 """
 from __future__ import annotations

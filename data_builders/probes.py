@@ -6,7 +6,7 @@ tested query by query. Prompt wording lives in `templates/*.txt`; the key-value 
 QA wording is that of Liu et al. 2023, *Lost in the Middle* (github.com/nelson-liu/lost-in-the-middle,
 MIT; the NaturalQuestions passages are CC BY-SA 3.0, Kwiatkowski et al. 2019).
 
-Scorers: kv and needle use `analysis.scoring.substring_match`, mdqa `best_subspan_em`, in2 `exact_match`.
+Scorers: kv and needle use `analysis.evaluation.scoring.substring_match`, mdqa `best_subspan_em`, in2 `exact_match`.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class ProbeItem:
     label: str | None = None  # name of the position in metric keys; None = str(position)
     query: str | None = None  # shared by one query's items at all positions (pairs them); None = id
     # Character spans [start, end) of the documents (mdqa) or pairs (kv) in a text prompt, in order: what
-    # attention calibration (models.attn_calibration) treats as segments. Not saved with the outcomes.
+    # attention calibration (models.attention.attn_calibration) treats as segments. Not saved with the outcomes.
     segments: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
@@ -302,7 +302,7 @@ def document_lines(docs: Sequence[Mapping[str, str]]) -> list[str]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Prompt-level interventions of the kv and mdqa probes (analysis.interventions): query-aware prompts
+    """Prompt-level interventions of the kv and mdqa probes (analysis.evaluation.interventions): query-aware prompts
     (the question or key before the data too, Liu et al.'s templates), and for mdqa ranked documents
     truncated to the top `keep` and laid out by `order`. The default asks the reference's prompts."""
 

@@ -15,8 +15,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from models.diff_attention import convert_to_diff_attention
-from models.nope import NOPE_KEY, disable_rope, is_nope
+from models.attention.diff import convert_to_diff_attention
+from models.attention.nope import NOPE_KEY, disable_rope, is_nope
 from models.wheel_models import is_wheel_model, local_pretrained, wheel_model_name
 
 DIFF_ARCHS = ("qwen2", "llama", "mistral")
@@ -130,12 +130,12 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
     """The configured causal LM: `from_pretrained` when `pretrained` is set, else random init.
 
     `gather(module)`: a context in which `module`'s weights are whole, for a model partitioned while
-    it loads (ZeRO-3: `models.distributed.gathered`); the diff attention retrofit reads the
+    it loads (ZeRO-3: `models.training.engines.gathered`); the diff attention retrofit reads the
     pretrained projections inside it.
     """
     dtype, attention = DType(cfg.dtype).torch, str(cfg.attn_implementation)
     if cfg.pretrained:
-        # Importing models.diff_attention registers the diff model types with the Auto classes, so a
+        # Importing models.attention.diff registers the diff model types with the Auto classes, so a
         # checkpoint saved with differential attention restores its diff layers (and weights) here.
         model = AutoModelForCausalLM.from_pretrained(
             local_pretrained(cfg.pretrained), dtype=dtype, trust_remote_code=cfg.trust_remote_code,

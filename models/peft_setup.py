@@ -14,7 +14,7 @@ from enum import StrEnum
 from torch import nn
 from transformers import PreTrainedModel
 
-from models.diff_attention import DiffAttentionMixin
+from models.attention.diff import DiffAttentionMixin
 
 
 class PeftMethod(StrEnum):

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from models.attention.diff import set_diff_step
 from models.build import DiffConfig, ModelConfig, build_model
-from models.diff_attention import set_diff_step
 
 VARIANTS = [("standard", "standard", "scratch"), ("diff_v1", "diff_v1", "scratch"),
             ("diff_v2", "diff_v2", "scratch"), ("diff_v1 retrofit", "diff_v1", "retrofit")]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from analysis.jacobian import jacobian_profile
+from analysis.measure.jacobian import jacobian_profile
 from scripts.bench import extra_peak_rss_mib, in_fresh_process
 
 

@@ -1,7 +1,7 @@
 """Benchmark: long-context training, each knob against its baseline in the same run.
 
 - logits: extra peak memory of one training step (forward + backward) on one 8K-token sample with a
-  32K vocabulary, qwen2_tiny's shape: `models.loss.causal_lm_loss` against transformers' own loss
+  32K vocabulary, qwen2_tiny's shape: `models.training.loss.causal_lm_loss` against transformers' own loss
   (every position's logits). An IN2 sample (labels on its answer only), and a language-model
   window (every token labelled: the chunked cross-entropy). Each measurement in a fresh process.
 - packing: real tokens per second of training steps on an IN2 mix whose budgets are uniform over
@@ -21,9 +21,9 @@ import transformers
 from data_builders.build import build_datasets
 from data_builders.collate import BatchStream
 from data_builders.config import DataConfig, In2Config
-from models.distributed import Precision, TorchEngine
-from models.loss import IGNORE, causal_lm_loss
-from models.packed_attention import SDPA_PACKED
+from models.attention.packed import SDPA_PACKED
+from models.training.engines import Precision, TorchEngine
+from models.training.loss import IGNORE, causal_lm_loss
 from scripts.bench import extra_peak_rss_mib, in_fresh_process
 
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,

@@ -3,7 +3,7 @@
 The prior ``p(j) = (N^H)[L, j]``, ``N = (1-a) I + a M`` with M the Cesàro matrix, is the
 initialization-time position profile of Chowdhury 2026 ("Lost in the Middle at Birth") and the
 uniform-attention case of the residual-aware rollout of Herasimchyk et al. 2026. `bench_prior` times
-`analysis.prior.prior_profile` at a long context and, at a length where a dense L×L power is still
+`analysis.measure.prior.prior_profile` at a long context and, at a length where a dense L×L power is still
 affordable, both methods, so the speed-up is read at equal L.
 """
 
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from analysis.prior import prior_profile
+from analysis.measure.prior import prior_profile
 
 
 def _best_of(fn, repeats: int):

@@ -34,7 +34,7 @@ they are (`kv.path`: the 75-, 140- or 300-key file, every pair asked; `mdqa.path
 BM25-retrieved answer-free distractors are added, or its `*_gold_at_K` files), and every eval JSON names
 the metric and settings it was made with. `needle.lengths` x `needle.depths` is the needle grid.
 
-`intervention=` answers with an inference-time intervention that changes no weights (analysis.interventions):
+`intervention=` answers with an inference-time intervention that changes no weights (analysis.evaluation.interventions):
 `reorder` (mdqa documents laid out by `order`: outside_in (default), descending, ascending), `truncate`
 (the top `keep` ranked documents, laid out by `order` when set), `query_aware` (kv and mdqa: the query before
 the data too, the reference's prompts), `ms_poe` (per-head RoPE compression, `ms_poe.*`), `attn_calibration`
@@ -69,7 +69,7 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from analysis.checkpoints import (
+from analysis.evaluation.checkpoints import (
     POSITION_AXIS,
     CheckpointDType,
     CheckpointProbe,
@@ -82,7 +82,9 @@ from analysis.checkpoints import (
     reference_run,
     resolve_target,
 )
-from analysis.interventions import (
+from analysis.evaluation.comparability import describe_settings
+from analysis.evaluation.config import EvalConfig, KVProbeConfig, MDQAProbeConfig, NeedleProbeConfig, with_budget
+from analysis.evaluation.interventions import (
     Intervention,
     check_intervention,
     check_model_intervention,
@@ -91,22 +93,13 @@ from analysis.interventions import (
     model_intervention,
     tag,
 )
-from analysis.plots import plot_needle_grid, plot_position_accuracy
-from analysis.positional_eval import (
-    EvalConfig,
-    KVProbeConfig,
-    MDQAProbeConfig,
-    NeedleProbeConfig,
-    ProbeResult,
-    describe_settings,
-    with_budget,
-    write_eval_json,
-)
+from analysis.evaluation.result import ProbeResult, write_eval_json
+from analysis.report.figures import plot_needle_grid, plot_position_accuracy
 from data_builders.files import atomic_write_text
 from data_builders.probes import Order
-from models.attn_calibration import AttnCalibrationConfig
-from models.distributed import Device
-from models.ms_poe import MsPoEConfig
+from models.attention.attn_calibration import AttnCalibrationConfig
+from models.attention.ms_poe import MsPoEConfig
+from models.training.distributed import Device
 
 
 @dataclass

@@ -27,8 +27,8 @@ def _packed_peak(packed_attention: bool, length: int, vocab: int, checkpointing:
     import torch
 
     from data_builders.collate import collate_packed
-    from models.loss import IGNORE, causal_lm_loss
-    from models.packed_attention import SDPA_PACKED
+    from models.attention.packed import SDPA_PACKED
+    from models.training.loss import IGNORE, causal_lm_loss
     from scripts.bench import extra_peak_rss_mib
     from scripts.bench_long import ANSWER_TOKENS, _tiny_model
 

@@ -12,7 +12,7 @@ such as a `peft=lora` run's `checkpoints/step-N/`. The base model is, in this or
    random init, or diff layers swapped in; without it the adapter is useless);
 3. `base_model_name_or_path` of adapter_config.json (the `model.pretrained` the run started from).
 
-Steps 2 and 3 and the loading are `models.checkpoint.load_checkpoint_model`, the project's one
+Steps 2 and 3 and the loading are `models.training.checkpoint.load_checkpoint_model`, the project's one
 checkpoint loader (a base saved with differential attention loads as one). The tokenizer comes from
 ADAPTER_DIR, else `<run_dir>/tokenizer/`, else the base; when none has one the export holds the
 weights only (and says so). The export appears complete or not at all (written beside --out, then
@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 from data_builders.files import atomic_dir
 from models.build import DType
-from models.checkpoint import ADAPTER_CONFIG, BaseWeights, base_weights, load_checkpoint_model, run_dir_of
+from models.training.checkpoint import ADAPTER_CONFIG, BaseWeights, base_weights, load_checkpoint_model, run_dir_of
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

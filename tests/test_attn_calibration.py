@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
 
 from data_builders.probes import Layout, kv_probe, mdqa_probe, synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
-from models.attn_calibration import (
+from models.attention.attn_calibration import (
     AttnCalibrationConfig,
     Reference,
     Weighting,
@@ -22,8 +22,8 @@ from models.attn_calibration import (
     segment_attention,
     token_spans,
 )
+from models.attention.ms_poe import MsPoEConfig, ms_poe
 from models.build import Attention
-from models.ms_poe import MsPoEConfig, ms_poe
 from tests.test_ms_poe import PAD, VOCAB, tiny
 
 IDENTITY = AttnCalibrationConfig(layers="all", weighting="proportional", reference="zero")

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from analysis.checkpoints import CompareError, Target
 from analysis.compare import (
     Entry,
     JacobianProfiles,
@@ -21,10 +20,12 @@ from analysis.compare import (
     profiles_figure,
     short_labels,
 )
-from analysis.plots import plot_position_accuracy
-from analysis.positional_eval import NeedleProbeConfig, ProbeResult
-from analysis.prior import fit_alpha, prior_profile
-from analysis.topology import METRIC_KEYS
+from analysis.evaluation.checkpoints import CompareError, Target
+from analysis.evaluation.config import NeedleProbeConfig
+from analysis.evaluation.result import ProbeResult
+from analysis.measure.prior import fit_alpha, prior_profile
+from analysis.measure.topology import METRIC_KEYS
+from analysis.report.figures import plot_position_accuracy
 from data_builders.tokenizer import train_bpe_tokenizer
 from scripts import eval_checkpoint
 from tests.conftest import ROOT, TINY
@@ -234,9 +235,9 @@ def test_eval_checkpoint_rejects_bad_choices_before_loading(tmp_path, capsys, ar
 
 
 def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
-    from analysis.positional_eval import MDQAProbeConfig
-    from models.attn_calibration import AttnCalibrationConfig
-    from models.ms_poe import MsPoEConfig
+    from analysis.evaluation.config import MDQAProbeConfig
+    from models.attention.attn_calibration import AttnCalibrationConfig
+    from models.attention.ms_poe import MsPoEConfig
 
     ctxs = [{"title": f"title {k}", "text": f"text {k}", "isgold": k == 3} for k in range(6)]
     mdqa = tmp_path / "qa.jsonl"

@@ -12,14 +12,14 @@ from scipy import integrate, stats
 from torch.nn import functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from analysis.prior import prior_density
+from analysis.measure.prior import prior_density
 from data_builders.collate import BatchStream, collate, collate_packed
 from data_builders.config import DataConfig, DepthLaw, validate_data
 from data_builders.depth_prior import depth_prior
 from data_builders.in2 import offset_law
 from data_builders.needle_mix import retrieval_samples
 from data_builders.tokenizer import train_bpe_tokenizer
-from models.debias import (
+from models.training.debias import (
     DebiasConfig,
     DebiasObjective,
     GroupDRO,
@@ -28,7 +28,7 @@ from models.debias import (
     mean_one_clipped,
     sample_sums,
 )
-from models.loss import causal_lm_loss
+from models.training.loss import causal_lm_loss
 from tests.conftest import TINY
 from train import DistInfo, as_train_config, run, validate
 
@@ -246,7 +246,7 @@ def test_packed_and_padded_batches_give_the_same_sample_sums():
     padded = collate(rows, 0, depths=True)
     packed = collate_packed([rows[:3], rows[3:]], 64, 0, depths=True)
     assert torch.equal(padded["depths"], packed["depths"])
-    from models.loss import labelled_nll
+    from models.training.loss import labelled_nll
 
     sums = []
     for batch in (padded, packed):
@@ -310,7 +310,8 @@ def test_ramped_depth_law_starts_uniform_and_is_read_in_order(compose_cfg, tmp_p
 
 
 def test_retrieval_mix_never_uses_an_evaluation_item():
-    from analysis.positional_eval import EvalConfig, build_probes
+    from analysis.evaluation.config import EvalConfig
+    from analysis.evaluation.probes import build_probes
     from data_builders.needle_mix import protected_strings
     from data_builders.probes import synthetic_filler
 

@@ -23,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from models.diff_attention import (
+from models.attention.diff import (
     RETROFIT_WARMUP_STEPS,
     convert_to_diff_attention,
     diff_lambda_stats,
@@ -452,7 +452,7 @@ def test_lora_run_trains_the_new_maps_and_its_checkpoint_merges(tmp_path):
     base, and the checkpoint loads (ramp restored) and merges to what base + adapters compute."""
     from safetensors.torch import load_file
 
-    from models.checkpoint import load_checkpoint_model
+    from models.training.checkpoint import load_checkpoint_model
     from tests.conftest import TINY
     from train import compose_config, run
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-import models.distributed
+import models.training.distributed
 import train
 from models.build import build_model
-from models.distributed import DeepSpeedEngine, DistInfo
+from models.training.distributed import DistInfo
+from models.training.engines import DeepSpeedEngine
 from tests.conftest import TINY
 
 # No CUDA here: the meta device stands in for the engine's GPU. A CPU tensor handed to a collective
@@ -63,9 +64,9 @@ def test_the_other_collectives_run_on_the_engine_device(collectives):
     with pytest.raises(Collective):
         engine.forward_backward({"input_ids": torch.ones(1, 4, dtype=torch.long)})
     with pytest.raises(Collective):
-        models.distributed.any_rank(True, DEVICE)
+        models.training.distributed.any_rank(True, DEVICE)
     with pytest.raises(Collective):
-        models.distributed.broadcast_object("checkpoints/step-2", DEVICE)
+        models.training.distributed.broadcast_object("checkpoints/step-2", DEVICE)
     assert collectives == [DEVICE, DEVICE, DEVICE]
 
 
@@ -105,7 +106,7 @@ def test_the_main_process_builds_the_data_before_the_other_ranks_load_it(compose
     """Two ranks (threads sharing a barrier): rank 0 builds and caches, then rank 1 finds the cache."""
     monkeypatch.setenv("POSDEBIAS_CACHE", str(tmp_path / "cache"))
     cfg = train.as_train_config(compose_cfg(*TINY))
-    monkeypatch.setattr(models.distributed, "barrier", threading.Barrier(2, timeout=300).wait)
+    monkeypatch.setattr(models.training.distributed, "barrier", threading.Barrier(2, timeout=300).wait)
     events, real = [], train.build_datasets
 
     def recording(data_cfg, tokenizer=None):

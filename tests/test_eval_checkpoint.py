@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from analysis import positional_eval
-from analysis.checkpoints import resolve_target
-from analysis.positional_eval import ProbeResult
+from analysis.evaluation import generate as generation
+from analysis.evaluation.checkpoints import resolve_target
+from analysis.evaluation.result import ProbeResult
 from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
 from scripts import eval_checkpoint
@@ -70,7 +70,7 @@ def generate_calls(monkeypatch) -> list[dict]:
                       "dtype": model.dtype})
         return [""] * len(prompts)
 
-    monkeypatch.setattr(positional_eval, "greedy_generate", fake_generate)
+    monkeypatch.setattr(generation, "greedy_generate", fake_generate)
     return calls
 
 

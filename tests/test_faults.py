@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from analysis.jacobian import read_jacobian
-from models.checkpoint import atomic_checkpoint, list_checkpoints, resolve_checkpoint
-from models.distributed import TorchEngine
+from analysis.measure.jacobian import read_jacobian
+from models.training.checkpoint import atomic_checkpoint, list_checkpoints, resolve_checkpoint
+from models.training.engines import TorchEngine
 from tests.conftest import ROOT, TINY
 from train import run
 
@@ -126,7 +126,7 @@ def test_a_stop_requested_on_another_rank_stops_every_rank_after_the_same_step(c
 
 def test_rank_that_cannot_reach_the_others_fails_naming_itself(tmp_path):
     """Rank 0 of 2 waits for a rank that never comes: a timeout error naming the rank, not a hang."""
-    code = "from models.distributed import init_distributed; init_distributed(5)"
+    code = "from models.training.distributed import init_distributed; init_distributed(5)"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

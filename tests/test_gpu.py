@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from analysis.jacobian import jacobian_profile
+from analysis.measure.jacobian import jacobian_profile
+from models.attention.diff import convert_to_diff_attention
 from models.build import build_model
-from models.diff_attention import convert_to_diff_attention
-from models.distributed import all_mean
+from models.training.distributed import all_mean
 from tests.conftest import TINY
 from train import as_train_config, build_engine, run
 
@@ -76,7 +76,7 @@ def test_packed_rows_on_cuda_give_each_sample_its_unpacked_loss(kernel):
     if kernel == "flash_attention_2":
         pytest.importorskip("flash_attn", reason="flash-attn is not installed on this machine")
     from data_builders.collate import collate, collate_packed
-    from models.packed_attention import SDPA_PACKED
+    from models.attention.packed import SDPA_PACKED
 
     model = tiny_model().to("cuda", torch.bfloat16)
     model.set_attn_implementation(SDPA_PACKED if kernel == "sdpa_packed" else kernel)

@@ -1,7 +1,9 @@
 """The import graph: no cycles, and no lower layer importing a higher one.
 
-Layers, lowest first: data_builders < models < analysis < scripts, train. Every import statement of
-the project's own modules counts, also one inside a function (it is a dependency all the same).
+Layers, lowest first: data_builders < models < analysis < scripts, train; inside models, the attention
+surgery < model loading (models/*.py) < training infrastructure; inside analysis, measurement < evaluation <
+reports < the command-line reports on top (analysis/*.py). Every import statement of the project's own
+modules counts, also one inside a function (it is a dependency all the same).
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from tests.conftest import ROOT
 
 PACKAGES = ("data_builders", "models", "analysis", "scripts")
 LAYER = {"data_builders": 0, "models": 1, "analysis": 2, "scripts": 3, "train": 3}
+# Sub-packages, lowest first; a module directly in the package sits at the rank named by "".
+SUBLAYER = {"models": {"attention": 0, "": 1, "training": 2},
+            "analysis": {"measure": 0, "evaluation": 1, "report": 2, "": 3}}
 
 
 def project_modules() -> dict[str, ast.Module]:
@@ -75,11 +80,20 @@ def layer(module: str) -> int:
     return LAYER[module.split(".")[0]]
 
 
+def sublayer(module: str) -> tuple[str, int] | None:
+    """(package, rank) of a module of a layered package; None for the others."""
+    package, *rest = module.split(".")
+    ranks = SUBLAYER.get(package)
+    if ranks is None or not rest:
+        return None
+    return package, ranks.get(rest[0] if len(rest) > 1 else "", ranks[""])
+
+
 def test_the_walker_sees_a_cycle_and_an_upward_import():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    tree = ast.parse("def f():\n    from analysis.prior import prior_profile\n")
-    assert imports_of(tree, {"analysis", "analysis.prior"}) == {"analysis.prior"}
+    tree = ast.parse("def f():\n    from analysis.measure.prior import prior_profile\n")
+    assert imports_of(tree, {"analysis", "analysis.measure.prior"}) == {"analysis.measure.prior"}
 
 
 def test_no_import_cycle():
@@ -90,4 +104,18 @@ def test_no_import_cycle():
 def test_no_upward_import(package):
     upward = sorted(f"{module} imports {target}" for module, targets in import_graph().items()
                     if module.split(".")[0] == package for target in targets if layer(target) > layer(module))
+    assert upward == []
+
+
+def test_every_sub_package_has_a_rank():
+    for package, ranks in SUBLAYER.items():
+        folders = {p.name for p in (ROOT / package).iterdir() if (p / "__init__.py").is_file()}
+        assert folders == set(ranks) - {""}, f"{package}: give every sub-package a rank in SUBLAYER"
+
+
+@pytest.mark.parametrize("package", sorted(SUBLAYER))
+def test_no_upward_import_between_sub_packages(package):
+    upward = sorted(f"{module} imports {target}" for module, targets in import_graph().items()
+                    if module.split(".")[0] == package for target in targets
+                    if target.split(".")[0] == package and sublayer(target)[1] > sublayer(module)[1])
     assert upward == []

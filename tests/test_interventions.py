@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from analysis.interventions import Intervention, Spec, by_final_position, check_intervention
-from analysis.positional_eval import ProbeResult
+from analysis.evaluation.interventions import Intervention, Spec, by_final_position, check_intervention
+from analysis.evaluation.result import ProbeResult
 from data_builders.probes import Layout, Order, arrange_documents, arrangement, kv_probe, mdqa_probe
 
 # Written out from the reference's tests/test_prompting.py (nelson-liu/lost-in-the-middle), not read from it.

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 from torch import nn
 
-from analysis.jacobian import (
+from analysis.measure.jacobian import (
     Estimator,
     JacobianConfig,
     JacobianRecorder,
@@ -22,7 +22,7 @@ from analysis.jacobian import (
     measure_sets,
     read_jacobian,
 )
-from analysis.prior import fit_alpha, spearman
+from analysis.measure.prior import fit_alpha, spearman
 
 V = 128
 
@@ -67,7 +67,7 @@ def test_exact_matches_float64_full_jacobian(arch):
 def test_exact_matches_full_forward_for_cached_attention_variants(variant):
     """The profile's prefix-cache forward equals one full forward where the cache is least plain:
     a sliding window shorter than the sequence (the cache crops keys), V1's double-width values."""
-    from models.diff_attention import convert_to_diff_attention
+    from models.attention.diff import convert_to_diff_attention
 
     torch.manual_seed(0)
     if variant == "mistral_window":
@@ -332,7 +332,7 @@ def test_build_eval_sequences_short_L_is_one_chunk_and_errors():
 
 def test_build_eval_sequences_reuses_documents_with_a_warning(caplog):
     docs = docs_with_ids([40, 40, 40])
-    with caplog.at_level(logging.WARNING, logger="analysis.jacobian"):
+    with caplog.at_level(logging.WARNING, logger="analysis.measure.jacobian"):
         seqs = build_eval_sequences(docs, 20, n_vanilla=1, n_chunked=2, chunk_len=10)
     assert "documents repeat" in caplog.text
     for row in seqs["chunked"]:

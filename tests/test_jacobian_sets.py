@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from analysis.jacobian import ChunkedSource, JacobianConfig, build_eval_sequences
+from analysis.measure.jacobian import ChunkedSource, JacobianConfig, build_eval_sequences
 from data_builders.build import build_datasets
 from data_builders.config import DataConfig, DataFormat, WindowsConfig
-from models.distributed import DistInfo
+from models.training.distributed import DistInfo
 from tests.conftest import TINY
 from train import as_train_config, jacobian_sequences, run, validate
 

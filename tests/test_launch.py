@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-import models.distributed
+import models.training.distributed
 import train
-from models.checkpoint import resolve_checkpoint
-from models.distributed import DistInfo, dist_info
+from models.training.checkpoint import resolve_checkpoint
+from models.training.distributed import DistInfo, dist_info
 from tests.conftest import TINY
 
 LAUNCH_VARS = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_PROCID", "SLURM_LOCALID",
@@ -60,12 +60,12 @@ def test_srun_without_a_launcher_maps_slurm_variables(launch_env, monkeypatch):
                SLURM_STEP_NUM_TASKS="8", SLURM_STEP_NODELIST="gpu-a[007-008,010],gpu-b3", SLURM_JOB_NODELIST="x")
     assert dist_info() == DistInfo(rank=5, world_size=8, local_rank=1)
     expected = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu-a007", "MASTER_PORT": "18456"}
-    assert models.distributed.slurm_env() == expected
+    assert models.training.distributed.slurm_env() == expected
     # init_distributed exports them for deepspeed / torch.distributed, which read the environment.
     import deepspeed
 
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: None)
-    models.distributed.init_distributed(5)
+    models.training.distributed.init_distributed(5)
     assert {k: os.environ[k] for k in expected} == expected
 
 
@@ -75,7 +75,7 @@ def test_srun_without_a_launcher_maps_slurm_variables(launch_env, monkeypatch):
 ])
 def test_slurm_variables_are_left_alone_outside_an_srun_task(launch_env, env):
     launch_env(**env)
-    assert models.distributed.slurm_env() == {}
+    assert models.training.distributed.slurm_env() == {}
     assert dist_info() == DistInfo(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)))
 
 
@@ -84,7 +84,7 @@ def test_slurm_variables_are_left_alone_outside_an_srun_task(launch_env, env):
     ("rack[1-2]-n[07-08]", "rack1-n07"), ("a[12,3]", "a12"),
 ])
 def test_first_host_of_a_slurm_node_list(nodelist, first):
-    assert models.distributed.first_host(nodelist) == first
+    assert models.training.distributed.first_host(nodelist) == first
 
 
 def test_resume_auto_continues_the_newest_run_of_the_experiment(compose_cfg, tmp_path, caplog):

@@ -1,4 +1,4 @@
-"""models.loss: the loss without full logits equals the full-logits loss, value and gradients (fp64)."""
+"""models.training.loss: the loss without full logits equals the full-logits loss, value and gradients (fp64)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from models.loss import IGNORE, causal_lm_loss
+from models.training.loss import IGNORE, causal_lm_loss
 
 VOCAB = 300
 

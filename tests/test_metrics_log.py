@@ -8,7 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from analysis.metrics_log import (
+from analysis.measure.prior import log10_profile, prior_profile, scaled_prior
+from analysis.report.metrics_log import (
     CHART_POINTS,
     WANDB_RUN_FILE,
     LoggerConfig,
@@ -21,7 +22,6 @@ from analysis.metrics_log import (
     resolve_mode,
     run_names,
 )
-from analysis.prior import log10_profile, prior_profile, scaled_prior
 
 H = 6
 

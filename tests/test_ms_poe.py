@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
 
-import models.ms_poe as ms_poe_module
+import models.attention.ms_poe as ms_poe_module
+from models.attention.ms_poe import MsPoEConfig, assign_ratios, check_ms_poe, ms_poe, ratio_table
 from models.build import Attention, AttnImplementation, ModelConfig, build_model
-from models.ms_poe import MsPoEConfig, assign_ratios, check_ms_poe, ms_poe, ratio_table
 
 VOCAB, L, PAD = 97, 14, 0
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8

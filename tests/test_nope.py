@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from models.attention.nope import NOPE_KEY, NoRotaryEmbedding
 from models.build import Attention, AttnImplementation, ModelConfig, build_model, differs_from_pretrained
-from models.checkpoint import load_checkpoint_model
-from models.nope import NOPE_KEY, NoRotaryEmbedding
+from models.training.checkpoint import load_checkpoint_model
 from tests.conftest import TINY
 from train import run
 

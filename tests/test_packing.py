@@ -6,9 +6,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from data_builders.collate import BatchStream, collate, collate_packed, pack_in_order
-from models.diff_attention import convert_to_diff_attention
-from models.loss import IGNORE, causal_lm_loss
-from models.packed_attention import SDPA_PACKED
+from models.attention.diff import convert_to_diff_attention
+from models.attention.packed import SDPA_PACKED
+from models.training.loss import IGNORE, causal_lm_loss
 
 VOCAB = 200
 
@@ -121,7 +121,7 @@ def test_a_pack_len_below_the_sample_budget_fails_at_start_up():
 def test_packed_sdpa_attends_sample_by_sample_and_masks_padded_batches(monkeypatch):
     """`sdpa_packed` runs causal SDPA on each sample of a packed row (no L x L mask), and is plain SDPA,
     mask and all, on a padded batch."""
-    import models.packed_attention as packed_attention
+    import models.attention.packed as packed_attention
 
     calls = []
     sdpa = packed_attention.sdpa_attention_forward

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from analysis.jacobian import JacobianRecorder, ProfileResult
-from analysis.plots import (
+from analysis.evaluation.result import ProbeResult
+from analysis.measure.jacobian import JacobianRecorder, ProfileResult
+from analysis.measure.prior import fit_alpha, prior_profile
+from analysis.report.figures import (
     MAX_LINES,
     depth_accuracy_figure,
     evolution_figure,
@@ -24,8 +26,6 @@ from analysis.plots import (
     position_accuracy_figure,
     profile_vs_prior_figure,
 )
-from analysis.positional_eval import ProbeResult
-from analysis.prior import fit_alpha, prior_profile
 
 H, L = 6, 64
 STEPS = [0, 10, 20, 50]

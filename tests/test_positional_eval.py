@@ -9,22 +9,10 @@ from omegaconf.errors import ValidationError
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from analysis.positional_eval import (
-    METRICS,
-    EvalConfig,
-    FirstLineComplete,
-    NeedleProbeConfig,
-    Probe,
-    ProbeResult,
-    build_probes,
-    encode_prompt,
-    evaluate_in2,
-    evaluate_probes,
-    greedy_generate,
-    model_generate_fn,
-    run_probe,
-    write_eval_json,
-)
+from analysis.evaluation.config import METRICS, EvalConfig, NeedleProbeConfig, Probe
+from analysis.evaluation.generate import FirstLineComplete, encode_prompt, greedy_generate, model_generate_fn
+from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes, run_probe
+from analysis.evaluation.result import ProbeResult, write_eval_json
 from data_builders.probes import KV_FILE, NQ_FILE, ProbeItem, in2_probe, kv_probe, mdqa_probe
 from tests.conftest import SHARED_DATA, shared_data_file
 

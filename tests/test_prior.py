@@ -13,7 +13,7 @@ import pytest
 from scipy.integrate import quad
 from scipy.stats import spearmanr
 
-from analysis.prior import (
+from analysis.measure.prior import (
     FLOOR_REL,
     PriorFit,
     alpha_from_gain,
@@ -385,7 +385,7 @@ def test_fit_alpha_mixture_basis_matches_rollout(L, H):
     """fit_alpha combines cached last rows of M^r; the reference is the rollout of N, one a at a time."""
     from scipy.optimize import minimize_scalar
 
-    from analysis.prior import _cesaro_last_rows, _mixture_weights, _schedule
+    from analysis.measure.prior import _cesaro_last_rows, _mixture_weights, _schedule
 
     for a in (0.0, 0.013, 0.5, 0.97, 1.0):
         combined = _mixture_weights(_schedule(H, a)) @ _cesaro_last_rows(L, H)
@@ -568,7 +568,7 @@ def test_cli_writes_csv_and_png(tmp_path, capsys):
 def test_cli_rejects_bad_alpha_and_runs_as_module(tmp_path):
     with pytest.raises(SystemExit):
         main(["--alpha", "2", "--out", str(tmp_path)])
-    done = subprocess.run([sys.executable, "-m", "analysis.prior", "--help"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "analysis.measure.prior", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--alpha" in done.stdout
 
 

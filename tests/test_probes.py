@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from analysis.scoring import normalize_answer
+from analysis.evaluation.scoring import normalize_answer
 from data_builders.probes import (
     KV_FILE,
     NQ_FILE,

@@ -22,15 +22,9 @@ from pathlib import Path
 import pytest
 from bm25s.stopwords import STOPWORDS_EN
 
-from analysis.positional_eval import (
-    METRICS,
-    EvalConfig,
-    KVProbeConfig,
-    MDQAProbeConfig,
-    build_probes,
-    probe_settings,
-    run_probe,
-)
+from analysis.evaluation.comparability import probe_settings
+from analysis.evaluation.config import METRICS, EvalConfig, KVProbeConfig, MDQAProbeConfig
+from analysis.evaluation.probes import build_probes, run_probe
 from data_builders.mdqa import build_mdqa_records, contains_answer, write_jsonl_gz
 from data_builders.probes import (
     KV_FILE,

@@ -8,25 +8,11 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from analysis.prior import spearman, w1_distance
-from analysis.rollout import (
-    FIXED_RESIDUAL,
-    RolloutVariant,
-    capture,
-    decoder_layers,
-    rollout_metrics,
-    rollouts,
-)
-from models.diff_attention import convert_to_diff_attention
+from analysis.measure.prior import spearman, w1_distance
+from analysis.measure.rollout import FIXED_RESIDUAL, RolloutVariant, capture, decoder_layers, rollout_metrics, rollouts
+from models.attention.diff import convert_to_diff_attention
 
 L, VOCAB = 16, 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -193,8 +179,8 @@ def test_rollout_study_reports_every_predictor_for_both_models(compose_cfg, tmp_
 def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_path):
     import json
 
-    from analysis.jacobian import read_jacobian
-    from analysis.rollout import ROLLOUT_FILE, ROLLOUT_METRICS, mean_rollout, record_name, rollout_metrics
+    from analysis.measure.jacobian import read_jacobian
+    from analysis.measure.rollout import ROLLOUT_FILE, ROLLOUT_METRICS, mean_rollout, record_name, rollout_metrics
     from tests.conftest import TINY
     from train import run
 
@@ -223,7 +209,7 @@ def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_p
 
 
 def test_study_curves_keep_the_jacobian_apart_from_the_measured_lambda_rollout():
-    from analysis.jacobian import Estimator, JacobianConfig, measure_sets
+    from analysis.measure.jacobian import Estimator, JacobianConfig, measure_sets
     from analysis.rollout_study import JACOBIAN, PRIOR_ROW, study_model
 
     model, seqs = tiny("qwen2").float(), {"vanilla": ids()}

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from analysis.metrics_log import read_metrics
-from analysis.positional_eval import ProbeResult
-from analysis.run_summary import run_summary
+from analysis.evaluation.result import ProbeResult
+from analysis.report.metrics_log import read_metrics
+from analysis.report.run_summary import run_summary
 from analysis.study import fairness
 from tests.conftest import ROOT, TINY
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import regex
 
-from analysis.scoring import (
+from analysis.evaluation.scoring import (
     best_subspan_em,
     bootstrap_ci,
     exact_match,

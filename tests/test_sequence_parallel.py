@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data_builders.collate import collate
-from models.sequence_parallel import IGNORE, shard
+from models.training.sequence_parallel import IGNORE, shard
 from tests.conftest import TINY
 from train import run
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.positional_eval import ProbeResult
-from analysis.scoring import paired_bootstrap_ci
+from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.scoring import paired_bootstrap_ci
 from analysis.study import (
     FAIRNESS_METRICS,
     StudyError,

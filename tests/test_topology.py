@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from analysis.prior import prior_profile
-from analysis.topology import METRIC_KEYS, prefixed, topology_metrics
+from analysis.measure.prior import prior_profile
+from analysis.measure.topology import METRIC_KEYS, prefixed, topology_metrics
 
 KEYS = {
     "valley/peak_to_trough_log10",

@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.distributed import DistInfo
+from models.training.distributed import DistInfo
 from tests.conftest import CONF_DIR, ROOT, TINY
 from train import TrainConfig, as_train_config, compose_config, run, validate
 
@@ -342,7 +342,7 @@ def test_jacobian_scalars_are_logged_at_the_step_jacobian_npz_records(compose_cf
     """Step s means the weights after s updates, in metrics.jsonl as in jacobian.npz (once per step)."""
     import numpy as np
 
-    from analysis.topology import prefixed, topology_metrics
+    from analysis.measure.topology import prefixed, topology_metrics
 
     run(compose_cfg(*TINY, "trainer.max_steps=2", "jacobian=hutchinson", "jacobian.seq_len=64",
                     "jacobian.chunk_len=32", "jacobian.num_probes=2"), tmp_path)

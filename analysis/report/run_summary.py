@@ -15,10 +15,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from analysis.compare import markdown_table
-from analysis.metrics_log import read_metrics
-from analysis.positional_eval import ProbeResult
+from analysis.evaluation.result import ProbeResult
+from analysis.report.metrics_log import read_metrics
 from analysis.study import eval_files, fairness
-from models.checkpoint import list_checkpoints
+from models.training.checkpoint import list_checkpoints
 
 SUMMARY_FILE = "summary.md"
 # Per measured set: the valley's depth and width, the prior's fit, and the best rollout's fit.

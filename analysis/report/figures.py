@@ -20,11 +20,11 @@ from matplotlib.colors import Colormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 
-from analysis.jacobian import read_jacobian
-from analysis.prior import fit_alpha, log10_profile, scaled_prior
+from analysis.measure.jacobian import read_jacobian
+from analysis.measure.prior import fit_alpha, log10_profile, scaled_prior
 
 if TYPE_CHECKING:
-    from analysis.positional_eval import ProbeResult
+    from analysis.evaluation.result import ProbeResult
 
 MAX_LINES = 128  # evolution plots draw at most this many steps, evenly spaced, first and last included
 RHO_LABEL = r"$\rho(j) = \|\partial\, \mathrm{target} / \partial e_j\|$"
@@ -90,7 +90,7 @@ def profile_vs_prior_figure(
 ) -> Figure:
     """A profile (L,) against its best-fitting Cesàro prior with a free scale, raw and anchored.
 
-    `rollouts` (name -> (L,)): attention rollouts from the model (`analysis.rollout`), drawn like the
+    `rollouts` (name -> (L,)): attention rollouts from the model (`analysis.measure.rollout`), drawn like the
     prior, each on the profile's scale by its own least-squares log10 offset.
     """
     profile = np.asarray(profile, dtype=np.float64)

@@ -22,12 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.positional_eval import EvalConfig, ProbeResult, build_probes, evaluate_probes
+from analysis.evaluation.config import EvalConfig
+from analysis.evaluation.probes import build_probes, evaluate_probes
+from analysis.evaluation.result import ProbeResult
 from data_builders.build import build_datasets
 from data_builders.probes import ProbeItem, in2_probe
-from models.attn_calibration import AttnCalibration
+from models.attention.attn_calibration import AttnCalibration
 from models.build import DType
-from models.checkpoint import (
+from models.training.checkpoint import (
     STEP_DIR,
     TRAINER_STATE,
     checkpoint_config,
@@ -35,7 +37,7 @@ from models.checkpoint import (
     load_checkpoint_model,
     run_dir_of,
 )
-from models.distributed import resolve_device
+from models.training.distributed import resolve_device
 from models.wheel_models import WheelModelError, is_wheel_model, local_pretrained
 
 
@@ -253,6 +255,6 @@ def answer_probes(
 
     `cfg.chat_template`: text prompts (kv, mdqa, needle) go through the tokenizer's chat template as one
     user turn; token-id prompts (in2) are always used as they are. `calibration`: an installed attention
-    calibration (`analysis.interventions.model_intervention`) the answers are made with.
+    calibration (`analysis.evaluation.interventions.model_intervention`) the answers are made with.
     """
     return evaluate_probes(model, tokenizer, probes, cfg, calibration)[1]

@@ -77,7 +77,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from models.nope import is_nope
+from models.attention.nope import is_nope
 
 ARCHS = ("qwen2", "llama", "mistral")
 HEAD_TYPES = ("outlier", "normal")

@@ -578,7 +578,7 @@ def _plot(path: Path, x: np.ndarray, p: np.ndarray, title: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m analysis.prior",
+        prog="python -m analysis.measure.prior",
         description="Write the closed-form Cesàro prior p(j) = (N^H)[L, j] as CSV and a log-scale PNG.",
     )
     parser.add_argument("--L", type=int, default=2048, help="sequence length (default 2048)")

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from data_builders.files import atomic_file
-from models.loss import unwrap
+from models.training.loss import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class JacobianConfig:
     plot_every: int = 50  # with wandb on: redraw plots/jacobian_heatmap_<set>.png and log it every N measured steps
     chart_every: int = 1  # wandb line chart of the profile every N measured steps (~0.1 s each on CPU)
     seed: int = 0  # probe generator seed; the same probes at every step (common random numbers)
-    # Also the attention rollouts of the measured sequences (analysis.rollout): rollout/<set>/<variant>/*
+    # Also the attention rollouts of the measured sequences (analysis.measure.rollout): rollout/<set>/<variant>/*
     # against the measured profile, every measured step, and rollout.npz beside jacobian.npz.
     rollout: bool = True
 

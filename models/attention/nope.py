@@ -9,7 +9,7 @@ rotation the identity: attention scores are plain q·k, and nothing in the model
 
 The switch travels with the weights: `disable_rope` sets `config.nope = True`, which `save_pretrained`
 writes to config.json, and this project's loaders (`models.build.build_model` with
-`model.pretrained`, `models.checkpoint.load_checkpoint_model`, hence training resume,
+`model.pretrained`, `models.training.checkpoint.load_checkpoint_model`, hence training resume,
 scripts.eval_checkpoint, analysis.compare and scripts.merge_lora) disable RoPE again when they see it.
 A plain `AutoModelForCausalLM.from_pretrained` outside this project ignores the key and would run the
 weights with RoPE.

@@ -10,7 +10,7 @@ the wandb keys of the design; `prefixed` inserts the evaluation set, e.g. ``vall
 
 import numpy as np
 
-from analysis.prior import FLOOR_REL, anchor_mass, fit_alpha, fit_alpha_w1, log10_profile, prior_profile
+from analysis.measure.prior import FLOOR_REL, anchor_mass, fit_alpha, fit_alpha_w1, log10_profile, prior_profile
 
 METRIC_KEYS = (
     "valley/peak_to_trough_log10",
@@ -98,9 +98,9 @@ def topology_metrics(profile, H) -> dict:
       sags negative, a bulge) it is the band end nearest the chord. The depths above keep using the
       minimum, not this point;
     - ``valley/middle_mass`` = sum of rho over ``band(L, 25, 75)`` / sum of rho;
-    - ``valley/anchor_mass`` = rho[L-1] / sum of rho (`analysis.prior.anchor_mass`);
+    - ``valley/anchor_mass`` = rho[L-1] / sum of rho (`analysis.measure.prior.anchor_mass`);
     - ``prior/alpha``, ``prior/rmse_log10``, ``prior/spearman``, ``prior/w1_logfit``: the fields alpha,
-      rmse_log10, spearman and w1 of `analysis.prior.fit_alpha` (log-space least squares with a free
+      rmse_log10, spearman and w1 of `analysis.measure.prior.fit_alpha` (log-space least squares with a free
       scale). That fit weighs every position alike, so it hardly sees the prior's ``(1-a)^H`` of mass on
       the last token, which can carry most of the W1 at its a. ``prior/spearman`` ranks rho against the
       prior at that a, but the prior falls with j over positions 1..L-1 in the same order for every
@@ -108,7 +108,7 @@ def topology_metrics(profile, H) -> dict:
       monotone rho is, and cannot tell one a from another;
     - ``prior/alpha_w1``, ``prior/w1``: the a in [0, 1] minimising the 1-Wasserstein distance between
       rho/sum(rho) and the prior over x = (j-1)/(L-1), and that distance
-      (`analysis.prior.fit_alpha_w1`, the log-fit a also tried, so ``prior/w1 <= prior/w1_logfit``);
+      (`analysis.measure.prior.fit_alpha_w1`, the log-fit a also tried, so ``prior/w1 <= prior/w1_logfit``);
       the reading of the paper's "W = 0.02" most comparable with it;
     - ``prior/anchor_mass`` = the prior's share on the last token at ``prior/alpha``, to set against
       ``valley/anchor_mass``.

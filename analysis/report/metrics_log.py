@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from analysis.prior import log10_profile, scaled_prior
+from analysis.measure.prior import log10_profile, scaled_prior
 from data_builders.files import atomic_write_text
 
 CHART_POINTS = 128  # positions per curve in the wandb profile chart (jacobian.npz keeps all L)
@@ -276,10 +276,10 @@ def profile_charts(
     rollouts: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None,
 ) -> dict[str, Any]:
     """wandb line charts ``jacobian/<set>/profile``: each set's mean profile (L,), its scaled prior and its
-    rollouts (``rollouts[set][variant]``, (L,), `analysis.rollout.mean_rollout`), log10.
+    rollouts (``rollouts[set][variant]``, (L,), `analysis.measure.rollout.mean_rollout`), log10.
 
     ``alphas[set]`` is the prior's residual weight (the fit `topology_metrics` logged), scaled onto the
-    profile by `analysis.prior.scaled_prior`; each rollout is scaled by its own mean log10 offset. At most
+    profile by `analysis.measure.prior.scaled_prior`; each rollout is scaled by its own mean log10 offset. At most
     CHART_POINTS positions are drawn, both ends kept.
     """
     import wandb  # optional heavy dependency: imported only when a run logs to it

@@ -26,9 +26,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from data_builders.files import fsync_tree, publish_dir
+from models.attention.diff import DiffAttentionMixin, set_diff_step
+from models.attention.nope import disable_rope, is_nope
 from models.build import DType
-from models.diff_attention import DiffAttentionMixin, set_diff_step  # registers the diff model types
-from models.nope import disable_rope, is_nope
 from models.wheel_models import local_pretrained
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from analysis.jacobian import eval_mode
-from analysis.prior import log10_profile, rollout, spearman, w1_distance
-from models.loss import unwrap
+from analysis.measure.jacobian import eval_mode
+from analysis.measure.prior import log10_profile, rollout, spearman, w1_distance
+from models.training.loss import unwrap
 
 FIXED_RESIDUAL = 0.5  # the fixed-residual baseline's λ
 

@@ -36,7 +36,7 @@ import torch
 
 from data_builders.depth_prior import depth_prior
 from data_builders.probes import bin_label
-from models.loss import labelled_nll
+from models.training.loss import labelled_nll
 
 ALPHA_KEYS = ("prior/vanilla/alpha", "prior/chunked/alpha")  # the fitted alpha depth_weight follows, first found
 
@@ -201,7 +201,7 @@ class GroupDRO:
 
 class DebiasObjective:
     """The training loss of `debias.objective`: called by the engine on each micro-batch like
-    `models.loss.causal_lm_loss(model, batch, device)`; batches carry `sample_ids` and `depths`."""
+    `models.training.loss.causal_lm_loss(model, batch, device)`; batches carry `sample_ids` and `depths`."""
 
     def __init__(self, cfg: DebiasConfig, layers: int, all_sum: Callable[[torch.Tensor], torch.Tensor]):
         self.cfg, self.layers, self.all_sum = cfg, layers, all_sum

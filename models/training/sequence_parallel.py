@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from models.loss import IGNORE
+from models.training.loss import IGNORE
 
 
 def shard(batch: dict[str, torch.Tensor], rank: int, size: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -9,11 +9,11 @@
 - `query_aware`: Liu et al.'s query-aware contextualization, the question (or key) before the documents
   (or pairs) too, with the reference's prompt text (templates `*_query_aware.txt`).
 - `ms_poe`: Multi-scale Positional Encoding (Zhang et al. 2024), per-head RoPE position compression
-  (`models.ms_poe`).
+  (`models.attention.ms_poe`).
 - `attn_calibration`: found-in-the-middle attention calibration (Hsieh et al. 2024): each document's (kv: each
   pair's) attention minus that of a dummy document at its position, and the attention after the documents
   redistributed among them by that calibrated relevance, total document attention kept
-  (`models.attn_calibration`).
+  (`models.attention.attn_calibration`).
 
 Positions of reordered or truncated mdqa items stay the gold's rank, so their curves pair with the
 un-intervened ones; each outcome keeps its final position (`extra["final_position"]`).
@@ -29,17 +29,18 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.positional_eval import EvalConfig, ProbeResult
-from analysis.scoring import paired_bootstrap_ci
+from analysis.evaluation.config import EvalConfig
+from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.scoring import paired_bootstrap_ci
 from data_builders.probes import Order
-from models.attn_calibration import (
+from models.attention.attn_calibration import (
     AttnCalibration,
     AttnCalibrationConfig,
     attn_calibration,
     check_attn_calibration,
 )
-from models.attn_calibration import resolve_layers as resolve_calibrated_layers
-from models.ms_poe import MsPoEConfig, check_ms_poe, ms_poe, resolve_layers
+from models.attention.attn_calibration import resolve_layers as resolve_calibrated_layers
+from models.attention.ms_poe import MsPoEConfig, check_ms_poe, ms_poe, resolve_layers
 
 
 class Intervention(StrEnum):

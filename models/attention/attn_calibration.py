@@ -55,7 +55,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from models.ms_poe import attention_window, check_patchable_attention, chosen_indices, patched_forwards
+from models.attention.ms_poe import attention_window, check_patchable_attention, chosen_indices, patched_forwards
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # kernels whose 4D (or absent, causal) masks the recomputed rows read
 

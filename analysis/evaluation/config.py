@@ -1,0 +1,173 @@
+"""What a position-wise evaluation asks: the probes, their settings and metrics (`eval.*` of a run).
+
+`EvalConfig` is the `eval` config group; `KVProbeConfig`, `MDQAProbeConfig` and `NeedleProbeConfig` its
+probes' sections. `probe_budget`, `probe_metric` and `probe_source` say what each probe generates, how it
+is scored and which file it reads; `check_probe_files` fails at start-up on a missing file, naming its key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from analysis.evaluation.scoring import best_subspan_em, exact_match, first_line, substring_match, whole_word_subspan_em
+from data_builders.mdqa import Distractors
+from data_builders.probes import KV_FILE, NQ_FILE, Order, expand_paths
+
+Scorer = Callable[[str, Sequence[str]], float]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A scorer under the name its numbers are reported with, and where its definition comes from."""
+
+    name: str
+    score: Scorer
+    definition: str
+
+
+def _qa_best_subspan_em(prediction: str, answers: Sequence[str]) -> float:
+    return best_subspan_em(first_line(prediction), answers)
+
+
+def _qa_whole_word_subspan_em(prediction: str, answers: Sequence[str]) -> float:
+    return whole_word_subspan_em(first_line(prediction), answers)
+
+
+METRICS = {
+    m.name: m
+    for m in (
+        Metric("substring_match", substring_match,
+               "the answer occurs in the whole generation, ignoring case (the reference's kv scorer, "
+               "scripts/evaluate_kv_responses.py)"),
+        Metric("best_subspan_em", _qa_best_subspan_em,
+               "a SQuAD-normalized answer is a substring of the normalized first line of the stripped "
+               "generation (the reference's QA metric, lost_in_the_middle.metrics.best_subspan_em)"),
+        Metric("whole_word_subspan_em", _qa_whole_word_subspan_em,
+               "a normalized answer is a run of whole words of the normalized first line (stricter than "
+               "the reference's best_subspan_em: not comparable with published numbers)"),
+        Metric("exact_match", exact_match,
+               "the first line of the generation normalizes to an answer (IN2 questions, trained to answer alone)"),
+    )
+}
+
+
+class Probe(StrEnum):
+    kv = "kv"  # key-value retrieval (Liu et al. 2023): the gold pair's index
+    mdqa = "mdqa"  # multi-document QA over NQ (needs data_dir or eval.mdqa.path): the gold document's index
+    needle = "needle"  # a code hidden at a depth of filler text, per context length
+
+
+class QAMetric(StrEnum):
+    best_subspan_em = "best_subspan_em"  # the reference's metric (default): comparable with published curves
+    whole_word_subspan_em = "whole_word_subspan_em"  # whole-word variant, stricter
+
+
+@dataclass
+class KVProbeConfig:
+    # Records with ordered_kv_records / key / value, any pair count (the reference's 75-, 140-, 300-key
+    # files); None = <data_dir>/kv-retrieval-75_keys.jsonl.gz, or synthetic UUID pairs without data_dir.
+    path: Optional[str] = None
+    n_pairs: Optional[int] = None  # pairs per prompt; None = every pair of the file's records (75 synthetic)
+    positions: Optional[list[int]] = None  # gold pair indices; None = the reference's for that pair count
+    max_new_tokens: int = 100  # the reference's budget; the value is looked for in the whole generation
+    query_aware: bool = False  # the key before the JSON data too (the reference's query-aware prompt)
+
+
+@dataclass
+class MDQAProbeConfig:
+    # An oracle file (one passage per question: distractors are added) or files in the reference format
+    # (ctxs with isgold, asked as they are; a glob for several); None = <data_dir>/nq-open-oracle.jsonl.gz.
+    path: Optional[str] = None
+    n_docs: Optional[int] = None  # documents per prompt; None = 20 from an oracle file, else the file's own
+    positions: Optional[list[int]] = None  # gold indices (oracle files); None = the reference's for n_docs
+    distractors: Distractors = Distractors.retrieved  # retrieved: BM25, the reference's recipe; random: easier
+    pool: Optional[str] = None  # JSONL passages to retrieve distractors from; None = the oracle file's own
+    closed_book: bool = True  # also ask each question without documents (the no-context baseline)
+    metric: QAMetric = QAMetric.best_subspan_em
+    max_new_tokens: int = 100  # the reference's budget; the first line of the answer is scored
+    query_aware: bool = False  # the question before the documents too (the reference's query-aware prompt)
+    # Inference-time interventions on the ranked documents (the file's order; the gold ranks where it sits):
+    # keep the top `keep`, lay them out by `order` (descending, ascending, outside_in). Positions stay the
+    # gold's rank; each outcome's extra["final_position"] says where it ended (-1: truncated away).
+    order: Optional[Order] = None
+    keep: Optional[int] = None
+
+
+@dataclass
+class NeedleProbeConfig:
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])  # context lengths in tokens (grid rows)
+    depths: list[float] = field(default_factory=lambda: [round(0.1 * k, 1) for k in range(11)])  # 0 = first
+    max_new_tokens: int = 16  # a 5-digit code after the prompt's "is"
+
+
+@dataclass
+class EvalConfig:
+    every: int = 50  # held-out loss every N steps (0 = off)
+    num_examples: int = 200  # held-out IN2 questions scored for accuracy by depth (at start and end)
+    bins: int = 10  # equal-width gold-depth bins of the IN2 accuracy curve
+    max_new_tokens: int = 8  # greedy answer length of IN2 questions, in tokens
+    batch_size: int = 16  # prompts per generate call
+    # Padded prompt tokens per generate call: long prompts go in smaller batches (attention memory grows
+    # with batch x length^2: 16 kv prompts of 140 pairs would need tens of GB on a CPU).
+    batch_tokens: int = 16384
+    probes: list[Probe] = field(default_factory=list)  # extra probes every probe_every steps
+    probe_every: int = 0  # steps between probe runs (0 = off)
+    probe_examples: int = 20  # queries per probe; each is asked once per gold position
+    data_dir: Optional[str] = None  # folder of the kv / nq files; None = synthetic kv and filler, no mdqa
+    chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
+    kv: KVProbeConfig = field(default_factory=KVProbeConfig)
+    mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)
+    needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)
+
+
+def probe_source(name: str, cfg: EvalConfig) -> Path | None:
+    """The file (or glob) a kv or mdqa probe reads: its `path`, else the data_dir file; None = synthetic kv
+    (mdqa then has nothing to ask)."""
+    probe_cfg = cfg.kv if name == Probe.kv else cfg.mdqa
+    if probe_cfg.path is not None:
+        return Path(probe_cfg.path).expanduser()
+    if cfg.data_dir is None:
+        return None
+    return Path(cfg.data_dir) / (KV_FILE if name == Probe.kv else NQ_FILE)
+
+
+def check_probe_files(cfg: EvalConfig, prefix: str = "eval.") -> None:
+    """Fail before a model is loaded when a file a requested probe reads is missing, naming its key."""
+    wanted = set(map(Probe, cfg.probes))
+    files = [(f"{name}.path" if getattr(cfg, name).path else "data_dir", probe_source(name, cfg))
+             for name in (Probe.kv, Probe.mdqa) if name in wanted]
+    if Probe.mdqa in wanted:
+        files.append(("mdqa.pool", cfg.mdqa.pool))
+    if Probe.needle in wanted and cfg.data_dir is not None:
+        files.append(("data_dir", Path(cfg.data_dir) / NQ_FILE))
+    for key, path in files:
+        if path is None:
+            continue
+        try:
+            missing = [f for f in expand_paths(Path(path).expanduser()) if not f.is_file()]
+        except FileNotFoundError:
+            missing = [path]
+        if missing:
+            value = cfg.data_dir if key == "data_dir" else path
+            raise FileNotFoundError(f"{prefix}{key}={value}: {missing[0]} is not a file")
+
+
+def probe_budget(name: str, cfg: EvalConfig) -> int:
+    """Greedy new-token budget of a probe: its own `max_new_tokens` (in2: `cfg.max_new_tokens`)."""
+    return cfg.max_new_tokens if name == "in2" else getattr(cfg, name).max_new_tokens
+
+
+def with_budget(cfg: EvalConfig, max_new_tokens: int) -> EvalConfig:
+    """A copy of `cfg` in which every probe generates up to `max_new_tokens` (a quick look, not comparable)."""
+    return replace(cfg, max_new_tokens=max_new_tokens, kv=replace(cfg.kv, max_new_tokens=max_new_tokens),
+                   mdqa=replace(cfg.mdqa, max_new_tokens=max_new_tokens),
+                   needle=replace(cfg.needle, max_new_tokens=max_new_tokens))
+
+
+def probe_metric(name: str, cfg: EvalConfig) -> Metric:
+    """The metric a probe is scored with: substring_match (kv, needle), eval.mdqa.metric, exact_match (in2)."""
+    if name == "mdqa":
+        return METRICS[str(cfg.mdqa.metric)]
+    return METRICS["exact_match" if name == "in2" else "substring_match"]

@@ -1,0 +1,157 @@
+"""Greedy answers from a Hugging Face model: batched by prompt tokens, left-padded, stopped at the first
+complete line when only that is scored; optional chat-template prompts and attention calibration."""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
+
+from data_builders.probes import ProbeItem
+
+if TYPE_CHECKING:
+    from models.attention.attn_calibration import AttnCalibration
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[[Sequence[ProbeItem]], list[str]]
+
+
+BatchContext = Callable[[Sequence[int], int], ContextManager]
+
+
+class FirstLineComplete(StoppingCriteria):
+    """Done for the rows whose new text has a newline after its first non-blank character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_width: int) -> None:
+        self.tokenizer, self.prompt_width = tokenizer, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width :], skip_special_tokens=True)
+        return torch.tensor(["\n" in t.lstrip() for t in texts], dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    progress: bool = True,
+    first_line_only: bool = False,
+    batch_tokens: int | None = None,
+    batch_context: BatchContext | None = None,
+) -> list[str]:
+    """Greedy continuations of token-id prompts, decoded without special tokens, in prompt order.
+
+    Batches are left-padded (so every row's last prompt token is at the same column) and run with
+    the KV cache; a batch holds at most `batch_size` prompts and, when set, at most `batch_tokens`
+    padded prompt tokens (one prompt at least). Generation stops at the model's eos ids and the tokenizer's eos, and with
+    `first_line_only` also once a row's first non-blank line is complete (what `first_line` keeps:
+    the scores are those of the full budget, for less compute). The model is put in eval mode and
+    its previous mode restored. `batch_context(rows, width)`, when given, is entered around each batch's
+    generate call (rows: the prompts' indices, width: the padded length), e.g. to calibrate attention.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    too_long = sum(len(p) + max_new_tokens > limit for p in prompts) if limit else 0
+    if too_long:
+        log.warning("%d of %d prompts plus %d new tokens exceed the model's max_position_embeddings=%d: "
+                    "their answers test length extrapolation", too_long, len(prompts), max_new_tokens, limit)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    # Models trained here end answers with the tokenizer's eos, which a config may not list.
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    # Similar lengths share a batch, so little compute goes to padding.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches: list[list[int]] = []
+    for i in order:  # ascending lengths: the prompt being added sets the batch's width
+        if not batches or len(batches[-1]) == batch_size or (
+                batch_tokens is not None and (len(batches[-1]) + 1) * len(prompts[i]) > batch_tokens):
+            batches.append([])
+        batches[-1].append(i)
+    outputs: list[str] = [""] * len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        for rows in tqdm(batches, desc="generate", disable=not progress):
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, L)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
+            for r, i in enumerate(rows):
+                n = len(prompts[i])
+                ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
+                mask[r, width - n :] = 1
+            with batch_context(rows, width) if batch_context is not None else nullcontext():
+                out = model.generate(
+                    input_ids=ids.to(model.device),
+                    attention_mask=mask.to(model.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    # Hub generation configs may set penalties (Qwen2-Instruct: repetition_penalty=1.05)
+                    # that generate() would apply; pinned off so this stays plain argmax.
+                    repetition_penalty=1.0,
+                    no_repeat_ngram_size=0,
+                    pad_token_id=pad,
+                    eos_token_id=eos or None,
+                    stopping_criteria=StoppingCriteriaList([FirstLineComplete(tokenizer, width)]) if first_line_only
+                    else None,
+                )  # (B, L + new)
+            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            for i, text in zip(rows, texts):
+                outputs[i] = text
+    finally:
+        model.train(was_training)
+    return outputs
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[int], chat_template: bool = False
+) -> list[int]:
+    """Token ids of a probe prompt; token-id prompts pass through untouched."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        return list(ids)
+    return tokenizer(prompt)["input_ids"]
+
+
+def model_generate_fn(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    max_new_tokens: int,
+    batch_size: int,
+    chat_template: bool = False,
+    progress: bool = True,
+    first_line_only: bool = False,
+    batch_tokens: int | None = None,
+    calibration: AttnCalibration | None = None,
+) -> GenerateFn:
+    """A `generate_fn` for `run_probe` that answers items with `greedy_generate` on `model`; text prompts go
+    through the chat template when `chat_template`, token-id prompts (in2) never do. With `calibration` (an
+    installed `models.attention.attn_calibration`), each batch is answered with its items' segments calibrated."""
+
+    def generate(items: Sequence[ProbeItem]) -> list[str]:
+        if calibration is None:
+            prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
+            return greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                                   batch_tokens)
+        encoded = [calibration.encode(it.prompt, it.segments or [], chat_template) if isinstance(it.prompt, str)
+                   else (list(it.prompt), []) for it in items]
+        prompts, spans = [ids for ids, _ in encoded], [s for _, s in encoded]
+
+        def calibrated(rows: Sequence[int], width: int) -> ContextManager:
+            return calibration.batch([prompts[i] for i in rows], [spans[i] for i in rows], width)
+
+        return greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                               batch_tokens, calibrated)
+
+    return generate

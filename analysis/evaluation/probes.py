@@ -1,0 +1,129 @@
+"""Position-wise accuracy: greedy answers to probes whose gold sits at known positions.
+
+The training loop calls `evaluate_in2` on held-out IN2 records (accuracy by gold depth) and, when
+`eval.probes` is set, `evaluate_probes` on key-value / multi-document QA / needle probes built by
+`build_probes`. Results go to the metrics log via `ProbeResult.to_metrics` and to
+`<run>/eval/<probe>_step<N>.json`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from data_builders.probes import (
+    NQ_FILE,
+    Layout,
+    ProbeItem,
+    in2_probe,
+    kv_probe,
+    mdqa_probe,
+    needle_probe,
+    nq_filler,
+    synthetic_filler,
+)
+
+if TYPE_CHECKING:
+    from models.attention.attn_calibration import AttnCalibration
+
+
+from analysis.evaluation.comparability import probe_settings
+from analysis.evaluation.config import METRICS, EvalConfig, Metric, Probe, probe_budget, probe_metric, probe_source
+from analysis.evaluation.generate import GenerateFn, model_generate_fn
+from analysis.evaluation.result import ProbeResult
+
+log = logging.getLogger(__name__)
+
+
+def run_probe(
+    items: Sequence[ProbeItem], generate_fn: GenerateFn, metric: Metric, settings: Mapping[str, Any] | None = None
+) -> ProbeResult:
+    """Answer every item with `generate_fn` and score each answer against the item's answers with `metric`.
+
+    The result's settings are `settings` with the metric's name and definition.
+    """
+    if not items:
+        raise ValueError("run_probe needs at least one item")
+    predictions = generate_fn(items)
+    if len(predictions) != len(items):
+        raise ValueError(f"generate_fn returned {len(predictions)} answers for {len(items)} items")
+    outcomes = [
+        {
+            "id": it.id,
+            "query": it.query,
+            "position": it.position,
+            "label": it.label,
+            "prediction": pred,
+            "answers": it.answers,
+            "correct": float(metric.score(pred, it.answers)),
+            "extra": it.extra,
+        }
+        for it, pred in zip(items, predictions)
+    ]
+    settings = {"metric": metric.name, "metric_definition": metric.definition, **(settings or {})}
+    return ProbeResult(items[0].probe, outcomes, settings)
+
+
+def evaluate_in2(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    records: Iterable[Mapping[str, Any]],
+    cfg: EvalConfig,
+) -> tuple[dict[str, float], ProbeResult]:
+    """Exact-match accuracy on the first `cfg.num_examples` held-out IN2 records, by gold-depth bin.
+
+    Metric keys: `eval/in2/acc_mean` and `eval/in2/acc@<lower bin edge>` (`acc@0.0` ... `acc@0.9` for
+    10 bins); a bin without records has no key.
+    """
+    items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
+    generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, batch_tokens=cfg.batch_tokens)
+    result = run_probe(items, generate, METRICS["exact_match"], probe_settings("in2", cfg, items))
+    return result.to_metrics("eval"), result
+
+
+def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, list[ProbeItem]]:
+    """Items of every probe in `cfg.probes` (fixed seed: every step and run sees the same queries).
+
+    A data file, count or position that does not fit raises a ValueError naming the file, line and reason.
+    """
+    probes: dict[str, list[ProbeItem]] = {}
+    for name in map(Probe, cfg.probes):  # plain strings too: ValueError on an unknown probe
+        source = probe_source(name, cfg) if name != Probe.needle else None
+        if name == Probe.kv:
+            probes[name] = kv_probe(source, cfg.kv.n_pairs, cfg.kv.positions, n_examples=cfg.probe_examples,
+                                    query_aware=cfg.kv.query_aware)
+        elif name == Probe.mdqa:
+            if source is None:
+                log.warning("eval.probes has mdqa but neither eval.mdqa.path nor eval.data_dir is set: mdqa is skipped")
+                continue
+            m = cfg.mdqa
+            probes[name] = mdqa_probe(source, m.n_docs, m.positions, m.distractors, m.pool,
+                                      n_examples=cfg.probe_examples, closed_book=m.closed_book,
+                                      layout=Layout(m.query_aware, m.order, m.keep))
+        else:
+            filler = nq_filler(Path(cfg.data_dir) / NQ_FILE) if cfg.data_dir is not None else synthetic_filler()
+            probes[name] = needle_probe(filler, cfg.needle.depths, cfg.needle.lengths, tokenizer,
+                                        n_examples=cfg.probe_examples)
+    return probes
+
+
+def evaluate_probes(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Mapping[str, Sequence[ProbeItem]],
+    cfg: EvalConfig,
+    calibration: AttnCalibration | None = None,
+) -> tuple[dict[str, float], dict[str, ProbeResult]]:
+    """Run the probes from `build_probes` (and in2 items) on `model`, each with its budget and metric;
+    metrics of all probes and the result of each. `calibration`: answer with attention calibration."""
+    results = {}
+    for name, items in probes.items():
+        generate = model_generate_fn(model, tokenizer, probe_budget(name, cfg), cfg.batch_size,
+                                     cfg.chat_template, first_line_only=name == "mdqa", batch_tokens=cfg.batch_tokens,
+                                     calibration=calibration)
+        results[name] = run_probe(items, generate, probe_metric(name, cfg), probe_settings(name, cfg, items))
+    metrics = {k: v for result in results.values() for k, v in result.to_metrics("eval").items()}
+    return metrics, results
