@@ -9,7 +9,6 @@ The config is converted once into the typed `TrainConfig` and checked by `valida
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -32,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.evaluation.config import EvalConfig, check_probe_files
+from analysis.evaluation.config import EvalConfig, check_probes
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes
 from analysis.evaluation.result import ProbeResult, write_eval_json
 from analysis.measure.jacobian import (
@@ -44,14 +43,7 @@ from analysis.measure.jacobian import (
     excerpts_per_sequence,
     measure_sets,
 )
-from analysis.measure.rollout import (
-    ROLLOUT_FILE,
-    RolloutVariant,
-    mean_rollout,
-    measure_rollouts,
-    record_name,
-    rollout_set_metrics,
-)
+from analysis.measure.rollout import RolloutVariant, mean_rollout, measure_rollouts, record_name, rollout_set_metrics
 from analysis.measure.topology import prefixed, topology_metrics
 from analysis.report.figures import (
     plot_depth_accuracy,
@@ -62,7 +54,6 @@ from analysis.report.figures import (
     plot_profile_vs_prior,
 )
 from analysis.report.metrics_log import (
-    RUN_ID_KEY,
     LoggerConfig,
     MetricsLogger,
     NullLogger,
@@ -72,14 +63,14 @@ from analysis.report.metrics_log import (
     run_names,
     truncate_metrics,
 )
-from analysis.report.run_summary import SUMMARY_FILE, headline_numbers, run_summary
+from analysis.report.run_summary import headline_numbers, run_summary
 from data_builders.build import DataBundle, build_datasets, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.files import atomic_write_text
-from data_builders.needle_mix import protected_strings, retrieval_samples
+from data_builders.needle_mix import mixed_rows, training_mix, validate_needle_mix
 from data_builders.tokenizer import load_tokenizer
-from models.attention.diff import diff_lambda_stats, set_diff_step
+from models.attention.diff_attention import diff_lambda_stats, set_diff_step
 from models.attention.packed import SDPA_PACKED
 from models.build import (
     Attention,
@@ -91,16 +82,12 @@ from models.build import (
 )
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 from models.training.checkpoint import (
-    TRAINER_STATE,
     atomic_checkpoint,
     check_resume_rope,
     list_checkpoints,
-    load_trainer_state,
     newest_checkpoint,
     remove_stale_temporaries,
     resolve_checkpoint,
-    run_dir_of,
-    save_trainer_state,
 )
 from models.training.debias import DebiasConfig, DebiasObjective, Objective, validate_debias
 from models.training.distributed import (
@@ -127,10 +114,11 @@ from models.training.engines import (
     zero3_load_context,
 )
 from models.training.loss import causal_lm_loss, labelled_nll
+from models.training.run_dir import RunDir, run_dir_of
+from models.training.state import TrainerState
 from models.wheel_models import local_pretrained
 
 log = logging.getLogger("train")
-METRICS_BYTES = "metrics_bytes"  # trainer_state.json: where metrics.jsonl ended when the checkpoint was saved
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
@@ -274,20 +262,9 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     if cfg.eval.probes and cfg.eval.probe_every < 1:
         raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
     if cfg.eval.probes:
-        check_probe_files(cfg.eval)
+        check_probes(cfg.eval)
     validate_debias(cfg.debias, jac.every, t.sequence_parallel, cfg.data.format == DataFormat.in2)
-    if cfg.debias.needle_mix.share:
-        if cfg.data.packing:
-            raise ValueError("debias.needle_mix replaces rows of padded micro-batches: set data.packing=false")
-        if mixed_rows(cfg) < 1 or mixed_rows(cfg) >= t.micro_batch_size:
-            raise ValueError(f"debias.needle_mix.share={cfg.debias.needle_mix.share} of trainer.micro_batch_size="
-                             f"{t.micro_batch_size} rows gives {mixed_rows(cfg)} mixed rows: it must leave at least "
-                             "one of each kind")
-
-
-def mixed_rows(cfg: TrainConfig) -> int:
-    """Rows of each micro-batch that debias.needle_mix replaces with retrieval samples."""
-    return round(cfg.debias.needle_mix.share * cfg.trainer.micro_batch_size)
+    validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)
 
 
 def validate_sequence_parallel(cfg: TrainConfig, info: DistInfo) -> None:
@@ -377,6 +354,10 @@ class Run:
         return self.info.is_main_process
 
     @property
+    def paths(self) -> RunDir:
+        return RunDir(self.run_dir)
+
+    @property
     def n_layers(self) -> int:
         return self.model.config.num_hidden_layers
 
@@ -452,7 +433,7 @@ def load_model(cfg: TrainConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBa
         # does not give it (a random init, or diff layers swapped in).
         with gathered(model):
             if info.is_main_process:
-                model.save_pretrained(run_dir / "base_model", safe_serialization=True)
+                model.save_pretrained(RunDir(run_dir).base_model, safe_serialization=True)
     model = apply_peft(model, cfg.peft)
     model.train()
     return model, zero3
@@ -464,121 +445,156 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     With DeepSpeed the process group is joined first: the main process builds the data before the
     other ranks load it, and ZeRO-3 partitions the model while it loads.
     """
-    info = dist_info()
-    validate(cfg, info)
-    t = cfg.trainer
-    ds_config = None
-    if t.deepspeed:
-        ds_config = deepspeed_config(t.deepspeed, t.precision, t.micro_batch_size, t.grad_accum, t.grad_clip,
-                                     info.world_size, t.sequence_parallel)
-        init_distributed(t.collective_timeout_s)
+    info, ds_config = init_processes(cfg)
     seed_everything(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     bundle = load_data(cfg, info)
     tokenizer = bundle.tokenizer
     if info.is_main_process:
-        tokenizer.save_pretrained(run_dir / "tokenizer")
+        tokenizer.save_pretrained(RunDir(run_dir).tokenizer)
     model, zero3 = load_model(cfg, run_dir, tokenizer, info, ds_config)
     objective = (DebiasObjective(cfg.debias, model.config.num_hidden_layers, all_sum)
                  if cfg.debias.objective != Objective.mean else None)
-    engine = build_engine(model, t, ds_config, tokenizer.pad_token_id, objective or causal_lm_loss)
+    engine = build_engine(model, cfg.trainer, ds_config, tokenizer.pad_token_id, objective or causal_lm_loss)
     probe_items = build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}
+    stream = build_stream(cfg, bundle, tokenizer, info, probe_items)
+    if info.is_main_process:
+        log_setup(cfg, run_dir, bundle, model, info)
+    seqs, recorder, rollout_recorder = build_recorders(cfg, run_dir, bundle, info)
+    ckpt = find_checkpoint(cfg, run_dir, info, engine.device)
+    logger = open_logger(cfg, run_dir, info, ckpt)
+    run = Run(cfg=cfg, run_dir=run_dir, info=info, bundle=bundle, tokenizer=tokenizer, model=engine.module,
+              engine=engine, stream=stream, objective=objective, logger=logger,
+              jacobian_seqs={k: v.to(engine.device) for k, v in seqs.items()}, recorder=recorder,
+              eval_records=bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
+              probe_items=probe_items, zero3=zero3, rollout_recorder=rollout_recorder)
+    if ckpt is not None:
+        resume(run, ckpt)
+    return run
 
+
+def init_processes(cfg: TrainConfig) -> tuple[DistInfo, Optional[dict[str, Any]]]:
+    """This process's rank, once the config is checked (`validate`); with DeepSpeed also its config, the
+    process group joined."""
+    info = dist_info()
+    validate(cfg, info)
+    t = cfg.trainer
+    if not t.deepspeed:
+        return info, None
+    ds_config = deepspeed_config(t.deepspeed, t.precision, t.micro_batch_size, t.grad_accum, t.grad_clip,
+                                 info.world_size, t.sequence_parallel)
+    init_distributed(t.collective_timeout_s)
+    return info, ds_config
+
+
+def build_stream(cfg: TrainConfig, bundle: DataBundle, tokenizer: PreTrainedTokenizerBase, info: DistInfo,
+                 probe_items: dict[str, list]) -> BatchStream:
+    """This rank's micro-batches of the training split (with debias.needle_mix's rows mixed in)."""
+    t = cfg.trainer
     # A curriculum or a ramped depth law lives in the split's stored order: the build's own setting (a
     # prebuilt folder's too).
     built = bundle.stats.get("config", {}).get("in2", {})
     in_order = built.get("curriculum", 0.0) > 0 or built.get("depth_ramp", 0.0) > 0
     # The ranks of a sequence-parallel group read the same micro-batches: the data is sharded over the groups.
     groups, group = info.world_size // t.sequence_parallel, info.rank // t.sequence_parallel
-    stream = BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, group, groups,
-                         label_context=cfg.data.in2.label_context, ordered_first_epoch=in_order,
-                         pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None,
-                         depths=cfg.debias.needs_depths, mix=needle_mix(cfg, tokenizer, probe_items),
-                         mix_rows=mixed_rows(cfg))
-    if info.is_main_process:
-        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # whole under ZeRO-3 too
-        log.info("%s: model %s (%s, %d layers, %s parameters), data %s: %d training / %d held-out samples of "
-                 "up to %d tokens; writing to %s", cfg.exp_name, cfg.model.name, cfg.model.pretrained or "random init",
-                 model.config.num_hidden_layers, f"{n_params / 1e6:.1f}M" if n_params >= 1e6 else f"{n_params / 1e3:.0f}K",
-                 cfg.data.name, len(bundle.train), len(bundle.eval), cfg.data.context_len, run_dir)
-        log.info("global batch = %d micro x %d accumulation x %d data-parallel ranks = %d samples%s",
-                 t.micro_batch_size, t.grad_accum, groups, t.micro_batch_size * t.grad_accum * groups,
-                 f" (each sequence split over {t.sequence_parallel} ranks)" if t.sequence_parallel > 1 else "")
+    return BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, group, groups,
+                       label_context=cfg.data.in2.label_context, ordered_first_epoch=in_order,
+                       pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None,
+                       depths=cfg.debias.needs_depths, mix=needle_mix(cfg, tokenizer, probe_items),
+                       mix_rows=mixed_rows(cfg.debias.needle_mix.share, t.micro_batch_size))
 
+
+def log_setup(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, model: PreTrainedModel, info: DistInfo) -> None:
+    """What the run trains on what, where it writes, and its global batch."""
+    t = cfg.trainer
+    groups = info.world_size // t.sequence_parallel  # data-parallel groups
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # whole under ZeRO-3 too
+    log.info("%s: model %s (%s, %d layers, %s parameters), data %s: %d training / %d held-out samples of "
+             "up to %d tokens; writing to %s", cfg.exp_name, cfg.model.name, cfg.model.pretrained or "random init",
+             model.config.num_hidden_layers, f"{n_params / 1e6:.1f}M" if n_params >= 1e6 else f"{n_params / 1e3:.0f}K",
+             cfg.data.name, len(bundle.train), len(bundle.eval), cfg.data.context_len, run_dir)
+    log.info("global batch = %d micro x %d accumulation x %d data-parallel ranks = %d samples%s",
+             t.micro_batch_size, t.grad_accum, groups, t.micro_batch_size * t.grad_accum * groups,
+             f" (each sequence split over {t.sequence_parallel} ranks)" if t.sequence_parallel > 1 else "")
+
+
+def build_recorders(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, info: DistInfo
+                    ) -> tuple[dict[str, torch.Tensor], Optional[JacobianRecorder], Optional[JacobianRecorder]]:
+    """The Jacobian's measured sets (none when it is off) and, on the main process, the journals of their
+    profiles (jacobian.npz) and attention rollouts (rollout.npz, with `jacobian.rollout`)."""
     jac = cfg.jacobian
     seqs = jacobian_sequences(bundle, jac) if jac.every > 0 else {}
-    recorder = JacobianRecorder(run_dir / "jacobian.npz", {k: v.shape[0] for k, v in seqs.items()},
-                                jac.seq_len) if seqs and info.is_main_process else None
+    if not seqs or not info.is_main_process:
+        return seqs, None, None
+    recorder = JacobianRecorder(RunDir(run_dir).jacobian, {k: v.shape[0] for k, v in seqs.items()}, jac.seq_len)
     rollout_recorder = JacobianRecorder(
-        run_dir / ROLLOUT_FILE, {record_name(k, v): n.shape[0] for k, n in seqs.items() for v in RolloutVariant},
-        jac.seq_len) if seqs and jac.rollout and info.is_main_process else None
+        RunDir(run_dir).rollout, {record_name(k, v): n.shape[0] for k, n in seqs.items() for v in RolloutVariant},
+        jac.seq_len) if jac.rollout else None
+    return seqs, recorder, rollout_recorder
+
+
+def find_checkpoint(cfg: TrainConfig, run_dir: Path, info: DistInfo, device: torch.device) -> Optional[Path]:
+    """The checkpoint `trainer.resume_from` names (None: start fresh), looked for once the main process has
+    removed the half-written folders an earlier crash left."""
     if info.is_main_process:
         remove_stale_temporaries(run_dir)
-    ckpt = None
-    if t.resume_from:
-        # Every rank looks (a missing checkpoint fails on all of them), then takes the main process's
-        # answer: `auto` compares run directories that another job may be writing into meanwhile.
-        ckpt = broadcast_object(resolve_checkpoint(t.resume_from, run_dir), engine.device)
-        if ckpt is None and info.is_main_process:
-            log.info("trainer.resume_from=auto: no checkpoint of any %s run under %s: starting fresh",
-                     cfg.exp_name, run_dir.parent)
-    if info.is_main_process:
-        # metrics.jsonl holds each step once: resuming in place keeps the rows logged before the checkpoint (a
-        # stopped or killed run's later rows are logged again), a fresh start in this directory none.
-        if ckpt is None:
-            truncate_metrics(run_dir, 0)
-        elif run_dir_of(ckpt) == run_dir.resolve():
-            truncate_metrics(run_dir, json.loads((ckpt / TRAINER_STATE).read_text()).get(METRICS_BYTES, math.inf))
-    # The logger continues the wandb run of the checkpoint resumed from (before `resume`: it needs the id).
-    logger = (MetricsLogger(cfg.logger, run_dir, dataclasses.asdict(cfg), wandb_run_id(ckpt))
-              if info.is_main_process else NullLogger())
-    run = Run(cfg, run_dir, info, bundle, tokenizer, engine.module, engine, stream, objective, logger,
-              {k: v.to(engine.device) for k, v in seqs.items()}, recorder,
-              bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
-              probe_items, zero3=zero3, rollout_recorder=rollout_recorder)
-    if ckpt is not None:
-        resume(run, ckpt)
-    return run
+    if not cfg.trainer.resume_from:
+        return None
+    # Every rank looks (a missing checkpoint fails on all of them), then takes the main process's
+    # answer: `auto` compares run directories that another job may be writing into meanwhile.
+    ckpt = broadcast_object(resolve_checkpoint(cfg.trainer.resume_from, run_dir), device)
+    if ckpt is None and info.is_main_process:
+        log.info("trainer.resume_from=auto: no checkpoint of any %s run under %s: starting fresh",
+                 cfg.exp_name, run_dir.parent)
+    return ckpt
+
+
+def open_logger(cfg: TrainConfig, run_dir: Path, info: DistInfo, ckpt: Optional[Path]) -> MetricsLogger | NullLogger:
+    """The main process's logger (a NullLogger on the others), continuing the wandb run of the checkpoint
+    resumed from (opened before `resume`: it needs the id).
+
+    metrics.jsonl holds each step once: resuming in place keeps the rows logged before the checkpoint (a
+    stopped or killed run's later rows are logged again), a fresh start in this directory none.
+    """
+    if not info.is_main_process:
+        return NullLogger()
+    state = TrainerState.read(ckpt) if ckpt is not None else None
+    if state is None:
+        truncate_metrics(run_dir, 0)
+    elif run_dir_of(ckpt) == run_dir.resolve():
+        # A checkpoint from before metrics_bytes was recorded keeps the whole file.
+        truncate_metrics(run_dir, math.inf if state.metrics_bytes is None else state.metrics_bytes)
+    return MetricsLogger(cfg.logger, run_dir, dataclasses.asdict(cfg), state.wandb_run_id if state else None)
 
 
 def needle_mix(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, probe_items: dict[str, list]) -> list[dict]:
-    """debias.needle_mix's retrieval samples (none when it is off), never one of the evaluation probes' items:
-    those configured, and the synthetic kv and needle probes that `scripts.eval_checkpoint` asks by default."""
-    mix = cfg.debias.needle_mix
-    if not mix.share:
+    """debias.needle_mix's retrieval samples, never one of the evaluation probes' items: those configured, and
+    the synthetic kv and needle probes that `scripts.eval_checkpoint` asks by default."""
+    if not cfg.debias.needle_mix.share:
         return []
     default_probes = build_probes(dataclasses.replace(cfg.eval, probes=["kv", "needle"], data_dir=None), tokenizer)
-    protected = protected_strings(item for items in (*probe_items.values(), *default_probes.values())
-                                  for item in items)
-    return retrieval_samples(tokenizer, mix.pool, cfg.data.context_len, [str(k) for k in mix.kinds],
-                             cfg.seed + mix.seed, protected)
-
-
-def wandb_run_id(ckpt: Optional[Path]) -> Optional[str]:
-    """The wandb run a checkpoint's run logged to (trainer_state.json), or None."""
-    if ckpt is None:
-        return None
-    return json.loads((ckpt / TRAINER_STATE).read_text()).get(RUN_ID_KEY)
+    evaluation_items = [item for items in (*probe_items.values(), *default_probes.values()) for item in items]
+    return training_mix(cfg.debias.needle_mix, tokenizer, cfg.data.context_len, cfg.seed, evaluation_items)
 
 
 def resume(run: Run, ckpt: Path) -> None:
     """Continue from a checkpoint: weights, optimizer, RNG and data position; keep the start curve."""
     check_resume_rope(ckpt, run.cfg.model.rope)
     run.engine.load(ckpt)
-    state = load_trainer_state(ckpt, run.info.rank)
-    run.start_step, run.stream.position, run.checkpoint = state["step"], state["stream_position"], ckpt
+    state = TrainerState.load(ckpt, run.info.rank)
+    run.start_step, run.stream.position, run.checkpoint = state.step, state.stream_position, ckpt
     if run.objective is not None:
-        run.objective.load_state_dict(state.get("debias", {}))
+        run.objective.load_state_dict(state.debias or {})
     if run.is_main:
         log.info("resumed from %s at step %d", ckpt, run.start_step)
-    step0 = ckpt.parents[1] / "eval" / "in2_step0.json"
+    step0 = RunDir(ckpt.parents[1]).eval_json("in2", 0)
     if run.has_questions and run.is_main and step0.is_file():
         # The accuracy plot compares start and end: keep the start curve of the run that wrote the
         # checkpoint, copied here when resuming into a new directory.
         result = ProbeResult.load_json(step0)
         run.accuracy_curves["step 0"] = depth_curve(result.to_metrics("eval"))
-        if not (run.run_dir / "eval" / step0.name).exists():
+        if not run.paths.eval_json("in2", 0).exists():
             write_eval_json(run.run_dir, 0, "in2", result)
 
 
@@ -612,9 +628,9 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
                       for name, by_variant in rolls.items()}
             run.logger.log_media(profile_charts(profiles, alphas, run.n_layers, step, curves), step=step)
         if n_measured % jac.plot_every == 0:
-            npz, plots = run.run_dir / "jacobian.npz", run.run_dir / "plots"
             run.logger.log_media({f"jacobian/{name}/heatmap": run.logger.image(
-                plot_heatmap(npz, plots / f"jacobian_heatmap_{name}.png", name)) for name in results}, step=step)
+                plot_heatmap(run.paths.jacobian, run.paths.plot(f"jacobian_heatmap_{name}"), name))
+                for name in results}, step=step)
     return metrics
 
 
@@ -667,13 +683,11 @@ def run_probes(run: Run, step: int) -> dict[str, float]:
         for name, result in results.items():
             log.info("step %d: %s accuracy %.3f over %d questions", step, name, result.mean, len(result.outcomes))
             write_eval_json(run.run_dir, step, name, result)
-            png = plot_position_accuracy({f"step {step}": result},
-                                         run.run_dir / "plots" / f"{name}_accuracy_step{step}.png",
+            png = plot_position_accuracy({f"step {step}": result}, run.paths.plot(f"{name}_accuracy_step{step}"),
                                          title=f"{run.cfg.exp_name}: {name} accuracy by gold position, step {step}")
             log_accuracy(run, name, result, step, png)
         if "needle" in results:
-            grid = plot_needle_grid({f"step {step}": results["needle"]},
-                                    run.run_dir / "plots" / f"needle_grid_step{step}.png",
+            grid = plot_needle_grid({f"step {step}": results["needle"]}, run.paths.plot(f"needle_grid_step{step}"),
                                     f"{run.cfg.exp_name}: needle accuracy by context length and depth, step {step}")
             if run.logger.wandb_run is not None:
                 run.logger.log_media({"eval/needle/grid_plot": run.logger.image(grid)}, step=step)
@@ -699,12 +713,11 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
 
     def write(folder: Path) -> None:
         run.engine.save(folder, run.tokenizer)
-        extra: dict[str, Any] = {"stream_position": run.stream.position, METRICS_BYTES: metrics_bytes}
-        if run.objective is not None:
-            extra["debias"] = run.objective.state_dict()  # group_dro's q: an exact resume needs it
-        if run.logger.run_id is not None:
-            extra[RUN_ID_KEY] = run.logger.run_id  # a run resumed from this checkpoint continues its wandb run
-        save_trainer_state(folder, step, run.info.rank, extra)
+        # group_dro's q: an exact resume needs it; the wandb run: a run resumed from here continues it
+        state = TrainerState(step=step, stream_position=run.stream.position, metrics_bytes=metrics_bytes,
+                             debias=run.objective.state_dict() if run.objective is not None else None,
+                             wandb_run_id=run.logger.run_id)
+        state.save(folder, run.info.rank)
 
     folder = atomic_checkpoint(run.run_dir, step, write, run.cfg.trainer.keep_last_n, run.is_main, barrier)
     if run.is_main:
@@ -727,7 +740,7 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict
         if run.bad_steps > run.cfg.trainer.max_bad_steps:
             raise RuntimeError(f"{run.bad_steps} non-finite losses (trainer.max_bad_steps="
                                f"{run.cfg.trainer.max_bad_steps}); the last good checkpoint is intact under "
-                               f"{run.run_dir / 'checkpoints'}")
+                               f"{run.paths.checkpoints}")
     return {"train/loss": loss, "train/lr": run.engine.current_lr(), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens / (time.perf_counter() - t0), "train/tokens": tokens,
             "train/bad_steps": run.bad_steps, "train/peak_mem_mib": peak_memory_mib(run.engine.device),
@@ -791,10 +804,9 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     save(run, final, before_end)
     if not run.is_main:
         return {**metrics, **acc}
-    plots = run.run_dir / "plots"
     if run.has_questions:
         run.accuracy_curves[f"step {final}"] = depth_curve(acc)
-        png = plot_depth_accuracy(run.accuracy_curves, plots / "in2_accuracy_by_depth.png",
+        png = plot_depth_accuracy(run.accuracy_curves, run.paths.plot("in2_accuracy_by_depth"),
                                   title=f"{cfg.exp_name}: exact match by gold depth")
         if run.logger.wandb_run is not None:
             run.logger.log_media({"eval/in2/accuracy_plot": run.logger.image(png)}, step=final)
@@ -802,12 +814,12 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
         run.recorder.close()  # jacobian.npz now holds every step on its own
         rollouts_at_0 = run.rollout_recorder is not None and run.rollout_recorder.steps[:1].tolist() == [0]
         for name in run.jacobian_seqs:
-            plot_evolution(run.run_dir / "jacobian.npz", plots / f"jacobian_evolution_{name}.png", name)
+            plot_evolution(run.paths.jacobian, run.paths.plot(f"jacobian_evolution_{name}"), name)
             if run.recorder.steps[0] == 0:
                 curves = {str(v): mean_rollout(run.rollout_recorder.array(record_name(name, v))[:, 0])
                           for v in RolloutVariant} if rollouts_at_0 else None
                 plot_profile_vs_prior(run.recorder.array(name)[:, 0].mean(axis=0), run.n_layers,
-                                      plots / f"jacobian_step0_vs_prior_{name}.png",
+                                      run.paths.plot(f"jacobian_step0_vs_prior_{name}"),
                                       title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}), the prior and "
                                             "the rollouts", rollouts=curves)
     report_end(run)
@@ -818,7 +830,7 @@ def report_end(run: Run) -> None:
     """The end-of-run summary (`analysis.report.run_summary`): logged (console and train.log), written to
     summary.md, and its headline numbers put in the wandb run summary."""
     text = run_summary(run.run_dir, run.cfg.exp_name, run.cfg.model.pretrained)
-    atomic_write_text(run.run_dir / SUMMARY_FILE, text)
+    atomic_write_text(run.paths.summary, text)
     log.info("run finished\n%s", text)
     if run.logger.wandb_run is not None:
         run.logger.wandb_run.summary.update(headline_numbers(run.run_dir))
@@ -861,7 +873,7 @@ def main(cfg: DictConfig) -> None:
         if info.world_size > 1:
             print(f"[rank {info.rank} of {info.world_size}] {type(exc).__name__}: {exc}", file=sys.stderr)
         if info.is_main_process:
-            log.error("run failed: %s: %s (log: %s)", type(exc).__name__, exc, run_dir / "train.log")
+            log.error("run failed: %s: %s (log: %s)", type(exc).__name__, exc, RunDir(run_dir).log)
         raise
 
 

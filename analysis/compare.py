@@ -10,7 +10,7 @@ folder (`save_pretrained` with a tokenizer; one inside `<run>/checkpoints/` also
 Only what is missing is computed:
 
 - probes: `<run>/eval/<probe>_step<N>.json` is reused when it asked exactly the items asked here
-  (same ids and answers), else the checkpoint answers them (greedy, batched, analysis.positional_eval);
+  (same ids and answers), else the checkpoint answers them (greedy, batched, analysis.evaluation.probes);
 - Jacobian profiles: from `jacobian.npz` when it holds the checkpoint's step (with step 0 beside it),
   else measured on held-out text (NQ long answers from --data-dir, else synthetic documents) joined
   into documents of the checkpoint's own tokens, with the jacobian settings of the first PATH that
@@ -29,31 +29,24 @@ checkpoints and answering probes is `analysis.evaluation.checkpoints`; this modu
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.checkpoints import (
-    POSITION_AXIS,
-    PROBES,
-    RUN_CONFIG,
-    CheckpointProbe,
     CompareError,
     ProbeBank,
     Target,
-    answer_probes,
+    answer_checkpoint,
     build_in2_items,
     count_layers,
     load_checkpoint_tokenizer,
@@ -63,29 +56,22 @@ from analysis.evaluation.checkpoints import (
 )
 from analysis.evaluation.comparability import REFERENCE, describe_settings
 from analysis.evaluation.config import (
+    POSITION_AXIS,
+    PROBES,
     EvalConfig,
     KVProbeConfig,
     MDQAProbeConfig,
     NeedleProbeConfig,
+    Probe,
     probe_budget,
     probe_metric,
     with_budget,
 )
-from analysis.evaluation.interventions import (
-    Spec,
-    by_final_position,
-    check_intervention,
-    check_model_intervention,
-    intervened,
-    intervention_settings,
-    model_intervention,
-    paired_delta,
-)
+from analysis.evaluation.interventions import Intervention, by_final_position, paired_delta
 from analysis.evaluation.result import ProbeResult
+from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
-from analysis.measure.prior import log10_profile, scaled_prior
 from analysis.measure.rollout import (
-    ROLLOUT_FILE,
     ROLLOUT_METRICS,
     RolloutVariant,
     mean_rollout,
@@ -94,19 +80,17 @@ from analysis.measure.rollout import (
     rollout_metrics,
 )
 from analysis.measure.topology import METRIC_KEYS, topology_metrics
-from analysis.report.figures import plot_needle_grid, plot_position_accuracy
+from analysis.report.figures import PathProfile, plot_needle_grid, plot_position_accuracy, plot_profiles
 from analysis.report.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
+from analysis.report.tables import deltas_to_first, markdown_table, with_ci, with_delta
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
-from data_builders.probes import NQ_FILE, ProbeItem, nq_filler
-from data_builders.synthetic import generate_documents
-from data_builders.tokenizer import encode_pieces
-from data_builders.windows import join_documents
+from data_builders.probes import ProbeItem
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
-
-HELDOUT_SEED = 7919  # synthetic documents for measured profiles: other names than the default training data
-X_LABEL = "relative position x = (j-1)/(L-1)"
+from models.attention.patching import LayerSet
+from models.build import DType
+from models.training.run_dir import RUN_CONFIG, RunDir
 
 
 @dataclass
@@ -179,7 +163,7 @@ def saved_result(target: Target, probe: str) -> tuple[ProbeResult, Path] | None:
     """`<run>/eval/<probe>_step<N>.json` of the checkpoint's step, if the run wrote one."""
     if target.run_dir is None or target.step is None:
         return None
-    path = target.run_dir / "eval" / f"{probe}_step{target.step}.json"
+    path = RunDir(target.run_dir).eval_json(probe, target.step)
     if not path.is_file():
         return None
     try:
@@ -208,35 +192,9 @@ def in2_items(
     return items, f"{len(items)} held-out records rebuilt from the run config of {reference[0].label}"
 
 
-def _synthetic_texts() -> Iterator[str]:
-    """Endless synthetic documents, in batches with successive seeds."""
-    for seed in itertools.count(HELDOUT_SEED):
-        yield from (doc.text for doc in generate_documents(1000, seed, prefix="compare"))
-
-
-def heldout_documents(
-    tokenizer: PreTrainedTokenizerBase, data_dir: str | Path | None, doc_len: int, n_docs: int
-) -> tuple[list[list[int]], str]:
-    """`n_docs` documents of `doc_len` tokens (consecutive passages joined by newlines) and their source."""
-    nq = Path(data_dir) / NQ_FILE if data_dir is not None else None
-    if nq is not None and nq.is_file():
-        texts, source = iter(nq_filler(nq)), "NQ long answers"
-    else:
-        texts, source = _synthetic_texts(), "synthetic documents"
-    separator = encode_pieces(tokenizer, ["\n"])[0]
-    # Tokenize in batches of 256 passages, only as many as the documents need.
-    passages = itertools.chain.from_iterable(
-        encode_pieces(tokenizer, batch) for batch in iter(lambda: list(itertools.islice(texts, 256)), [])
-    )
-    docs = [d[:doc_len] for d in itertools.islice(join_documents(passages, doc_len, separator), n_docs)]
-    if len(docs) == n_docs:
-        return docs, source
-    raise CompareError(f"{source} give {len(docs)} documents of {doc_len} tokens, {n_docs} are needed")
-
-
 def recorded_profiles(target: Target) -> JacobianProfiles | None:
     """The checkpoint's step (and step 0) from its run's jacobian.npz, if that step was recorded."""
-    path = target.run_dir / "jacobian.npz" if target.run_dir is not None else None
+    path = RunDir(target.run_dir).jacobian if target.run_dir is not None else None
     if path is None or target.step is None or not path.is_file():
         return None
     try:
@@ -254,7 +212,7 @@ def recorded_profiles(target: Target) -> JacobianProfiles | None:
     L = next(iter(arrays.values())).shape[-1]
     return JacobianProfiles({k: v[:, hits[0]].mean(0) for k, v in arrays.items()}, initial,
                             f"jacobian.npz of its run, step {target.step}, L={L}",
-                            recorded_rollouts(target.run_dir / ROLLOUT_FILE, target.step, list(arrays)))
+                            recorded_rollouts(RunDir(target.run_dir).rollout, target.step, list(arrays)))
 
 
 def recorded_rollouts(path: Path, step: int, sets: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
@@ -277,7 +235,10 @@ def measure_profiles(
 ) -> JacobianProfiles:
     """Profiles measured now on held-out text in this checkpoint's tokens (no step-0 record)."""
     n_docs = cfg.n_vanilla + cfg.n_chunked * math.ceil(cfg.seq_len / cfg.chunk_len)
-    docs, source = heldout_documents(tokenizer, data_dir, cfg.seq_len, n_docs)
+    try:
+        docs, source = heldout_documents(tokenizer, data_dir, cfg.seq_len, n_docs)
+    except HeldoutError as err:
+        raise CompareError(str(err)) from err
     seqs = build_eval_sequences(docs, cfg.seq_len, cfg.n_vanilla, cfg.n_chunked, cfg.chunk_len)
     seqs = {k: v for k, v in seqs.items() if len(v)}
     results = measure_sets(model, seqs, cfg)
@@ -301,24 +262,77 @@ def jacobian_settings(reference: tuple[Target, DictConfig] | None, seq_len: int 
     return cfg
 
 
-def evaluate_target(
-    target: Target,
-    tokenizer: PreTrainedTokenizerBase,
-    probes: Sequence[str],
-    bank: ProbeBank,
-    jacobian: JacobianConfig,
-    data_dir: str | Path | None,
-    device: str,
-    dtype: str,
-    interventions: Sequence[tuple[Spec, ProbeBank]] = (),
-    ms_poe_cfg: MsPoEConfig | None = None,
-    calibration_cfg: AttnCalibrationConfig | None = None,
-) -> Entry:
-    """Reuse what the PATH's run recorded and compute the rest (loading the model only then); then answer the
-    probes each intervention changes, with its bank of items (always evaluated: nothing records them)."""
-    entry = Entry(target, count_layers(target), len(tokenizer))
+@dataclass
+class CompareConfig:
+    """What `compare` asks of every PATH and where the report goes (`python -m analysis.compare`'s options)."""
+
+    out: str | Path = "compare"  # the report's folder
+    probes: Sequence[str] = PROBES
+    examples: int = 20  # queries per probe, each asked at every gold position (in2: examples x bins records)
+    data_dir: str | Path | None = None  # folder of the kv / nq files; None = synthetic kv, filler and Jacobian text
+    # the probes' settings (the defaults: the reference's setup for kv and mdqa)
+    kv: KVProbeConfig = field(default_factory=KVProbeConfig)
+    mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)
+    needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)
+    max_new_tokens: int | None = None  # one greedy budget for every probe (not comparable); None = each probe's own
+    batch_size: int = 16  # prompts per generate call
+    seq_len: int | None = None  # L of measured Jacobian profiles; None = the reference run's jacobian.seq_len (256)
+    device: str = "auto"
+    dtype: DType = DType.float32
+    use_wandb: bool = False  # also read each run's wandb summary
+    log_wandb: str | None = None  # offline | online: also log the report's PNGs and accuracy tables as a wandb run
+    # `Intervention.parse` texts (reorder[:order], truncate:K[:order], query_aware, ms_poe, attn_calibration), each
+    # answered by every PATH on the probes it changes
+    interventions: Sequence[str] = ()
+    ms_poe: MsPoEConfig = field(default_factory=MsPoEConfig)  # the settings of Ms-PoE
+    calibration: AttnCalibrationConfig = field(default_factory=AttnCalibrationConfig)  # of attention calibration
+
+
+@dataclass
+class ComparePlan:
+    """What every PATH is asked, built once: the probes and their items, each intervention with its items (the
+    probe settings it makes), and the Jacobian settings of measured profiles."""
+
+    probes: list[Probe]
+    bank: ProbeBank
+    interventions: list[tuple[Intervention, ProbeBank]]
+    jacobian: JacobianConfig
+
+
+def compare_plan(targets: Sequence[Target], tokenizers: Sequence[PreTrainedTokenizerBase], cfg: CompareConfig
+                 ) -> tuple[ComparePlan, list[str]]:
+    """The plan of `cfg` for the PATHs (in2 records shared by all, the interventions parsed and checked), and the
+    report's notes on where its items come from."""
+    probes = [Probe(p) for p in cfg.probes]
+    reference = reference_run(targets)
+    notes = [f"probes: {', '.join(probes)}; queries per probe and position: {cfg.examples}; "
+             f"data folder: {cfg.data_dir or 'none (synthetic kv, filler and Jacobian text)'}"]
+    in2 = None
+    if Probe.in2 in probes:
+        check_shared_vocab(targets, tokenizers)
+        in2, in2_source = in2_items(targets, reference, tokenizers[0], cfg.examples)
+        notes.append(f"in2 items: {in2_source}")
+    eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=None if cfg.data_dir is None else str(cfg.data_dir),
+                          batch_size=cfg.batch_size, kv=cfg.kv, mdqa=cfg.mdqa, needle=cfg.needle)
+    if cfg.max_new_tokens is not None:
+        eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
+    try:
+        interventions = [Intervention.parse(text, cfg.ms_poe, cfg.calibration) for text in cfg.interventions]
+    except ValueError as err:
+        raise CompareError(str(err)) from err
+    for intervention in interventions:
+        if not intervention.changes(probes):
+            raise CompareError(f"intervention {intervention.tag} changes none of the probes {list(probes)}")
+    banks = [(intervention, ProbeBank(intervention.configure(eval_cfg), in2)) for intervention in interventions]
+    return ComparePlan(probes, ProbeBank(eval_cfg, in2), banks, jacobian_settings(reference, cfg.seq_len)), notes
+
+
+def reuse_recorded(entry: Entry, tokenizer: PreTrainedTokenizerBase, plan: ComparePlan) -> dict[str, list[ProbeItem]]:
+    """Take into `entry` each probe result its run recorded with the items and setup asked here; the items of the
+    probes left to answer."""
+    target, bank = entry.target, plan.bank
     pending: dict[str, list[ProbeItem]] = {}
-    for probe in probes:
+    for probe in plan.probes:
         try:
             items = bank.items(probe, tokenizer)
         except CompareError as err:  # needle items depend on this PATH's tokenizer
@@ -335,102 +349,65 @@ def evaluate_target(
                                    "with another metric or budget")
         else:
             entry.notes.append(f"{probe}: skipped (no items: mdqa needs --data-dir or --mdqa-path, in2 a run config)")
-    profiles = recorded_profiles(target)
-    model = None
-    if pending or profiles is None or interventions:
-        model = load_model(target, device, dtype)
-    for probe, items in pending.items():
-        started = time.perf_counter()
-        entry.results.update(answer_probes(model, tokenizer, {probe: items}, bank.cfg))
-        entry.plain_seconds[probe] = time.perf_counter() - started
-        entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to {probe_budget(probe, bank.cfg)} "
-                           f"new tokens, {entry.plain_seconds[probe]:.1f} s)")
-    if profiles is None:
-        profiles = measure_profiles(model, tokenizer, jacobian, data_dir)
+    return pending
+
+
+def set_profiles(entry: Entry, profiles: JacobianProfiles) -> None:
+    """`entry`'s Jacobian profiles, with their valley, prior and rollout metrics."""
     entry.profiles = profiles
     entry.notes.append(f"Jacobian: {profiles.source}" + ("" if profiles.initial else "; no step-0 profile"))
     entry.topology = {name: topology_metrics(p, entry.layers) for name, p in profiles.latest.items()}
     for name, by_variant in profiles.rollouts.items():
         entry.topology[name].update({f"rollout/{v}/{m}": value for v, curve in by_variant.items()
                                      for m, value in rollout_metrics(profiles.latest[name], curve).items()})
-    for spec, spec_bank in interventions:
-        asked = {p: its for p in spec.probes(probes) if (its := spec_bank.items(p, tokenizer))}
-        settings = (ms_poe_cfg or MsPoEConfig(), calibration_cfg or AttnCalibrationConfig())
-        try:
-            check_model_intervention(spec.name, model, *settings)
-        except ValueError as err:
-            raise CompareError(f"{target.path}: intervention {spec.tag}: {err}") from err
-        results, seconds = {}, entry.intervention_seconds.setdefault(spec.tag, {})
-        with model_intervention(spec.name, model, tokenizer, *settings, spec_bank.cfg.batch_tokens) as calibration:
-            for probe, items in asked.items():
-                started = time.perf_counter()
-                results.update(answer_probes(model, tokenizer, {probe: items}, spec_bank.cfg, calibration))
-                seconds[probe] = time.perf_counter() - started
-            recorded = intervention_settings(spec.name, model, *settings, calibration)
-        for result in results.values():
-            result.settings.update(intervention=spec.tag, **recorded)
-        entry.interventions[spec.tag] = results
-        entry.notes.append(f"intervention {spec.tag}: " + ", ".join(f"{p} answered in {s:.1f} s"
-                                                                    for p, s in seconds.items()))
+
+
+def answer_interventions(entry: Entry, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                         plan: ComparePlan) -> None:
+    """Answer the probes each intervention changes, with its bank of items (always evaluated: nothing records
+    them), into `entry`."""
+    for intervention, bank in plan.interventions:
+        asked = {p: its for p in intervention.changes(plan.probes) if (its := bank.items(p, tokenizer))}
+        results, seconds = answer_checkpoint(model, tokenizer, asked, bank.cfg, intervention,
+                                             f"{entry.target.path}: intervention {intervention.tag}")
+        entry.interventions[intervention.tag] = results
+        entry.intervention_seconds[intervention.tag] = seconds
+        entry.notes.append(f"intervention {intervention.tag}: " + ", ".join(f"{p} answered in {s:.1f} s"
+                                                                            for p, s in seconds.items()))
+
+
+def evaluate_target(target: Target, tokenizer: PreTrainedTokenizerBase, plan: ComparePlan, cfg: CompareConfig
+                    ) -> Entry:
+    """Reuse what the PATH's run recorded and compute the rest (loading the model only then); then answer the
+    probes each intervention changes."""
+    entry = Entry(target, count_layers(target), len(tokenizer))
+    pending = reuse_recorded(entry, tokenizer, plan)
+    profiles = recorded_profiles(target)
+    model = None
+    if pending or profiles is None or plan.interventions:
+        model = load_model(target, cfg.device, cfg.dtype)
+    if pending:
+        results, entry.plain_seconds = answer_checkpoint(model, tokenizer, pending, plan.bank.cfg)
+        entry.results.update(results)
+        for probe, items in pending.items():
+            entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to "
+                               f"{probe_budget(probe, plan.bank.cfg)} new tokens, {entry.plain_seconds[probe]:.1f} s)")
+    if profiles is None:
+        profiles = measure_profiles(model, tokenizer, plan.jacobian, cfg.data_dir)
+    set_profiles(entry, profiles)
+    answer_interventions(entry, model, tokenizer, plan)
     return entry
 
 
-def profiles_figure(entries: Sequence[Entry], set_name: str) -> Figure:
-    """One set's profile of every PATH, its fitted prior (dashed) and step 0 (dotted); raw and anchored."""
-    fig = Figure(figsize=(13, 5), layout="constrained")
-    raw, anchored = fig.subplots(1, 2)
-    for i, entry in enumerate(entries):
-        profile = entry.profiles.latest.get(set_name) if entry.profiles else None
-        if profile is None:
-            continue
-        label, x = entry.target.label, np.arange(len(profile)) / max(len(profile) - 1, 1)
-        prior, alpha = scaled_prior(profile, entry.layers)  # (L,), the best-fitting a
-        step = f"step {entry.target.step}" if entry.target.step is not None else "checkpoint"
-        curves = [(f"{label} ({step})", profile, {"lw": 1.2}),
-                  (f"{label} prior, H={entry.layers}, a={alpha:.3f}", prior, {"lw": 0.9, "ls": "--"})]
-        if set_name in entry.profiles.initial:
-            curves.append((f"{label} (step 0)", entry.profiles.initial[set_name], {"lw": 0.9, "ls": ":"}))
-        rollout = entry.profiles.rollouts.get(set_name, {}).get(RolloutVariant.measured)
-        if rollout is not None:  # on the profile's scale, by its mean log10 offset
-            scaled = rollout * 10.0 ** np.mean(log10_profile(profile) - log10_profile(rollout))
-            curves.append((f"{label} rollout, measured λ", scaled, {"lw": 0.9, "ls": "-."}))
-        for text, curve, style in curves:
-            raw.plot(x, curve, color=f"C{i % 10}", label=text, **style)
-            anchored.plot(x, curve / curve[-1], color=f"C{i % 10}", label=text, **style)
-    raw.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j)$", title="raw (prior scaled by its fit)")
-    anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1")
-    for ax in (raw, anchored):
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Jacobian profiles, {set_name}: mean over sequences")
-    return fig
-
-
-def plot_profiles(entries: Sequence[Entry], set_name: str, out_png: str | Path) -> Path:
-    """`profiles_figure` as a PNG."""
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    profiles_figure(entries, set_name).savefig(out, dpi=120)
-    return out
-
-
-def _fmt(value: float | None, base: float | None = None) -> str:
-    """A table cell: the value, and its delta against the first PATH's when one is given."""
-    if value is None:
-        return "–"
-    if base is None or not (math.isfinite(value) and math.isfinite(base)):
-        return f"{value:.3f}"
-    return f"{value:.3f} (Δ {value - base:+.3f})"
-
-
-def _row_cells(values: Sequence[float | None]) -> list[str]:
-    return [_fmt(v, None if i == 0 or values[0] is None else values[0]) for i, v in enumerate(values)]
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    """A markdown table's lines (analysis.study's report uses it too)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+def path_profile(entry: Entry, set_name: str) -> PathProfile | None:
+    """What the profiles figure draws of one PATH's set: its profile, step 0 and measured-λ rollout; None
+    when the PATH has no profile of that set."""
+    profile = entry.profiles.latest.get(set_name) if entry.profiles else None
+    if profile is None:
+        return None
+    return PathProfile(entry.target.label, entry.target.step, entry.layers, profile,
+                       entry.profiles.initial.get(set_name),
+                       entry.profiles.rollouts.get(set_name, {}).get(RolloutVariant.measured))
 
 
 def _last_logged(rows: Sequence[Mapping[str, Any]], key: str, step: int | None) -> str:
@@ -439,7 +416,7 @@ def _last_logged(rows: Sequence[Mapping[str, Any]], key: str, step: int | None) 
     if not found:
         return "–"
     value, at = float(found[-1][key]), found[-1]["step"]
-    return _fmt(value) if at == step else f"{_fmt(value)} (step {at})"
+    return with_delta(value) if at == step else f"{with_delta(value)} (step {at})"
 
 
 def _wandb_summary(target: Target) -> tuple[str, dict[str, Any]]:
@@ -459,7 +436,7 @@ def _inputs_table(entries: Sequence[Entry]) -> list[str]:
     rows = []
     for e in entries:
         run = e.target.run_dir
-        logged = read_metrics(run) if run is not None and (run / "metrics.jsonl").is_file() else []
+        logged = read_metrics(run) if run is not None and RunDir(run).metrics.is_file() else []
         losses = [_last_logged(logged, key, e.target.step) for key in ("train/loss", "eval/loss")]
         rows.append([e.target.label, f"`{e.target.path}`", f"`{e.target.checkpoint}`", str(e.target.step),
                      str(e.layers), str(e.vocab), *losses])
@@ -470,10 +447,10 @@ def _accuracy_table(entries: Sequence[Entry], probes: Sequence[str]) -> list[str
     rows = []
     for probe in probes:
         results = [e.results.get(probe) for e in entries]
-        rows.append([probe, *_row_cells([r.mean if r else None for r in results])])
+        rows.append([probe, *deltas_to_first([r.mean if r else None for r in results])])
         if any(r is not None and -1 in r.labels() for r in results):
             closed = [r.accuracy_by_position().get(-1) if r else None for r in results]
-            rows.append([f"{probe} closed-book", *_row_cells(closed)])
+            rows.append([f"{probe} closed-book", *deltas_to_first(closed)])
     return markdown_table(["probe", *(e.target.label for e in entries)], rows)
 
 
@@ -498,7 +475,7 @@ def _topology_table(entries: Sequence[Entry], set_name: str) -> list[str]:
     rows = [["source", *sources]]
     rollout_keys = [f"rollout/{v}/{m}" for v in RolloutVariant for m in ROLLOUT_METRICS]
     keys = [*METRIC_KEYS, *(k for k in rollout_keys if any(k in e.topology.get(set_name, {}) for e in entries))]
-    rows += [[f"`{key}`", *_row_cells([e.topology.get(set_name, {}).get(key) for e in entries])] for key in keys]
+    rows += [[f"`{key}`", *deltas_to_first([e.topology.get(set_name, {}).get(key) for e in entries])] for key in keys]
     return markdown_table(["metric", *(e.target.label for e in entries)], rows)
 
 
@@ -512,7 +489,7 @@ def _wandb_table(entries: Sequence[Entry]) -> list[str]:
     for e in entries:
         where, summary = _wandb_summary(e.target)
         values = [_last_value(summary.get(k)) for k in ("train/loss", "eval/loss")]
-        rows.append([e.target.label, where, *(_fmt(v if isinstance(v, (int, float)) else None) for v in values)])
+        rows.append([e.target.label, where, *(with_delta(v if isinstance(v, (int, float)) else None) for v in values)])
     return markdown_table(["PATH", "summary", "train/loss", "eval/loss"], rows)
 
 
@@ -560,7 +537,7 @@ def write_report(
               "its run; dash-dot: its attention rollout with measured residual shares (analysis.measure.rollout, free "
               "scale). Anchored: divided by the last position.", ""]
     for name in sets:
-        png = plot_profiles(entries, name, out / f"jacobian_{name}.png")
+        png = plot_profiles([path_profile(e, name) for e in entries], name, out / f"jacobian_{name}.png")
         lines += [f"### {name}", "", f"![{name}]({png.name})", ""]
     lines += ["## Valley, prior and rollout metrics", "",
               "`rollout/<variant>/*`: how well each attention rollout of the checkpoint predicts its measured "
@@ -599,7 +576,7 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
                 if any(probe in results for results in e.interventions.values()):
                     plain = e.results[probe]
                     seconds = e.plain_seconds.get(probe)
-                    rows.append([e.target.label, "plain", _fmt(plain.mean), "",
+                    rows.append([e.target.label, "plain", with_delta(plain.mean), "",
                                  str(sum(o["position"] >= 0 for o in plain.outcomes)),
                                  "reused" if seconds is None else f"{seconds:.1f}"])
             for name, results in e.interventions.items():
@@ -612,7 +589,8 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
                 delta, (lo, hi), n = (paired_delta(e.results[probe], result) if probe in e.results
                                       else (math.nan, (math.nan, math.nan), 0))
                 star = " *" if n and (lo > 0 or hi < 0) else ""
-                rows.append([e.target.label, name, _fmt(result.mean), f"{delta:+.3f} [{lo:+.3f}, {hi:+.3f}]{star}",
+                rows.append([e.target.label, name, with_delta(result.mean),
+                             with_ci(delta, lo, hi, signed=True, missing=None) + star,
                              str(n), f"{e.intervention_seconds[name][probe]:.1f}"])
         if not rows:
             continue
@@ -657,77 +635,24 @@ def log_report_to_wandb(report: Path, entries: Sequence[Entry], mode: str, confi
     return log_report(cfg, report.parent, report_images(report), tables, config)
 
 
-def compare(
-    paths: Sequence[str | Path],
-    out: str | Path = "compare",
-    probes: Sequence[str] = PROBES,
-    examples: int = 20,
-    data_dir: str | Path | None = None,
-    *,
-    kv: KVProbeConfig | None = None,
-    mdqa: MDQAProbeConfig | None = None,
-    needle: NeedleProbeConfig | None = None,
-    max_new_tokens: int | None = None,
-    batch_size: int = 16,
-    seq_len: int | None = None,
-    device: str = "auto",
-    dtype: str = "float32",
-    use_wandb: bool = False,
-    log_wandb: str | None = None,
-    interventions: Sequence[str] = (),
-    ms_poe: MsPoEConfig | None = None,
-    calibration: AttnCalibrationConfig | None = None,
-) -> Path:
-    """Evaluate what the PATHs lack and write `<out>/report.md` with its PNGs; returns the report's path.
+def compare(paths: Sequence[str | Path], cfg: CompareConfig) -> Path:
+    """Evaluate what the PATHs lack and write `<cfg.out>/report.md` with its PNGs; returns the report's path.
 
-    `examples`: queries per probe, each asked at every gold position (in2: `examples` x bins records).
-    `kv`, `mdqa`, `needle`: the probes' settings (None: defaults, the reference's setup for kv and mdqa).
-    `max_new_tokens`: one greedy budget for every probe (not comparable); None = each probe's own. `seq_len`: L of measured
-    Jacobian profiles; None = the reference run's `jacobian.seq_len` (256 without one). Every PATH's
-    probe results are also saved as `<out>/eval/<PATH label>_<probe>.json`.
-    `log_wandb`: offline | online: also log the report's PNGs and accuracy tables as a wandb run.
-    `interventions`: `Spec.parse` texts (reorder[:order], truncate:K[:order], query_aware, ms_poe,
-    attn_calibration), each answered by every PATH on the probes it changes; `ms_poe`, `calibration`: the
-    settings of Ms-PoE and of attention calibration.
-    Raises CompareError naming the PATH that cannot be read or compared.
+    Every PATH's probe results are also saved as `<out>/eval/<PATH label>_<probe>.json` (intervened ones as
+    `<PATH label>_<probe>_<intervention tag>.json`). Raises CompareError naming the PATH that cannot be read or
+    compared.
     """
     if not paths:
         raise CompareError("no PATH to compare")
-    unknown = [p for p in probes if p not in PROBES]
+    unknown = [p for p in cfg.probes if p not in PROBES]
     if unknown:
         raise CompareError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
-    probes = [CheckpointProbe(p) for p in probes]
     targets = [resolve_target(p, label) for p, label in zip(paths, short_labels(paths))]
     tokenizers = [load_checkpoint_tokenizer(t) for t in targets]
-    reference = reference_run(targets)
-    notes = [f"probes: {', '.join(probes)}; queries per probe and position: {examples}; "
-             f"data folder: {data_dir or 'none (synthetic kv, filler and Jacobian text)'}"]
-    in2 = None
-    if "in2" in probes:
-        check_shared_vocab(targets, tokenizers)
-        in2, in2_source = in2_items(targets, reference, tokenizers[0], examples)
-        notes.append(f"in2 items: {in2_source}")
-    eval_cfg = EvalConfig(probe_examples=examples, data_dir=None if data_dir is None else str(data_dir),
-                          batch_size=batch_size, kv=kv or KVProbeConfig(), mdqa=mdqa or MDQAProbeConfig(),
-                          needle=needle or NeedleProbeConfig())
-    if max_new_tokens is not None:
-        eval_cfg = with_budget(eval_cfg, max_new_tokens)
-    bank = ProbeBank(eval_cfg, in2)
-    try:
-        specs = [Spec.parse(text) for text in interventions]
-    except ValueError as err:
-        raise CompareError(str(err)) from err
-    for spec in specs:
-        if not spec.probes(probes):
-            raise CompareError(f"intervention {spec.tag} changes none of the probes {list(probes)}")
-        check_intervention(spec.name, spec.probes(probes), spec.order, spec.keep)
-    banks = [(spec, ProbeBank(intervened(eval_cfg, spec.name, spec.order, spec.keep), in2)) for spec in specs]
-    jacobian = jacobian_settings(reference, seq_len)
-    entries = [
-        evaluate_target(t, tok, probes, bank, jacobian, data_dir, device, dtype, banks, ms_poe, calibration)
-        for t, tok in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path")
-    ]
-    out = Path(out)
+    plan, notes = compare_plan(targets, tokenizers, cfg)
+    entries = [evaluate_target(t, tok, plan, cfg)
+               for t, tok in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path")]
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     for e in entries:
         for probe, result in e.results.items():
@@ -735,11 +660,11 @@ def compare(
         for name, results in e.interventions.items():
             for probe, result in results.items():
                 result.save_json(out / "eval" / f"{e.target.slug}_{probe}_{name}.json")
-    report = write_report(out, entries, probes, notes, use_wandb)
-    if log_wandb is not None:
-        config = {"paths": [str(p) for p in paths], "probes": list(probes), "examples": examples,
-                  "data_dir": None if data_dir is None else str(data_dir)}
-        log_report_to_wandb(report, entries, log_wandb, config)
+    report = write_report(out, entries, plan.probes, notes, cfg.use_wandb)
+    if cfg.log_wandb is not None:
+        config = {"paths": [str(p) for p in paths], "probes": list(plan.probes), "examples": cfg.examples,
+                  "data_dir": None if cfg.data_dir is None else str(cfg.data_dir)}
+        log_report_to_wandb(report, entries, cfg.log_wandb, config)
     return report
 
 
@@ -755,7 +680,7 @@ def _spec_list(text: str) -> list[str]:
     specs = [s for s in text.split(",") if s]
     for spec in specs:
         try:
-            Spec.parse(spec)
+            Intervention.parse(spec)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from err
     return specs
@@ -764,7 +689,7 @@ def _spec_list(text: str) -> list[str]:
 def _layers(text: str) -> str | list[int]:
     """A layers option: a named set (reference, last_half, all) or comma-separated 0-based indices."""
     try:
-        return text if text in ("reference", "last_half", "all") else [int(i) for i in text.split(",")]
+        return text if text in {str(s) for s in LayerSet} else [int(i) for i in text.split(",")]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"layers {text!r}: a named set or comma-separated indices") from err
 
@@ -788,6 +713,7 @@ def _depth_list(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # One declaration per option, each with its help text: long, and clearer in one place than split up.
     parser = argparse.ArgumentParser(
         prog="python -m analysis.compare",
         description="Compare runs and checkpoints: accuracy by gold position (kv, mdqa, needle, in2), "
@@ -832,8 +758,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="L of measured Jacobian profiles (default: the first run's jacobian.seq_len, "
                              "else 256)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights dtype (default float32)")
+    parser.add_argument("--dtype", default=DType.float32.value, choices=[d.value for d in DType],
+                        help="weights dtype (default float32; auto: as saved)")
     parser.add_argument("--interventions", type=_spec_list, default=[],
                         help="comma-separated inference-time interventions answered beside the plain probes: "
                              "reorder[:outside_in|descending|ascending], truncate:K[:order], query_aware, ms_poe, "
@@ -855,17 +781,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (1: a PATH cannot be compared; argparse errors exit with 2)."""
     args = build_parser().parse_args(argv)
+    cfg = CompareConfig(
+        out=args.out, probes=args.probes, examples=args.examples, data_dir=args.data_dir,
+        kv=KVProbeConfig(path=args.kv_path, n_pairs=args.kv_pairs),
+        mdqa=MDQAProbeConfig(path=args.mdqa_path, n_docs=args.mdqa_docs, distractors=args.distractors),
+        needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
+        device=args.device, dtype=DType(args.dtype), use_wandb=args.wandb, log_wandb=args.wandb_log,
+        interventions=args.interventions, ms_poe=MsPoEConfig(layers=args.ms_poe_layers),
+        calibration=AttnCalibrationConfig(layers=args.calibration_layers),
+    )
     try:
-        report = compare(
-            args.paths, args.out, args.probes, args.examples, args.data_dir,
-            kv=KVProbeConfig(path=args.kv_path, n_pairs=args.kv_pairs),
-            mdqa=MDQAProbeConfig(path=args.mdqa_path, n_docs=args.mdqa_docs, distractors=args.distractors),
-            needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
-            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
-            device=args.device, dtype=args.dtype, use_wandb=args.wandb, log_wandb=args.wandb_log,
-            interventions=args.interventions, ms_poe=MsPoEConfig(layers=args.ms_poe_layers),
-            calibration=AttnCalibrationConfig(layers=args.calibration_layers),
-        )
+        report = compare(args.paths, cfg)
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -27,14 +27,15 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from analysis.compare import heldout_documents
 from analysis.evaluation.checkpoints import CompareError, load_checkpoint_tokenizer, load_model, resolve_target
+from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import Estimator, JacobianConfig, build_eval_sequences, measure_sets
 from analysis.measure.prior import fit_alpha, prior_profile, spearman
 from analysis.measure.rollout import ROLLOUT_METRICS, RolloutVariant, capture, rollout_metrics, rollouts
+from analysis.report.figures import plot_predicted_profiles
+from analysis.report.tables import markdown_table, num
 from data_builders.files import atomic_write_text
 from models.attention.nope import disable_rope, is_nope
 from models.training.checkpoint import checkpoint_config
@@ -105,41 +106,20 @@ def reduction(rows: Sequence[StudyRow], model: str, set_name: str, baseline: str
 
 
 def table(rows: Sequence[StudyRow]) -> list[str]:
-    lines = ["| model | set | predictor | " + " | ".join(ROLLOUT_METRICS) + " |",
-             "|" + " --- |" * (3 + len(ROLLOUT_METRICS))]
-    lines += [f"| {r.model} | {r.set_name} | {r.predictor} | "
-              + " | ".join(f"{r.metrics[m]:.3f}" for m in ROLLOUT_METRICS) + " |" for r in rows]
-    return lines
+    body = [[r.model, r.set_name, r.predictor, *(num(r.metrics[m], missing=None) for m in ROLLOUT_METRICS)]
+            for r in rows]
+    return markdown_table(["model", "set", "predictor", *ROLLOUT_METRICS], body)
 
 
 def reduction_table(rows: Sequence[StudyRow]) -> list[str]:
-    lines = ["| model | set | W1 reduction vs attention-only | vs fixed residual | "
-             "RMSE log10 reduction vs attention-only | vs fixed residual |", "|" + " --- |" * 6]
+    header = ["model", "set", "W1 reduction vs attention-only", "vs fixed residual",
+              "RMSE log10 reduction vs attention-only", "vs fixed residual"]
+    body = []
     for model, set_name in dict.fromkeys((r.model, r.set_name) for r in rows):
         cells = [reduction(rows, model, set_name, b, m) for m in ("w1", "rmse_log10")
                  for b in (RolloutVariant.attention_only, RolloutVariant.fixed_residual)]
-        lines.append(f"| {model} | {set_name} | " + " | ".join(f"{c:.0%}" for c in cells) + " |")
-    return lines
-
-
-def plot(curves: dict[str, dict[str, dict[str, np.ndarray]]], out_png: Path) -> Path:
-    """Measured profile and every predictor (all scaled to sum 1): a row of panels per model, a column per set."""
-    models, sets = list(curves), list(dict.fromkeys(s for by_set in curves.values() for s in by_set))
-    fig = Figure(figsize=(6.5 * len(sets), 4.5 * len(models)), layout="constrained")
-    axes = np.atleast_2d(fig.subplots(len(models), len(sets), squeeze=False))  # rows: models, columns: sets
-    for ax, (model, set_name) in zip(axes.flat, [(m, s) for m in models for s in sets]):
-        for k, (name, curve) in enumerate(curves[model][set_name].items()):
-            x = np.arange(len(curve)) / max(len(curve) - 1, 1)
-            ax.plot(x, curve / curve.sum(), lw=2.0 if name == JACOBIAN else 1.0,
-                    color="k" if name == JACOBIAN else f"C{k}", ls=":" if name == PRIOR_ROW else "-",
-                    label=name if name in (JACOBIAN, PRIOR_ROW) else f"rollout, {name}")
-        ax.set(yscale="log", xlabel="relative position x = (j-1)/(L-1)", ylabel="share of influence",
-               title=f"{model}, {set_name}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    return out_png
+        body.append([model, set_name, *(f"{c:.0%}" for c in cells)])
+    return markdown_table(header, body)
 
 
 def run_study(checkpoint: str | None, out: Path, steps: int, seq_len: int, n_seq: int,
@@ -157,21 +137,24 @@ def run_study(checkpoint: str | None, out: Path, steps: int, seq_len: int, n_seq
     cfg = JacobianConfig(estimator=Estimator.exact, seq_len=seq_len, n_vanilla=n_seq, n_chunked=n_seq,
                          chunk_len=max(seq_len // 4, 1))
     n_docs = cfg.n_vanilla + cfg.n_chunked * math.ceil(cfg.seq_len / cfg.chunk_len)
-    docs, doc_source = heldout_documents(tokenizer, data_dir, seq_len, n_docs)
+    try:
+        docs, doc_source = heldout_documents(tokenizer, data_dir, seq_len, n_docs)
+    except HeldoutError as err:
+        raise CompareError(str(err)) from err
     seqs = build_eval_sequences(docs, seq_len, cfg.n_vanilla, cfg.n_chunked, cfg.chunk_len)
     rows, curves = [], {}
     for name, model in ((f"trained (step {target.step})", trained), ("random init", random_init)):
         model_rows, curves[name] = study_model(name, model, seqs, cfg)
         rows += model_rows
-    png = plot(curves, out / "rollout_study.png")
+    png = plot_predicted_profiles(curves, out / "rollout_study.png", JACOBIAN, PRIOR_ROW)
     rope_lines = []
     if not is_nope(config):
         rope_rows = rope_invariance(config, seqs, cfg, seeds=(seed, seed + 1, seed + 2))
         rope_lines = ["## RoPE invariance at init", "",
                       "Spearman between the exact profiles of a random init with RoPE and the same weights without "
                       "it (`model.rope=false`), on the sequences above.", "",
-                      "| seed | set | Spearman |", "| --- | --- | --- |",
-                      *(f"| {s} | {name} | {rho:.3f} |" for s, name, rho in rope_rows), ""]
+                      *markdown_table(["seed", "set", "Spearman"],
+                                      [[str(s), name, num(rho, missing=None)] for s, name, rho in rope_rows]), ""]
     report = out / "rollout_study.md"
     atomic_write_text(report, "\n".join([
         "# Rollout vs measured Jacobian", "",

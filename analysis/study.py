@@ -27,7 +27,6 @@ import json
 import math
 import re
 import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,21 +34,21 @@ from typing import Any
 
 import numpy as np
 import yaml
-from matplotlib.figure import Figure
 
-from analysis.compare import markdown_table, positive_int
+from analysis.compare import positive_int
+from analysis.evaluation.config import Probe
+from analysis.evaluation.fairness import FAIRNESS_METRICS, MIDDLE, middle_of, resampled_metrics
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.scoring import bootstrap_ci
+from analysis.report.figures import plot_depth_intervals
 from analysis.report.metrics_log import read_metrics
-from data_builders.files import atomic_write_text
+from analysis.report.tables import markdown_table, num, with_ci
+from data_builders.files import atomic_write_text, json_safe
+from models.training.run_dir import OVERRIDES, RunDir
 
 REFERENCE_ARM = "none"  # the arm of jobs without a debias override
 START = "start"  # the checkpoint every job fine-tunes, as its step-0 evaluation scored it (a row of the table)
-PROBE = "in2"
-EVAL_FILE = re.compile(rf"^{PROBE}_step(\d+)\.json$")
-MIDDLE = (0.25, 0.75)  # gold depths in [0.25, 0.75) are the middle, the rest the ends
 DEFAULT_BINS = 10  # depth bins when no outcome's label tells the bin width
-FAIRNESS_METRICS = ("mean", "worst_bin", "gap", "middle_minus_ends", "middle_over_ends")
 VALLEY_METRICS = ("peak_to_trough_log10", "middle_mass")
 VALLEY_KEY = re.compile(rf"^valley/([^/]+)/({'|'.join(VALLEY_METRICS)})$")
 SET_ORDER = ("vanilla", "chunked")  # known Jacobian sets first, any other after them
@@ -163,21 +162,9 @@ def _read_overrides(path: Path) -> list[str]:
     return [str(item) for item in data]
 
 
-def eval_files(job_dir: Path) -> dict[int, Path]:
-    """A run's held-out IN2 eval JSONs by training step (`eval/in2_step<N>.json`)."""
-    folder = job_dir / "eval"
-    found = {}
-    if folder.is_dir():
-        for path in folder.iterdir():
-            match = EVAL_FILE.match(path.name)
-            if match:
-                found[int(match.group(1))] = path
-    return found
-
-
 def _merged_metrics(job_dir: Path) -> dict[int, dict[str, Any]]:
     """metrics.jsonl rows merged per step (groups of metrics of one step come on separate lines)."""
-    if not (job_dir / "metrics.jsonl").is_file():
+    if not RunDir(job_dir).metrics.is_file():
         return {}
     merged: dict[int, dict[str, Any]] = {}
     for row in read_metrics(job_dir):
@@ -187,13 +174,15 @@ def _merged_metrics(job_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def _load_job(job_dir: Path) -> Job:
-    overrides = _read_overrides(job_dir / ".hydra" / "overrides.yaml")
-    files = eval_files(job_dir)
+    paths = RunDir(job_dir)
+    overrides = _read_overrides(paths.overrides)
+    files = paths.eval_files(Probe.in2)
     if 0 not in files:
-        raise StudyError(f"{job_dir / 'eval' / f'{PROBE}_step0.json'}: missing (every job needs its step-0 eval)")
+        raise StudyError(f"{paths.eval_json(Probe.in2, 0)}: missing (every job needs its step-0 eval)")
     final_step = max(files)
     if final_step == 0:
-        raise StudyError(f"{job_dir / 'eval'}: only {PROBE}_step0.json, no final eval (did the job finish?)")
+        raise StudyError(f"{paths.eval}: only {paths.eval_json(Probe.in2, 0).name}, no final eval "
+                         "(did the job finish?)")
     results = {}
     for step in (0, final_step):
         try:
@@ -242,9 +231,9 @@ def load_study(sweep_dir: str | Path) -> Study:
     sweep = Path(sweep_dir)
     if not sweep.is_dir():
         raise StudyError(f"{sweep}: not a directory")
-    job_dirs = sorted((p.parents[1] for p in sweep.glob("*/.hydra/overrides.yaml")), key=_job_order)
+    job_dirs = sorted((p.parents[1] for p in sweep.glob(f"*/{OVERRIDES}")), key=_job_order)
     if not job_dirs:
-        raise StudyError(f"{sweep}: no job directories (subdirectories with .hydra/overrides.yaml)")
+        raise StudyError(f"{sweep}: no job directories (subdirectories with {OVERRIDES})")
     jobs = [_load_job(d) for d in job_dirs]
     seen: dict[tuple[str, int], Path] = {}
     for job in jobs:
@@ -253,11 +242,11 @@ def load_study(sweep_dir: str | Path) -> Study:
             raise StudyError(f"{job.path}: same arm {job.arm!r} and seed {job.seed} as {other} (does the sweep "
                              "vary something other than debias and seed?)")
 
-    first_path = jobs[0].path / "eval" / f"{PROBE}_step{jobs[0].final_step}.json"
+    first_path = RunDir(jobs[0].path).eval_json(Probe.in2, jobs[0].final_step)
     first = _outcomes_by_id(jobs[0].final, first_path)
     for job in jobs:
         for step, result in ((0, job.start), (job.final_step, job.final)):
-            path = job.path / "eval" / f"{PROBE}_step{step}.json"
+            path = RunDir(job.path).eval_json(Probe.in2, step)
             outcomes = _outcomes_by_id(result, path)
             missing, extra = first.keys() - outcomes.keys(), outcomes.keys() - first.keys()
             if missing or extra:
@@ -280,60 +269,6 @@ def load_study(sweep_dir: str | Path) -> Study:
 
 
 # ---------------------------------------------------------------------------------------------- fairness
-
-
-def _resampled_metrics(
-    scores: np.ndarray, bins: np.ndarray, middle: np.ndarray, idx: np.ndarray, n_bins: int
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Fairness metrics of every arm on every resample: ({metric: (A, c)}, bin accuracy (A, c, n_bins)).
-
-    scores (A, n) per-question scores of A arms; bins (n,) depth bins; middle (n,) bool; idx (c, n) resampled
-    question indices, the same for every arm (the pairing). A bin without questions has accuracy nan and is
-    left out of worst_bin and gap.
-    """
-    c, n = idx.shape
-    keys = (bins[idx] + n_bins * np.arange(c)[:, None]).ravel()  # (c * n,) one bincount for all resamples
-    counts = np.bincount(keys, minlength=c * n_bins).reshape(c, n_bins)  # (c, B)
-    mid = middle[idx]  # (c, n)
-    n_mid, n_ends = mid.sum(axis=1), (~mid).sum(axis=1)  # (c,)
-    out: dict[str, list[np.ndarray]] = {name: [] for name in FAIRNESS_METRICS}
-    by_bin = []
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-nan slices: a resample without some bins
-        for row in scores:
-            s = row[idx]  # (c, n)
-            sums = np.bincount(keys, weights=s.ravel(), minlength=c * n_bins).reshape(c, n_bins)
-            acc = np.where(counts > 0, sums / counts, np.nan)  # (c, B)
-            mid_acc = np.where(mid, s, 0.0).sum(axis=1) / n_mid  # (c,)
-            ends_acc = np.where(mid, 0.0, s).sum(axis=1) / n_ends  # (c,)
-            worst, best = np.nanmin(acc, axis=1), np.nanmax(acc, axis=1)
-            out["mean"].append(s.mean(axis=1))
-            out["worst_bin"].append(worst)
-            out["gap"].append(best - worst)
-            out["middle_minus_ends"].append(mid_acc - ends_acc)
-            out["middle_over_ends"].append(np.where(ends_acc > 0, mid_acc / ends_acc, np.nan))
-            by_bin.append(acc)
-    return {name: np.stack(values) for name, values in out.items()}, np.stack(by_bin)
-
-
-def _middle(depths: np.ndarray) -> np.ndarray:
-    return (depths >= MIDDLE[0]) & (depths < MIDDLE[1])
-
-
-def fairness(scores: np.ndarray, bins: np.ndarray, depths: np.ndarray) -> dict[str, float]:
-    """Position-fairness metrics of one vector of per-question scores (n,), with their depth bins and depths.
-
-    mean; worst_bin (lowest bin accuracy); gap (highest minus lowest bin accuracy, bins without questions
-    left out); middle_minus_ends (accuracy of depths in [0.25, 0.75) minus that of the others);
-    middle_over_ends (their ratio, nan when the ends accuracy is 0).
-    """
-    scores, bins = np.asarray(scores, dtype=np.float64), np.asarray(bins, dtype=np.int64)
-    if scores.shape != bins.shape or scores.shape != np.shape(depths) or scores.ndim != 1 or scores.size == 0:
-        raise ValueError(f"need equal non-empty 1-D scores, bins and depths, got shapes {scores.shape}, "
-                         f"{bins.shape}, {np.shape(depths)}")
-    idx = np.arange(scores.size)[None]  # the sample itself as the one "resample"
-    metrics, _ = _resampled_metrics(scores[None], bins, _middle(np.asarray(depths)), idx, int(bins.max()) + 1)
-    return {name: float(values[0, 0]) for name, values in metrics.items()}
 
 
 def _interval(samples: np.ndarray, alpha: float) -> tuple[float, float]:
@@ -365,17 +300,17 @@ def paired_bootstrap(
     arms = [reference, *(a for a in scores if a != reference)]
     matrix = np.stack([np.asarray(scores[a], dtype=np.float64) for a in arms])  # (A, n)
     bins, depths = np.asarray(bins, dtype=np.int64), np.asarray(depths, dtype=np.float64)
-    n_bins, middle, n = int(bins.max()) + 1, _middle(depths), matrix.shape[1]
+    n_bins, middle, n = int(bins.max()) + 1, middle_of(depths), matrix.shape[1]
 
     rng = np.random.default_rng(seed)
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in FAIRNESS_METRICS}
     for start in range(0, n_boot, CHUNK):
         idx = rng.integers(0, n, size=(min(CHUNK, n_boot - start), n))  # (c, n), shared by every arm
-        metrics, _ = _resampled_metrics(matrix, bins, middle, idx, n_bins)
+        metrics, _ = resampled_metrics(matrix, bins, middle, idx, n_bins)
         for name, values in metrics.items():
             chunks[name].append(values)
     samples = {name: np.concatenate(values, axis=1) for name, values in chunks.items()}  # {metric: (A, n_boot)}
-    point, _ = _resampled_metrics(matrix, bins, middle, np.arange(n)[None], n_bins)
+    point, _ = resampled_metrics(matrix, bins, middle, np.arange(n)[None], n_bins)
 
     estimates: dict[str, dict[str, Estimate]] = {}
     worst_diffs: dict[str, np.ndarray] = {}
@@ -505,50 +440,16 @@ def analyse(
 # ---------------------------------------------------------------------------------------------- figure
 
 
-def accuracy_by_depth_figure(stats: Mapping[str, Any]) -> Figure:
-    """Final accuracy by gold depth of every arm with 95% bootstrap intervals; dashed grey: step 0 of the
-    reference arm."""
-    n_bins = stats["bins"]["n_bins"]
-    x = np.arange(n_bins) / n_bins + 0.5 / n_bins  # bin centres: lower edge + half a bin
-    arms = list(stats["by_bin"])
-    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
-    ax = fig.subplots()
-    start = np.asarray(stats["start"]["accuracy"], dtype=np.float64)
-    ax.plot(x, start, ls="--", lw=1.2, color="grey", marker=".",
-            label=f"{stats['start']['arm']}, step 0 (start)")
-    for i, arm in enumerate(arms):
-        acc = np.asarray(stats["by_bin"][arm]["accuracy"], dtype=np.float64)  # (B,)
-        ci = np.asarray(stats["by_bin"][arm]["ci"], dtype=np.float64)  # (B, 2)
-        # A small sideways offset keeps overlapping intervals of different arms apart.
-        shift = 0.12 / n_bins * (i - (len(arms) - 1) / 2)
-        err = np.abs(ci.T - acc)  # (2, B): below, above
-        ax.errorbar(x + shift, acc, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=arm)
-    ax.set(xlabel="gold depth (bin centre)", ylabel="accuracy", xlim=(0.0, 1.0), ylim=(-0.02, 1.02),
-           title=f"Final accuracy by gold depth: {stats['n_questions']} questions, mean over seeds")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
-
-
 def plot_accuracy_by_depth(stats: Mapping[str, Any], out_png: str | Path) -> Path:
-    """`accuracy_by_depth_figure` as a PNG."""
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    accuracy_by_depth_figure(stats).savefig(out, dpi=120)
-    return out
+    """Final accuracy by gold depth of every arm with 95% bootstrap intervals; dashed grey: step 0 of the
+    reference arm (`analysis.report.figures.plot_depth_intervals` of the `analyse` numbers)."""
+    arms = {arm: (by_bin["accuracy"], by_bin["ci"]) for arm, by_bin in stats["by_bin"].items()}
+    return plot_depth_intervals(arms, stats["start"]["accuracy"], f"{stats['start']['arm']}, step 0 (start)",
+                                f"Final accuracy by gold depth: {stats['n_questions']} questions, mean over seeds",
+                                out_png)
 
 
 # ---------------------------------------------------------------------------------------------- report
-
-
-def _num(value: float | None, signed: bool = False) -> str:
-    if value is None or not math.isfinite(value):
-        return "n/a"
-    return f"{value:+.3f}" if signed else f"{value:.3f}"
-
-
-def _with_ci(value: float, low: float, high: float, signed: bool = False) -> str:
-    return f"{_num(value, signed)} [{_num(low, signed)}, {_num(high, signed)}]"
 
 
 FAIRNESS_HEADER = ("metric", "arm", "seeds", "value [95% CI]", "Δ vs {ref} [95% CI]")
@@ -562,11 +463,11 @@ def fairness_table(stats: Mapping[str, Any]) -> list[str]:
     for name in FAIRNESS_METRICS:
         for arm, metrics in stats["fairness"].items():
             e = metrics[name]
-            diff = "(reference)" if arm == ref else _with_ci(e["diff"], e["diff_low"], e["diff_high"], signed=True)
+            diff = "(reference)" if arm == ref else with_ci(e["diff"], e["diff_low"], e["diff_high"], signed=True)
             if arm != ref and e["resolved"]:
                 diff += " *"
             seeds = ",".join(map(str, stats["arms"][arm]["seeds"])) if arm in stats["arms"] else "step 0"
-            rows.append([name, arm, seeds, _with_ci(e["value"], e["low"], e["high"]), diff])
+            rows.append([name, arm, seeds, with_ci(e["value"], e["low"], e["high"]), diff])
     header = [h.format(ref=ref) for h in FAIRNESS_HEADER]
     return markdown_table(header, rows)
 
@@ -584,22 +485,9 @@ def valley_table(stats: Mapping[str, Any]) -> list[str]:
             cells = [arm, name, f"{_steps(first['start_steps'])} → {_steps(first['end_steps'])}"]
             for metric in VALLEY_METRICS:
                 m = metrics[metric]
-                cells += [_num(m["start"]), _num(m["end"]), _num(m["change"], signed=True)]
+                cells += [num(m["start"]), num(m["end"]), num(m["change"], signed=True)]
             rows.append(cells)
     return markdown_table(VALLEY_HEADER, rows)
-
-
-def _jsonable(value: Any) -> Any:
-    """JSON has no NaN: non-finite floats become null."""
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
 
 
 def report_lines(stats: Mapping[str, Any]) -> list[str]:
@@ -607,9 +495,9 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
     ref, res = stats["reference"], stats["resolution"]
     arms = stats["arms"]
     arm_rows = [[arm, ",".join(map(str, info["seeds"])), "/".join(map(str, sorted(set(info["final_steps"])))),
-                 ", ".join(_num(m) for m in info["seed_means"])] for arm, info in arms.items()]
+                 ", ".join(num(m) for m in info["seed_means"])] for arm, info in arms.items()]
     pct = round(100 * (1 - stats["alpha"]))
-    widths = ", ".join(f"{arm} ±{_num(w)}" for arm, w in res["worst_bin_diff_halfwidth"].items()) or "no other arm"
+    widths = ", ".join(f"{arm} ±{num(w)}" for arm, w in res["worst_bin_diff_halfwidth"].items()) or "no other arm"
     lines = [
         "# Debias study", "",
         f"Sweep: `{stats['sweep_dir']}`", "",
@@ -629,7 +517,7 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
         "evaluation).", "",
         *fairness_table(stats), "",
         "### What difference is resolvable", "",
-        f"The accuracy of one depth bin of `{ref}` is known to ±{_num(res['median_bin_halfwidth'])} (median over "
+        f"The accuracy of one depth bin of `{ref}` is known to ±{num(res['median_bin_halfwidth'])} (median over "
         f"bins of the half-width of each bin's {pct}% bootstrap interval, resampling within the bin). The "
         f"worst-bin difference to `{ref}` is known to: {widths} (half-width of its paired interval); a smaller "
         "change in the worst bin cannot be told from noise with these questions.", "",
@@ -657,7 +545,7 @@ def write_report(
     lines += ["## Accuracy by gold depth", "",
               f"Final step, every arm, error bars: {round(100 * (1 - alpha))}% bootstrap intervals; dashed grey: "
               f"`{reference}` at step 0 (the start).", "", f"![]({png.name})", ""]
-    atomic_write_text(out / "study.json", json.dumps(_jsonable(stats), indent=1))
+    atomic_write_text(out / "study.json", json.dumps(json_safe(stats), indent=1))
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines))
     return report

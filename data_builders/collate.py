@@ -15,6 +15,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from data_builders.needle_mix import check_mix_rows
+
 
 def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad `input_ids` (with `pad_id`) and `labels` (with -100) to the longest row."""
@@ -125,9 +127,8 @@ class BatchStream:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.label_context, self.ordered_first_epoch, self.pack_len = label_context, ordered_first_epoch, pack_len
         self.depths, self.mix, self.mix_rows = depths, mix, mix_rows if mix else 0
-        if self.mix_rows and (pack_len or self.mix_rows >= micro_batch_size):
-            raise ValueError(f"{mix_rows} mixed rows need padded micro-batches of more rows "
-                             f"(micro_batch_size={micro_batch_size}, packing={bool(pack_len)})")
+        if self.mix_rows:
+            check_mix_rows(self.mix_rows, micro_batch_size, bool(pack_len))
         # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
         columns = ["input_ids", "labels"] + (["depth"] if depths else [])
         self._columns = dataset.select_columns(columns) if hasattr(dataset, "column_names") else None

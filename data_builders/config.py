@@ -38,8 +38,8 @@ class DepthLaw(StrEnum):
     uniform = "uniform"  # every offset alike (IN2's law)
     ends = "ends"  # the first or last `depth_ends` share of the offsets only: ordinary data's U (FILM's story)
     beta = "beta"  # p / F ~ Beta(a, b) (`depth_beta`): Beta(0.5, 0.5) favours the ends, Beta(2, 2) the middle
-    # density ∝ p(d)^(-valley_power), p the closed-form prior at depth d (data_builders.depth_prior) of a
-    # model with `valley_layers` layers and residual weight `valley_alpha`: most golds where the prior is lowest
+    # density ∝ p(d)^(-prior_power), p the closed-form prior at depth d (data_builders.depth_prior) of a
+    # model with `prior_layers` layers and residual weight `prior_alpha`: most golds where the prior is lowest
     valley = "valley"
 
 
@@ -87,9 +87,9 @@ class In2Config:
     depth_law: DepthLaw = DepthLaw.uniform
     depth_ends: float = 0.2  # ends: the share of the offsets at each end that golds may take, in (0, 0.5]
     depth_beta: list[float] = field(default_factory=lambda: [0.5, 0.5])  # beta: its (a, b), both > 0
-    valley_layers: Optional[int] = None  # valley: the model's layer count H (required)
-    valley_alpha: float = 0.5  # valley: the prior's residual weight a
-    valley_power: float = 1.0  # valley: the exponent beta of p(d)^(-beta)
+    prior_layers: Optional[int] = None  # valley: the model's layer count H (required)
+    prior_alpha: float = 0.5  # valley: the prior's residual weight a
+    prior_power: float = 1.0  # valley: the exponent beta of p(d)^(-beta)
     # The law ramps in from uniform over this share of the training split (a sample i in stored order follows
     # it with probability min(1, i / (depth_ramp * num_train))); training then reads the split in that order.
     depth_ramp: float = 0.0
@@ -136,11 +136,21 @@ class DataConfig:
     windows: WindowsConfig = field(default_factory=WindowsConfig)
 
 
+# data.in2 keys of run configs saved before the prior's weight had one name set (debias.prior_alpha/prior_power too).
+RENAMED_IN2_KEYS = {"valley_layers": "prior_layers", "valley_alpha": "prior_alpha", "valley_power": "prior_power"}
+
+
 def as_data_config(cfg: Any) -> DataConfig:
-    """A typed DataConfig from a DataConfig, an OmegaConf node (e.g. `cfg.data`) or a plain dict."""
+    """A typed DataConfig from a DataConfig, an OmegaConf node (e.g. `cfg.data`, also of an older run's saved
+    config, whose renamed keys are read under their new names) or a plain dict."""
     if isinstance(cfg, DataConfig):
         return cfg
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), cfg))
+    node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg)
+    in2 = node.get("in2")
+    for old, new in RENAMED_IN2_KEYS.items():
+        if in2 is not None and old in in2:
+            in2[new] = in2.pop(old)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), node))
 
 
 def config_dict(cfg: DataConfig) -> dict[str, Any]:
@@ -190,11 +200,11 @@ def _validate_in2(cfg: DataConfig) -> None:
         raise ValueError(f"data.in2.depth_ends={c.depth_ends} must be a share of the offsets at each end, in (0, 0.5]")
     if len(c.depth_beta) != 2 or min(c.depth_beta) <= 0:
         raise ValueError(f"data.in2.depth_beta={list(c.depth_beta)} must be two positive numbers (a, b)")
-    if c.depth_law == DepthLaw.valley and (c.valley_layers is None or c.valley_layers < 1):
-        raise ValueError(f"data.in2.depth_law=valley needs data.in2.valley_layers >= 1, the model's layer count "
-                         f"(got {c.valley_layers})")
-    if not 0 < c.valley_alpha < 1:
-        raise ValueError(f"data.in2.valley_alpha={c.valley_alpha} must be in (0, 1)")
+    if c.depth_law == DepthLaw.valley and (c.prior_layers is None or c.prior_layers < 1):
+        raise ValueError(f"data.in2.depth_law=valley needs data.in2.prior_layers >= 1, the model's layer count "
+                         f"(got {c.prior_layers})")
+    if not 0 < c.prior_alpha < 1:
+        raise ValueError(f"data.in2.prior_alpha={c.prior_alpha} must be in (0, 1)")
     if not 0 <= c.depth_ramp <= 1:
         raise ValueError(f"data.in2.depth_ramp={c.depth_ramp} must be a share of the training split, in [0, 1]")
     if not 0 <= c.curriculum <= 1:

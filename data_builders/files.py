@@ -1,11 +1,16 @@
-"""Writes a crash cannot leave half-done: write beside the target, flush to disk, then rename.
+"""Files: writes a crash cannot leave half-done, JSON without NaN, and JSON-lines and glob reads.
 
-The one implementation of write-to-temp-then-rename for the whole project (checkpoints, built
-datasets, trained tokenizers, jacobian.npz). It lives in the lowest layer so that every other
-package can use it.
+Crash-safe writes go beside the target, are flushed to disk, then renamed: the one implementation of
+write-to-temp-then-rename for the whole project (checkpoints, built datasets, trained tokenizers,
+jacobian.npz). `json_safe` is the one rule for numbers JSON cannot hold (NaN, inf: null). It all lives in
+the lowest layer so that every other package can use it.
 """
 from __future__ import annotations
 
+import glob
+import gzip
+import json
+import math
 import os
 import shutil
 import socket
@@ -13,6 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def fsync_tree(folder: Path) -> None:
@@ -95,3 +101,54 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` (UTF-8) so that a reader sees the old or the new file, never half."""
     with atomic_file(path, "w") as f:
         f.write(text)
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with numpy scalars as Python numbers and every NaN or infinity as None (JSON null: JSON has no
+    NaN, and a reader such as pandas reads null back as missing), in nested dicts, lists and tuples too."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy and torch scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file, gzipped when the name ends in .gz; a bad line fails naming file and line."""
+    return [rec for _, rec in read_jsonl_lines(path)]
+
+
+def read_jsonl_lines(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of every non-blank line of a JSON-lines file (.gz: gzipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not a JSON object: {err}") from err
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
+            out.append((line_no, rec))
+    return out
+
+
+def expand_paths(pattern: str | Path) -> list[Path]:
+    """The files a path or glob pattern (`qa_data/20_total_documents/*.jsonl.gz`) names, sorted."""
+    text = str(pattern)
+    if not glob.has_magic(text):
+        return [Path(text)]
+    found = sorted(Path(p) for p in glob.glob(os.path.expanduser(text)))
+    if not found:
+        raise FileNotFoundError(f"{text}: no file matches this pattern")
+    return found

@@ -297,7 +297,7 @@ def offset_law(cfg: DataConfig) -> Callable[[int, random.Random], int]:
 
         return ends
     if law == DepthLaw.valley:
-        return valley_offset(cfg.in2.valley_layers, cfg.in2.valley_alpha, cfg.in2.valley_power)
+        return valley_offset(cfg.in2.prior_layers, cfg.in2.prior_alpha, cfg.in2.prior_power)
     a, b = cfg.in2.depth_beta
 
     def beta(free: int, rng: random.Random) -> int:

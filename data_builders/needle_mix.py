@@ -10,6 +10,8 @@ each micro-batch (`mix_rows`).
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Iterable, Sequence
 
 from tqdm import tqdm
@@ -32,6 +34,52 @@ KV_MAX_PAIRS = 16  # the most pairs a kv sample starts from; fewer when the budg
 MDQA_MAX_DOCS = 20  # the most documents an mdqa sample starts from (the reference's 20); fewer when they do not fit
 MDQA_POOL = 2000  # synthetic entity documents an mdqa sample draws its gold and distractors from
 MDQA_FACTS = 1  # sentences per mdqa document: ~6 one-fact documents fit a tiny model's 256-token contexts
+
+
+class MixKind(StrEnum):
+    needle = "needle"  # "The secret code of <word> is <number>." in filler sentences (data_builders.probes)
+    kv = "kv"  # one UUID key's value among UUID pairs (Liu et al.'s probe)
+    mdqa = "mdqa"  # a question about an invented person among documents about others (the mdqa prompt)
+
+
+@dataclass
+class NeedleMixConfig:
+    share: float = 0.0  # of each micro-batch's rows replaced by synthetic retrieval samples; 0 = off
+    kinds: list[MixKind] = field(default_factory=lambda: [MixKind.needle, MixKind.kv])  # drawn alternately
+    pool: int = 4000  # distinct retrieval samples generated (seeded), read in turn
+    seed: int = 1  # generator seed; samples equal to an evaluation probe item are dropped
+
+
+def mixed_rows(share: float, micro_batch_size: int) -> int:
+    """Rows of each micro-batch that a mix of `share` replaces with retrieval samples."""
+    return round(share * micro_batch_size)
+
+
+def check_mix_rows(rows: int, micro_batch_size: int, packing: bool) -> None:
+    """Mixed rows replace the tail of padded micro-batches and must leave at least one row of each kind."""
+    if packing:
+        raise ValueError("debias.needle_mix replaces rows of padded micro-batches: set data.packing=false")
+    if not 1 <= rows < micro_batch_size:
+        raise ValueError(f"debias.needle_mix.share of trainer.micro_batch_size={micro_batch_size} rows gives {rows} "
+                         "mixed rows: it must leave at least one of each kind")
+
+
+def validate_needle_mix(cfg: NeedleMixConfig, micro_batch_size: int, packing: bool) -> None:
+    """Every check of `debias.needle_mix`, at start-up; errors name the key."""
+    if not 0 <= cfg.share < 1:
+        raise ValueError(f"debias.needle_mix.share={cfg.share} must be in [0, 1)")
+    if not cfg.share:
+        return
+    if not cfg.kinds or cfg.pool < 1:
+        raise ValueError("debias.needle_mix needs at least one of debias.needle_mix.kinds and pool >= 1")
+    check_mix_rows(mixed_rows(cfg.share, micro_batch_size), micro_batch_size, packing)
+
+
+def training_mix(cfg: NeedleMixConfig, tokenizer: PreTrainedTokenizerBase, context_len: int, seed: int,
+                 evaluation_items: Iterable[ProbeItem]) -> list[dict[str, Any]]:
+    """`debias.needle_mix`'s retrieval samples (`cfg.pool` of them, seeded), never one of `evaluation_items`."""
+    return retrieval_samples(tokenizer, cfg.pool, context_len, [str(k) for k in cfg.kinds], seed + cfg.seed,
+                             protected_strings(evaluation_items))
 
 
 def protected_strings(items: Iterable[ProbeItem]) -> set[str]:

@@ -10,10 +10,6 @@ Scorers: kv and needle use `analysis.evaluation.scoring.substring_match`, mdqa `
 """
 from __future__ import annotations
 
-import glob
-import gzip
-import json
-import os
 import random
 import re
 import uuid
@@ -24,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from data_builders.files import expand_paths, read_jsonl, read_jsonl_lines
 from data_builders.mdqa import Distractors, build_mdqa_records, passage_pool
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -106,43 +103,6 @@ class ProbeItem:
 def load_template(name: str) -> str:
     """Prompt template `templates/<name>.txt`, with `str.format` fields."""
     return (TEMPLATES / f"{name}.txt").read_text(encoding="utf-8").rstrip("\n")
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file, gzipped when the name ends in .gz; a bad line fails naming file and line."""
-    return [rec for _, rec in read_jsonl_lines(path)]
-
-
-def read_jsonl_lines(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) of every non-blank line of a JSON-lines file (.gz: gzipped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    opener = gzip.open if path.suffix == ".gz" else open
-    out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not a JSON object: {err}") from err
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
-            out.append((line_no, rec))
-    return out
-
-
-def expand_paths(pattern: str | Path) -> list[Path]:
-    """The files a path or glob pattern (`qa_data/20_total_documents/*.jsonl.gz`) names, sorted."""
-    text = str(pattern)
-    if not glob.has_magic(text):
-        return [Path(text)]
-    found = sorted(Path(p) for p in glob.glob(os.path.expanduser(text)))
-    if not found:
-        raise FileNotFoundError(f"{text}: no file matches this pattern")
-    return found
 
 
 def sample_indices(n_total: int, n: int | None, rng: random.Random) -> list[int]:

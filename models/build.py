@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from models.attention.diff import convert_to_diff_attention
+from models.attention.diff_attention import convert_to_diff_attention
 from models.attention.nope import NOPE_KEY, disable_rope, is_nope
 from models.wheel_models import is_wheel_model, local_pretrained, wheel_model_name
 
@@ -43,13 +43,17 @@ class AttnImplementation(StrEnum):
 
 
 class DType(StrEnum):
+    """Weights dtype, wherever weights are built or loaded (model.dtype, eval_checkpoint, compare, merge_lora)."""
+
+    auto = "auto"  # the dtype the weights were saved in (pretrained weights only)
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
     @property
-    def torch(self) -> torch.dtype:
-        return getattr(torch, self.value)
+    def torch(self) -> torch.dtype | str:
+        """The torch dtype, or "auto" (what `from_pretrained` takes for the saved dtype)."""
+        return "auto" if self is DType.auto else getattr(torch, self.value)
 
 
 @dataclass
@@ -95,6 +99,9 @@ def validate_model(cfg: ModelConfig) -> None:
         if cfg.dtype == DType.float32:
             raise ValueError("model.attn_implementation=flash_attention_2 runs on bf16/fp16 weights: set "
                              "model.dtype=bfloat16 (trainer.precision=bf16 keeps fp32 master weights)")
+    if cfg.dtype == DType.auto and not cfg.pretrained:
+        raise ValueError("model.dtype=auto keeps the dtype pretrained weights were saved in: a model built from "
+                         "model.init has none (set model.dtype=float32, bfloat16 or float16)")
     if is_wheel_model(cfg.pretrained):
         wheel_model_name(cfg.pretrained)  # an unknown name fails here, before anything is fetched
     if cfg.pretrained:
@@ -135,7 +142,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
     """
     dtype, attention = DType(cfg.dtype).torch, str(cfg.attn_implementation)
     if cfg.pretrained:
-        # Importing models.attention.diff registers the diff model types with the Auto classes, so a
+        # Importing models.attention.diff_attention registers the diff model types with the Auto classes, so a
         # checkpoint saved with differential attention restores its diff layers (and weights) here.
         model = AutoModelForCausalLM.from_pretrained(
             local_pretrained(cfg.pretrained), dtype=dtype, trust_remote_code=cfg.trust_remote_code,

@@ -14,7 +14,7 @@ from enum import StrEnum
 from torch import nn
 from transformers import PreTrainedModel
 
-from models.attention.diff import DiffAttentionMixin
+from models.attention.diff_attention import DiffAttentionMixin
 
 
 class PeftMethod(StrEnum):

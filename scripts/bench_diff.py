@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from models.attention.diff import set_diff_step
+from models.attention.diff_attention import set_diff_step
 from models.build import DiffConfig, ModelConfig, build_model
 
 VARIANTS = [("standard", "standard", "scratch"), ("diff_v1", "diff_v1", "scratch"),

@@ -19,6 +19,7 @@ import train
 from data_builders.build import build_datasets
 from data_builders.collate import BatchStream
 from models.build import build_model
+from models.training.run_dir import RunDir
 
 
 def _config(steps: int, overrides: list[str]) -> train.TrainConfig:
@@ -31,7 +32,7 @@ def _config(steps: int, overrides: list[str]) -> train.TrainConfig:
 def _ours(cfg, skip: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         train.run(cfg, Path(tmp))
-        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in RunDir(tmp).metrics.read_text().splitlines()]
     rows = [r for r in rows if "train/wall_s" in r]
     timed = rows[skip:]
     seconds = timed[-1]["train/wall_s"] - rows[skip - 1]["train/wall_s"]

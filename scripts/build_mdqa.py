@@ -31,9 +31,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
-from data_builders.files import atomic_write_text
+from data_builders.files import atomic_write_text, read_jsonl
 from data_builders.mdqa import Distractors, build_mdqa_records, passage_pool, write_jsonl_gz
-from data_builders.probes import read_jsonl, reference_positions, sample_indices
+from data_builders.probes import reference_positions, sample_indices
 
 ATTRIBUTION = (
     "Questions, answers and passages: NaturalQuestions-Open (Kwiatkowski et al. 2019; Wikipedia text, "

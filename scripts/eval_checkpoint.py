@@ -70,12 +70,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from analysis.evaluation.checkpoints import (
-    POSITION_AXIS,
-    CheckpointDType,
-    CheckpointProbe,
     CompareError,
     ProbeBank,
-    answer_probes,
+    answer_checkpoint,
     build_in2_items,
     load_checkpoint_tokenizer,
     load_model,
@@ -83,29 +80,31 @@ from analysis.evaluation.checkpoints import (
     resolve_target,
 )
 from analysis.evaluation.comparability import describe_settings
-from analysis.evaluation.config import EvalConfig, KVProbeConfig, MDQAProbeConfig, NeedleProbeConfig, with_budget
-from analysis.evaluation.interventions import (
-    Intervention,
-    check_intervention,
-    check_model_intervention,
-    intervened,
-    intervention_settings,
-    model_intervention,
-    tag,
+from analysis.evaluation.config import (
+    POSITION_AXIS,
+    EvalConfig,
+    KVProbeConfig,
+    MDQAProbeConfig,
+    NeedleProbeConfig,
+    Probe,
+    with_budget,
 )
+from analysis.evaluation.interventions import Intervention, InterventionName
 from analysis.evaluation.result import ProbeResult, write_eval_json
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
-from data_builders.files import atomic_write_text
+from data_builders.files import atomic_write_text, json_safe
 from data_builders.probes import Order
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
+from models.build import DType
 from models.training.distributed import Device
+from models.training.run_dir import EVAL_DIR, RunDir
 
 
 @dataclass
 class EvalCheckpointConfig:
-    probes: list[CheckpointProbe] = field(
-        default_factory=lambda: [CheckpointProbe.kv, CheckpointProbe.mdqa, CheckpointProbe.needle]
+    probes: list[Probe] = field(
+        default_factory=lambda: [Probe.kv, Probe.mdqa, Probe.needle]
     )
     examples: int = 20  # queries per probe, each asked at every gold position (in2: examples x bins records)
     out: Optional[str] = None  # output folder; None = the checkpoint's run directory, else eval_<name>/
@@ -118,12 +117,12 @@ class EvalCheckpointConfig:
     batch_size: int = 16  # prompts per generate call
     batch_tokens: int = EvalConfig.batch_tokens  # padded prompt tokens per generate call (long prompts: smaller batches)
     device: Device = Device.auto
-    dtype: CheckpointDType = CheckpointDType.float32  # weights dtype; auto = the dtype they were saved in
+    dtype: DType = DType.float32  # weights dtype; auto = the dtype they were saved in
     attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
     trust_remote_code: bool = False  # run the model repository's own code (hub models that need it)
     # reorder | truncate | query_aware | ms_poe | attn_calibration (see above)
-    intervention: Intervention = Intervention.none
+    intervention: InterventionName = InterventionName.none
     order: Optional[Order] = None  # reorder (default outside_in) and truncate: the documents' layout
     keep: Optional[int] = None  # truncate: the top-ranked documents kept
     ms_poe: MsPoEConfig = field(default_factory=MsPoEConfig)  # ms_poe: ratio_min, ratio_max, layers
@@ -151,11 +150,17 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
               file=sys.stderr)
         raise SystemExit(2)
     try:
-        check_intervention(cfg.intervention, cfg.probes, cfg.order, cfg.keep)
+        chosen_intervention(cfg)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
     return argv[0], cfg
+
+
+def chosen_intervention(cfg: EvalCheckpointConfig) -> Intervention:
+    """The intervention the settings name; ValueError naming a setting that does not fit it or the probes."""
+    return Intervention.from_settings(cfg.intervention, cfg.probes, cfg.order, cfg.keep, cfg.ms_poe,
+                                      cfg.attn_calibration)
 
 
 def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Path, dict[str, ProbeResult]]:
@@ -166,7 +171,7 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
         raise CompareError(f"{ckpt}: chat_template=true, but its tokenizer has no chat template (a base model's "
                            "usually has none: use chat_template=false)")
     in2 = None
-    if CheckpointProbe.in2 in cfg.probes:
+    if Probe.in2 in cfg.probes:
         reference = reference_run([target])
         if reference is None:
             raise CompareError(f"{ckpt}: in2 needs the run config (.hydra/config.yaml) of the checkpoint's run")
@@ -176,40 +181,33 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
                           chat_template=cfg.chat_template, kv=cfg.kv, mdqa=cfg.mdqa, needle=cfg.needle)
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
-    eval_cfg = intervened(eval_cfg, cfg.intervention, cfg.order, cfg.keep)
+    intervention = chosen_intervention(cfg)
+    eval_cfg = intervention.configure(eval_cfg)
     bank = ProbeBank(eval_cfg, in2)
     items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
     for probe in [p for p, its in items.items() if not its]:
         print(f"{probe}: skipped (mdqa needs data_dir or mdqa.path)", file=sys.stderr)
     model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
-    try:
-        check_model_intervention(cfg.intervention, model, cfg.ms_poe, cfg.attn_calibration)
-    except ValueError as err:
-        raise CompareError(f"{ckpt}: {err}") from err
-    with model_intervention(cfg.intervention, model, tokenizer, cfg.ms_poe, cfg.attn_calibration,
-                            cfg.batch_tokens) as calibration:
-        results = answer_probes(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg, calibration)
-        recorded = intervention_settings(cfg.intervention, model, cfg.ms_poe, cfg.attn_calibration, calibration)
-    name = tag(cfg.intervention, cfg.order, cfg.keep)
-    for result in results.values():
-        result.settings.update(intervention=name, **recorded)
+    results, _ = answer_checkpoint(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg,
+                                   intervention, str(ckpt))
 
     step = 0 if target.step is None else target.step
     default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")
     out = Path(cfg.out) if cfg.out else target.run_dir or default_out
-    if cfg.intervention != Intervention.none:
-        out = out / "interventions" / name  # beside the plain results, never over them
+    if intervention.name != InterventionName.none:
+        out = out / "interventions" / intervention.tag  # beside the plain results, never over them
+    run = RunDir(out)
     metrics: dict[str, float] = {}
     for probe, result in results.items():
         write_eval_json(out, step, probe, result)
-        plot_position_accuracy({target.label: result}, out / "plots" / f"{probe}_accuracy_step{step}.png",
+        plot_position_accuracy({target.label: result}, run.plot(f"{probe}_accuracy_step{step}"),
                                f"{target.label}, step {step}: {probe} accuracy by gold position",
                                POSITION_AXIS[probe])
         metrics.update(result.to_metrics("eval"))
-    if CheckpointProbe.needle in results:
-        plot_needle_grid({target.label: results[CheckpointProbe.needle]}, out / "plots" / f"needle_grid_step{step}.png",
+    if Probe.needle in results:
+        plot_needle_grid({target.label: results[Probe.needle]}, run.plot(f"needle_grid_step{step}"),
                          f"{target.label}, step {step}: needle accuracy by context length and depth")
-    atomic_write_text(out / "eval" / f"metrics_step{step}.json", json.dumps(metrics, indent=1))
+    atomic_write_text(run.eval_metrics(step), json.dumps(json_safe(metrics), indent=1))
     return out, results
 
 
@@ -233,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(summary_table(results))
-    print(f"wrote {out / 'eval'} and {out / 'plots'}")
+    print(f"wrote {out / EVAL_DIR} and {RunDir(out).plots}")
     return 0
 
 

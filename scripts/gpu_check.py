@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from models.training.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["logger.mode=disabled", "eval.every=0", "eval.num_examples=20", "trainer.save_every=0"]
 # Dry run: the tests' tiny model and data (tests/conftest.py TINY), so the sequence takes ~2 min on 2 cores.
@@ -87,7 +89,7 @@ def summarize(check: Check, returncode: int, wall_s: float) -> dict[str, str]:
         ratios = {r["name"]: r["ratio"] for r in json.loads(check.bench_json.read_text())}
         row.update({"hutchinson k8 / train step": f"{ratios['hutchinson_k8']:.2f}",
                     "looped / train step": f"{ratios['hutchinson_k8_looped']:.2f}"})
-    metrics = check.run_dir / "metrics.jsonl" if check.run_dir else None
+    metrics = RunDir(check.run_dir).metrics if check.run_dir else None
     if metrics is None or not metrics.is_file():
         return row
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]

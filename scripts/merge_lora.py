@@ -28,11 +28,12 @@ from typing import Optional, Sequence
 
 from data_builders.files import atomic_dir
 from models.build import DType
-from models.training.checkpoint import ADAPTER_CONFIG, BaseWeights, base_weights, load_checkpoint_model, run_dir_of
+from models.training.checkpoint import ADAPTER_CONFIG, BaseWeights, base_weights, load_checkpoint_model
+from models.training.run_dir import RunDir, run_dir_of
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-DTYPES = ("auto", *DType)
+DTYPES = tuple(DType)
 
 
 class MergeError(RuntimeError):
@@ -63,7 +64,7 @@ def resolve_base(adapter_dir: Path, base: Optional[str] = None) -> BaseWeights:
 def find_tokenizer_dir(adapter_dir: Path, base: str) -> Optional[Path]:
     """First of adapter folder, `<run_dir>/tokenizer/`, base folder that holds tokenizer files."""
     run_dir = run_dir_of(adapter_dir)
-    candidates = [adapter_dir, run_dir / "tokenizer" if run_dir is not None else None, Path(base)]
+    candidates = [adapter_dir, RunDir(run_dir).tokenizer if run_dir is not None else None, Path(base)]
     for folder in candidates:
         if folder is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
             return folder

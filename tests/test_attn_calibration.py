@@ -18,7 +18,6 @@ from models.attention.attn_calibration import (
     attn_calibration,
     check_attn_calibration,
     redistribute,
-    resolve_layers,
     segment_attention,
     token_spans,
 )
@@ -220,7 +219,9 @@ def test_restores_the_model_and_refuses_nesting_and_bad_settings():
                 pass
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
     assert [type(layer.self_attn).forward for layer in model.model.layers] == forwards
-    assert resolve_layers("last_half", 32) == list(range(16, 32))  # the paper's last 16 of 32
+    assert AttnCalibrationConfig(layers="last_half").layer_indices(32) == list(range(16, 32))  # the paper's 16 of 32
+    with pytest.raises(ValueError, match="attn_calibration.layers='reference': use last_half, all, or a list"):
+        AttnCalibrationConfig(layers="reference").layer_indices(32)  # Ms-PoE's set, not this one's
     with pytest.raises(ValueError, match=r"attn_calibration.layers=\[3\] selects none"):
         check_attn_calibration(model, AttnCalibrationConfig(layers=[3]))
     with pytest.raises(ValueError, match=r"attn_calibration.heads=\[4\] selects none"):

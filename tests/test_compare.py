@@ -11,13 +11,14 @@ import pytest
 from PIL import Image
 
 from analysis.compare import (
+    CompareConfig,
     Entry,
     JacobianProfiles,
     _wandb_table,
     build_parser,
     compare,
     main,
-    profiles_figure,
+    path_profile,
     short_labels,
 )
 from analysis.evaluation.checkpoints import CompareError, Target
@@ -25,7 +26,7 @@ from analysis.evaluation.config import NeedleProbeConfig
 from analysis.evaluation.result import ProbeResult
 from analysis.measure.prior import fit_alpha, prior_profile
 from analysis.measure.topology import METRIC_KEYS
-from analysis.report.figures import plot_position_accuracy
+from analysis.report.figures import plot_position_accuracy, profiles_figure
 from data_builders.tokenizer import train_bpe_tokenizer
 from scripts import eval_checkpoint
 from tests.conftest import ROOT, TINY
@@ -64,8 +65,8 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
     standalone = tmp_path / "standalone"
     shutil.copytree(run_dir / "checkpoints" / "step-1", standalone)
     paths = [standalone, run_dir / "checkpoints" / "step-1", run_dir]
-    report = compare(paths, tmp_path / "cmp", ["needle", "in2"], examples=2, use_wandb=True, log_wandb="offline",
-                     **FAST)
+    report = compare(paths, CompareConfig(out=tmp_path / "cmp", probes=["needle", "in2"], examples=2, use_wandb=True,
+                                          log_wandb="offline", **FAST))
 
     text = report.read_text()
     for heading in ["# Checkpoint comparison", "## Inputs", "## Probe accuracy", "## Metrics and settings",
@@ -166,7 +167,7 @@ def test_profiles_figure_draws_each_paths_profile_fitted_prior_and_step0(tmp_pat
         Entry(Target(tmp_path / "b", "runB", tmp_path / "b", None, None), H, 100,
               profiles=JacobianProfiles({"chunked": rho}, {}, "test")),  # no vanilla profile: not drawn
     ]
-    raw, anchored = profiles_figure(entries, "vanilla").axes
+    raw, anchored = profiles_figure([path_profile(e, "vanilla") for e in entries], "vanilla").axes
     fit = fit_alpha(rho, H)
     measured, prior, initial = raw.lines
     np.testing.assert_array_equal(measured.get_ydata(), rho)
@@ -243,11 +244,12 @@ def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
     mdqa = tmp_path / "qa.jsonl"
     mdqa.write_text("".join(json.dumps({"question": f"question {i}", "answers": ["x"], "ctxs": ctxs}) + "\n"
                             for i in range(3)))
-    report = compare([run_dir], tmp_path / "cmp", ["mdqa", "needle"], examples=3, max_new_tokens=2,
-                     mdqa=MDQAProbeConfig(path=str(mdqa), closed_book=False),
-                     interventions=["reorder", "truncate:2", "query_aware", "ms_poe", "attn_calibration"],
-                     needle=NeedleProbeConfig(lengths=[128], depths=[0.0, 1.0]), device="cpu",
-                     ms_poe=MsPoEConfig(layers="all"), calibration=AttnCalibrationConfig(layers="all"))
+    report = compare([run_dir], CompareConfig(
+        out=tmp_path / "cmp", probes=["mdqa", "needle"], examples=3, max_new_tokens=2,
+        mdqa=MDQAProbeConfig(path=str(mdqa), closed_book=False),
+        interventions=["reorder", "truncate:2", "query_aware", "ms_poe", "attn_calibration"],
+        needle=NeedleProbeConfig(lengths=[128], depths=[0.0, 1.0]), device="cpu",
+        ms_poe=MsPoEConfig(layers="all"), calibration=AttnCalibrationConfig(layers="all")))
     text = report.read_text()
     section = text.split("## Interventions", 1)[1].split("## Jacobian profiles", 1)[0]
     for name in ("plain", "reorder-outside_in", "truncate-2", "query_aware", "ms_poe", "attn_calibration"):
@@ -264,4 +266,5 @@ def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
     moved = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "runA_mdqa_reorder-outside_in.json")
     assert {o["extra"]["final_position"] for o in moved.outcomes} == {4}  # rank 4 of 6, outside-in
     with pytest.raises(CompareError, match="changes none of the probes"):
-        compare([run_dir], tmp_path / "x", ["needle"], examples=1, interventions=["reorder"], device="cpu")
+        compare([run_dir], CompareConfig(out=tmp_path / "x", probes=["needle"], examples=1, interventions=["reorder"],
+                                         device="cpu"))

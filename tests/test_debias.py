@@ -1,4 +1,4 @@
-"""Position-targeted objectives (models/debias.py), depth sampling, the retrieval mix, and their wiring."""
+"""Position-targeted objectives (models/training/debias.py), depth sampling, the retrieval mix, and their wiring."""
 from __future__ import annotations
 
 import json
@@ -213,7 +213,8 @@ def test_one_bin_and_beta_zero_are_the_plain_loss():
     batch = collate(rows, 0, depths=True)
     plain = causal_lm_loss(model, batch)
     one_bin = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=1), 2, lambda t: t.clone())
-    flat = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, beta=0.0, alpha=0.5), 2, lambda t: t)
+    flat = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, prior_power=0.0, prior_alpha=0.5), 2,
+                           lambda t: t)
     assert one_bin(model, batch).item() == pytest.approx(plain.item(), rel=1e-12)
     assert flat(model, batch).item() == pytest.approx(plain.item(), rel=1e-12)
 
@@ -221,7 +222,7 @@ def test_one_bin_and_beta_zero_are_the_plain_loss():
 def test_depth_weight_loss_weights_each_samples_tokens():
     model, rows = _tiny_model(), _batch()
     batch = collate(rows, 0, depths=True)
-    objective = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, beta=1.0, alpha=0.4), 2,
+    objective = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, prior_power=1.0, prior_alpha=0.4), 2,
                                 lambda t: t)
     nll, labelled = _per_token(model, batch)
     w = depth_weights(batch["depths"], 2, 0.4, 1.0, 5.0)
@@ -236,7 +237,7 @@ def test_depth_weight_follows_the_latest_fitted_alpha():
     assert objective.alpha == 0.37
     objective.observe({"prior/chunked/alpha": 0.45})
     assert objective.alpha == 0.45
-    fixed = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, alpha=0.2), 4, lambda t: t)
+    fixed = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, prior_alpha=0.2), 4, lambda t: t)
     fixed.observe({"prior/vanilla/alpha": 0.37})
     assert fixed.alpha == 0.2
 
@@ -277,7 +278,7 @@ def _offsets(law: DepthLaw, n: int, free: int = 20000, **in2) -> np.ndarray:
 
 
 def test_valley_depths_pass_a_ks_test_against_their_law():
-    depths = _offsets(DepthLaw.valley, 4000, valley_layers=4, valley_alpha=0.5, valley_power=1.0)
+    depths = _offsets(DepthLaw.valley, 4000, prior_layers=4, prior_alpha=0.5, prior_power=1.0)
     grid = np.linspace(0, 1, 20001)
     density = depth_prior(grid, 4, 0.5) ** -1.0
     cdf = integrate.cumulative_trapezoid(density, grid, initial=0)
@@ -292,7 +293,7 @@ def test_valley_depths_pass_a_ks_test_against_their_law():
 def test_valley_law_needs_the_layer_count():
     cfg = DataConfig()
     cfg.in2.depth_law = DepthLaw.valley
-    with pytest.raises(ValueError, match="data.in2.valley_layers"):
+    with pytest.raises(ValueError, match="data.in2.prior_layers"):
         validate_data(cfg)
 
 
@@ -364,10 +365,10 @@ def test_mixed_rows_replace_the_tail_of_each_batch_and_resume_exactly():
 
 def test_debias_settings_that_cannot_run_fail_at_start_up(compose_cfg):
     cases = [
-        (["debias=depth_weight"], "debias.alpha"),
+        (["debias=depth_weight"], "debias.prior_alpha"),
         (["debias=needle_mix", "data.packing=true"], "data.packing=false"),
         (["debias=needle_mix", "debias.needle_mix.share=0.01"], "mixed rows"),
-        (["debias=depth_weight", "debias.alpha=0.5", "debias.max_weight=0.5"], "debias.max_weight"),
+        (["debias=depth_weight", "debias.prior_alpha=0.5", "debias.max_weight=0.5"], "debias.max_weight"),
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -377,7 +378,7 @@ def test_debias_settings_that_cannot_run_fail_at_start_up(compose_cfg):
 def test_debias_presets_combine(compose_cfg):
     cfg = as_train_config(compose_cfg(*TINY, "debias=[depth_sampling,group_dro]"))
     assert cfg.debias.objective == Objective.group_dro
-    assert cfg.data.in2.depth_law == DepthLaw.valley and cfg.data.in2.valley_layers == 2  # the model's
+    assert cfg.data.in2.depth_law == DepthLaw.valley and cfg.data.in2.prior_layers == 2  # the model's
 
 
 def test_group_dro_resume_is_bitwise_exact(compose_cfg, tmp_path):

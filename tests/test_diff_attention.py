@@ -23,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from models.attention.diff import (
+from models.attention.diff_attention import (
     RETROFIT_WARMUP_STEPS,
     convert_to_diff_attention,
     diff_lambda_stats,

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from analysis.measure.jacobian import read_jacobian
 from models.training.checkpoint import atomic_checkpoint, list_checkpoints, resolve_checkpoint
 from models.training.engines import TorchEngine
+from models.training.state import TrainerState
 from tests.conftest import ROOT, TINY
 from train import run
 
@@ -62,6 +63,20 @@ def test_atomic_checkpoint_publishes_every_ranks_files_and_replaces_a_resaved_st
     assert [p.name for p in step4.iterdir()] == ["again.txt"]
     atomic_checkpoint(tmp_path, 6, lambda folder: (folder / "six.txt").write_text("6"), keep_last_n=1)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-6"]  # no temporary or old folder left
+
+
+def test_trainer_state_keeps_the_json_of_older_checkpoints(tmp_path):
+    """trainer_state.json as train.py wrote it before TrainerState (same keys, same order), and one from before
+    metrics_bytes and the file sizes were recorded, which still resumes."""
+    before = {"step": 3, "stream_position": 7, "metrics_bytes": 120, "debias": {"alpha": 0.5}, "wandb_run_id": "ab"}
+    state = TrainerState(3, 7, 120, {"alpha": 0.5}, "ab")
+    assert json.dumps(state.state_dict(), indent=2) == json.dumps(before, indent=2)
+    state.save(tmp_path, rank=0)
+    assert TrainerState.read(tmp_path) == state and (tmp_path / "rng-rank0.pt").is_file()
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "stream_position": 5}))
+    assert TrainerState.load(tmp_path, rank=0) == TrainerState(2, 5)
+    with pytest.raises(FileNotFoundError, match="fewer ranks"):
+        TrainerState.load(tmp_path, rank=1)
 
 
 def test_nonfinite_loss_is_skipped_and_counted(compose_cfg, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from analysis.measure.jacobian import jacobian_profile
-from models.attention.diff import convert_to_diff_attention
+from models.attention.diff_attention import convert_to_diff_attention
 from models.build import build_model
 from models.training.distributed import all_mean
 from tests.conftest import TINY

@@ -5,9 +5,19 @@ import json
 
 import pytest
 
-from analysis.evaluation.interventions import Intervention, Spec, by_final_position, check_intervention
+from analysis.evaluation.config import EvalConfig
+from analysis.evaluation.interventions import (
+    AttentionCalibration,
+    Intervention,
+    MsPoE,
+    Reorder,
+    Truncate,
+    by_final_position,
+)
 from analysis.evaluation.result import ProbeResult
 from data_builders.probes import Layout, Order, arrange_documents, arrangement, kv_probe, mdqa_probe
+from models.attention.attn_calibration import AttnCalibrationConfig
+from models.attention.ms_poe import MsPoEConfig
 
 # Written out from the reference's tests/test_prompting.py (nelson-liu/lost-in-the-middle), not read from it.
 INSTRUCTION = ("Write a high-quality answer for the given question using only the provided search results "
@@ -103,12 +113,38 @@ def test_curve_by_final_position_leaves_out_closed_book_items(tmp_path):
 
 
 def test_specs_parse_and_name_the_probes_each_changes():
-    assert Spec.parse("truncate:5:outside_in") == Spec(Intervention.truncate, Order.outside_in, 5)
-    assert Spec.parse("reorder").tag == "reorder-outside_in"
-    assert Spec.parse("attn_calibration").probes(["kv", "mdqa", "needle"]) == ["kv", "mdqa"]  # needs documents
-    assert Spec.parse("ms_poe").probes(["needle", "in2"]) == ["needle", "in2"]  # changes the model: every probe
+    assert Intervention.parse("truncate:5:outside_in") == Truncate(5, Order.outside_in)
+    assert Intervention.parse("reorder") == Reorder(Order.outside_in)
+    assert Intervention.parse("reorder").tag == "reorder-outside_in"
+    assert Intervention.parse("attn_calibration").changes(["kv", "mdqa", "needle"]) == ["kv", "mdqa"]  # documents
+    assert Intervention.parse("ms_poe").changes(["needle", "in2"]) == ["needle", "in2"]  # the model: every probe
     for bad in ("attn_calibration:1", "truncate", "truncate:0", "none", "shuffle", "reorder:sideways"):
         with pytest.raises(ValueError):
-            Spec.parse(bad)
+            Intervention.parse(bad)
     with pytest.raises(ValueError, match=r"applies to \['kv', 'mdqa'\] only"):
-        check_intervention("attn_calibration", ["kv", "needle"], None, None)
+        Intervention.from_settings("attn_calibration", ["kv", "needle"])
+
+
+def test_compare_and_eval_checkpoint_spellings_make_the_same_intervention():
+    calibration = AttnCalibrationConfig(layers="all")
+    assert (Intervention.parse("attn_calibration", calibration=calibration)
+            == Intervention.from_settings("attn_calibration", ["kv"], calibration=calibration)
+            == AttentionCalibration(calibration))
+    assert Intervention.parse("ms_poe") == MsPoE(MsPoEConfig())  # the defaults without settings
+    assert Intervention.from_settings("truncate", ["mdqa"], Order.ascending, 3) == Truncate(3, Order.ascending)
+    assert Intervention.from_settings("reorder", ["mdqa"]).tag == "reorder-outside_in"  # order defaults
+    assert Intervention.from_settings("none", ["kv", "needle"]).tag == "none"
+    for name, order, keep, message in [("truncate", None, None, "keep=K"), ("ms_poe", None, 2, "truncate's setting"),
+                                       ("query_aware", Order.ascending, None, "reorder|truncate")]:
+        with pytest.raises(ValueError, match=message):
+            Intervention.from_settings(name, ["kv"] if name == "query_aware" else ["mdqa"], order, keep)
+
+
+def test_each_intervention_sets_its_probe_settings():
+    cfg = EvalConfig()
+    assert Intervention.parse("reorder:ascending").configure(cfg).mdqa.order == Order.ascending
+    truncated = Intervention.parse("truncate:4").configure(cfg).mdqa
+    assert (truncated.keep, truncated.order) == (4, None)
+    aware = Intervention.parse("query_aware").configure(cfg)
+    assert aware.kv.query_aware and aware.mdqa.query_aware and not cfg.kv.query_aware
+    assert Intervention.parse("ms_poe").configure(cfg) == cfg == Intervention.from_settings("none", []).configure(cfg)

@@ -67,7 +67,7 @@ def test_exact_matches_float64_full_jacobian(arch):
 def test_exact_matches_full_forward_for_cached_attention_variants(variant):
     """The profile's prefix-cache forward equals one full forward where the cache is least plain:
     a sliding window shorter than the sequence (the cache crops keys), V1's double-width values."""
-    from models.attention.diff import convert_to_diff_attention
+    from models.attention.diff_attention import convert_to_diff_attention
 
     torch.manual_seed(0)
     if variant == "mistral_window":

@@ -83,7 +83,7 @@ def test_merge_from_run_dir(tmp_path, capsys):
 
 def test_merge_from_adapter_config_and_diff_attention(tmp_path, capsys):
     """A base loaded from a folder is recorded in adapter_config.json; a diff-attention base round-trips."""
-    from models.attention.diff import convert_to_diff_attention
+    from models.attention.diff_attention import convert_to_diff_attention
 
     base_dir = tmp_path / "base"
     convert_to_diff_attention(tiny_qwen2(seed=3), version="v1", mode="scratch").save_pretrained(base_dir)

@@ -11,7 +11,6 @@ from omegaconf.errors import ValidationError
 from analysis.measure.prior import log10_profile, prior_profile, scaled_prior
 from analysis.report.metrics_log import (
     CHART_POINTS,
-    WANDB_RUN_FILE,
     LoggerConfig,
     LoggerMode,
     MetricsLogger,
@@ -22,6 +21,7 @@ from analysis.report.metrics_log import (
     resolve_mode,
     run_names,
 )
+from models.training.run_dir import WANDB_RUN
 
 H = 6
 
@@ -56,7 +56,7 @@ def test_disabled_logger_writes_metrics_jsonl_only(tmp_path):
     logger.log({"train/loss": 1.5, "bad": float("nan")}, step=3)
     logger.close()
     assert logger.wandb_run is None and not (tmp_path / "wandb").exists()
-    assert read_metrics(tmp_path) == [{"step": 3, "train/loss": 1.5, "bad": "nan"}]
+    assert read_metrics(tmp_path) == [{"step": 3, "train/loss": 1.5, "bad": None}]
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 3
 
 
@@ -115,7 +115,7 @@ def test_a_new_logger_continues_the_stored_wandb_run(tmp_path):
     first.close()
     run_id = first.run_id
     assert re.fullmatch(r"[a-z0-9]{8}", run_id) and offline_runs(tmp_path / "a") == [run_id]
-    assert json.loads((tmp_path / "a" / WANDB_RUN_FILE).read_text())["id"] == run_id
+    assert json.loads((tmp_path / "a" / WANDB_RUN).read_text())["id"] == run_id
     # A checkpoint's id, given to a logger of another run directory (resume into a new directory) ...
     moved = MetricsLogger(LoggerConfig(mode=LoggerMode.offline), tmp_path / "b", {}, run_id=run_id)
     moved.close()

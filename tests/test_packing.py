@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from data_builders.collate import BatchStream, collate, collate_packed, pack_in_order
-from models.attention.diff import convert_to_diff_attention
+from models.attention.diff_attention import convert_to_diff_attention
 from models.attention.packed import SDPA_PACKED
 from models.training.loss import IGNORE, causal_lm_loss
 

@@ -13,17 +13,22 @@ from analysis.measure.prior import fit_alpha, prior_profile
 from analysis.report.figures import (
     MAX_LINES,
     depth_accuracy_figure,
+    depth_intervals_figure,
     evolution_figure,
     heatmap_figure,
     needle_grid,
     needle_grid_figure,
     plot_depth_accuracy,
+    plot_depth_intervals,
     plot_evolution,
     plot_heatmap,
     plot_needle_grid,
     plot_position_accuracy,
+    plot_predicted_profiles,
     plot_profile_vs_prior,
     position_accuracy_figure,
+    predicted_profiles_figure,
+    prior_figure,
     profile_vs_prior_figure,
 )
 
@@ -289,3 +294,49 @@ def test_needle_grid_figure_size_grows_with_the_grid_and_panels():
     assert one[0] >= 7 and one[1] >= 4  # about 0.6 x 0.45 inch per cell for 8 lengths x 11 depths
     assert three[0] > 2.5 * one[0] - 3 and three[1] > 1.8 * one[1] - 1
     assert small[0] < one[0] and small[1] < one[1]
+
+
+def test_depth_intervals_sets_the_arms_apart_around_the_bin_centres(tmp_path):
+    arms = {"none": ([0.5, 0.25, 1.0, 0.75], [[0.4, 0.6], [0.1, 0.3], [0.9, 1.0], [0.7, 0.8]]),
+            "group_dro": ([0.6, 0.7, 0.8, 0.9], [[0.5, 0.7], [0.6, 0.8], [0.7, 0.9], [0.8, 1.0]])}
+    start = [0.2, 0.1, 0.1, 0.3]
+    ax = depth_intervals_figure(arms, start, "none, step 0 (start)", "by depth").axes[0]
+    centres = np.array([0.125, 0.375, 0.625, 0.875])
+    (start_line,) = [line for line in ax.lines if line.get_label() == "none, step 0 (start)"]
+    np.testing.assert_allclose(start_line.get_xdata(), centres)
+    np.testing.assert_array_equal(start_line.get_ydata(), start)
+    assert start_line.get_linestyle() == "--" and start_line.get_color() == "grey"
+    for container, shift, (acc, ci) in zip(ax.containers, (-0.015, 0.015), arms.values()):
+        points, _, (bars,) = container.lines  # data line, caps, interval segments
+        np.testing.assert_allclose(points.get_xdata(), centres + shift)  # 0.12 / 4 bins between the two arms
+        np.testing.assert_array_equal(points.get_ydata(), acc)
+        np.testing.assert_allclose([seg[:, 1] for seg in bars.get_segments()], ci)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["none, step 0 (start)", "none", "group_dro"]
+    assert ax.get_title() == "by depth" and ax.get_xlim() == (0.0, 1.0)
+    assert_png(plot_depth_intervals(arms, start, "start", "by depth", tmp_path / "depth.png"))
+
+
+def test_predicted_profiles_one_panel_per_model_and_set_each_curve_summing_to_one(tmp_path):
+    rho, prior = prior_profile(L, H, 0.3) * 50.0, prior_profile(L, H, 0.5)
+    curves = {model: {name: {"measured profile": rho * k, "measured": rho ** 2, "prior": prior}
+                      for name in ("vanilla", "chunked")} for k, model in ((1, "trained"), (3, "random init"))}
+    fig = predicted_profiles_figure(curves, "measured profile", "prior")
+    assert [ax.get_title() for ax in fig.axes] == ["trained, vanilla", "trained, chunked", "random init, vanilla",
+                                                   "random init, chunked"]
+    measured, rollout, fitted = fig.axes[0].lines
+    for line in (measured, rollout, fitted):
+        assert line.get_ydata().sum() == pytest.approx(1.0)
+        np.testing.assert_allclose(line.get_xdata(), np.arange(L) / (L - 1))
+    assert measured.get_color() == "k" and measured.get_linewidth() == 2.0 and fitted.get_linestyle() == ":"
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["measured profile", "rollout, measured",
+                                                                            "prior"]
+    assert_png(plot_predicted_profiles(curves, tmp_path / "rollout_study.png", "measured profile", "prior"))
+
+
+def test_prior_figure_raw_and_anchored_at_the_last_position():
+    p = prior_profile(L, H, 0.3)
+    x = np.linspace(0.0, 1.0, L)
+    raw, anchored = prior_figure(x, p, "Cesàro prior").axes
+    np.testing.assert_array_equal(raw.lines[0].get_ydata(), p)
+    np.testing.assert_array_equal(anchored.lines[0].get_ydata(), p / p[-1])
+    assert raw.get_yscale() == anchored.get_yscale() == "log"

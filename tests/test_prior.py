@@ -1,5 +1,5 @@
-"""Tests of analysis/prior.py: exactness of the O(H·L) Cesàro prior, the residual-aware rollout
-properties, the continuous limit, the fits, the CLI and the benchmark entry point."""
+"""Tests of analysis/measure/prior.py: exactness of the O(H·L) Cesàro prior, the residual-aware rollout
+properties, the continuous limit, the fits; the CLI (analysis/prior.py) and the benchmark entry point."""
 
 import subprocess
 import sys
@@ -23,7 +23,6 @@ from analysis.measure.prior import (
     fit_alpha_w1,
     fit_schedule,
     log10_profile,
-    main,
     power_schedule,
     prior_density,
     prior_profile,
@@ -33,6 +32,7 @@ from analysis.measure.prior import (
     spearman,
     w1_distance,
 )
+from analysis.prior import main
 
 EXACT_ALPHAS = [Fraction(1, 20), Fraction(3, 10), Fraction(1, 2), Fraction(9, 10)]
 
@@ -568,8 +568,8 @@ def test_cli_writes_csv_and_png(tmp_path, capsys):
 def test_cli_rejects_bad_alpha_and_runs_as_module(tmp_path):
     with pytest.raises(SystemExit):
         main(["--alpha", "2", "--out", str(tmp_path)])
-    done = subprocess.run([sys.executable, "-m", "analysis.measure.prior", "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "--alpha" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "analysis.prior", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--alpha" in done.stdout and "python -m analysis.prior" in done.stdout
 
 
 def test_bench_prior_rows():

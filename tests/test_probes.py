@@ -6,6 +6,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from analysis.evaluation.scoring import normalize_answer
+from data_builders.files import read_jsonl
 from data_builders.probes import (
     KV_FILE,
     NQ_FILE,
@@ -13,7 +14,6 @@ from data_builders.probes import (
     kv_probe,
     mdqa_probe,
     needle_probe,
-    read_jsonl,
     reference_positions,
     synthetic_filler,
 )

@@ -25,6 +25,7 @@ from bm25s.stopwords import STOPWORDS_EN
 from analysis.evaluation.comparability import probe_settings
 from analysis.evaluation.config import METRICS, EvalConfig, KVProbeConfig, MDQAProbeConfig
 from analysis.evaluation.probes import build_probes, run_probe
+from data_builders.files import read_jsonl
 from data_builders.mdqa import build_mdqa_records, contains_answer, write_jsonl_gz
 from data_builders.probes import (
     KV_FILE,
@@ -34,7 +35,6 @@ from data_builders.probes import (
     TEMPLATES,
     kv_probe,
     mdqa_probe,
-    read_jsonl,
     reference_positions,
 )
 from data_builders.text import normalize_answer

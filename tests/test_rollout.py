@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from analysis.measure.prior import spearman, w1_distance
 from analysis.measure.rollout import FIXED_RESIDUAL, RolloutVariant, capture, decoder_layers, rollout_metrics, rollouts
-from models.attention.diff import convert_to_diff_attention
+from models.attention.diff_attention import convert_to_diff_attention
 
 L, VOCAB = 16, 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -180,7 +180,8 @@ def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_p
     import json
 
     from analysis.measure.jacobian import read_jacobian
-    from analysis.measure.rollout import ROLLOUT_FILE, ROLLOUT_METRICS, mean_rollout, record_name, rollout_metrics
+    from analysis.measure.rollout import ROLLOUT_METRICS, mean_rollout, record_name, rollout_metrics
+    from models.training.run_dir import ROLLOUT
     from tests.conftest import TINY
     from train import run
 
@@ -192,7 +193,7 @@ def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_p
     assert [r["step"] for r in measured] == [0, 1, 2] and all(keys <= set(r) for r in measured)
     # rollout.npz holds every sequence's rollouts at the jacobian.npz steps; the logged metrics are theirs.
     jac_steps, profiles = read_jacobian(tmp_path / "jacobian.npz")
-    steps, rolls = read_jacobian(tmp_path / ROLLOUT_FILE)
+    steps, rolls = read_jacobian(tmp_path / ROLLOUT)
     assert steps.tolist() == jac_steps.tolist() == [0, 1, 2]
     assert set(rolls) == {record_name(s, v) for s in ("vanilla", "chunked") for v in RolloutVariant}
     for k, row in enumerate(measured):
@@ -205,7 +206,7 @@ def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_p
     off = tmp_path / "off"
     run(compose_cfg(*TINY, "trainer.max_steps=1", "jacobian=hutchinson", "jacobian.seq_len=64",
                     "jacobian.chunk_len=32", "jacobian.num_probes=2", "jacobian.rollout=false"), off)
-    assert not (off / ROLLOUT_FILE).exists() and "rollout/" not in (off / "metrics.jsonl").read_text()
+    assert not (off / ROLLOUT).exists() and "rollout/" not in (off / "metrics.jsonl").read_text()
 
 
 def test_study_curves_keep_the_jacobian_apart_from_the_measured_lambda_rollout():

@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import ProbeResult
 from analysis.report.metrics_log import read_metrics
 from analysis.report.run_summary import run_summary
-from analysis.study import fairness
 from tests.conftest import ROOT, TINY
 
 JACOBIAN = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2",

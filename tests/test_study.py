@@ -7,20 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from analysis.evaluation.fairness import FAIRNESS_METRICS, fairness
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.scoring import paired_bootstrap_ci
-from analysis.study import (
-    FAIRNESS_METRICS,
-    StudyError,
-    analyse,
-    arm_name,
-    fairness,
-    load_study,
-    main,
-    paired_bootstrap,
-    seed_of,
-    write_report,
-)
+from analysis.study import StudyError, analyse, arm_name, load_study, main, paired_bootstrap, seed_of, write_report
 
 N_QUESTIONS = 1000
 FINAL_STEP = 200

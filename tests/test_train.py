@@ -28,7 +28,7 @@ EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
 # Each experiment at a size that runs two steps in seconds: the tiny model and data, its own settings kept.
 # +exp=debias_study fine-tunes a checkpoint (`model.pretrained`): a tiny one, without the random-init keys.
 FROM_CHECKPOINT = [o for o in TINY if not o.startswith("model.init.")] + [
-    "data.in2.valley_layers=2", "debias.needle_mix.kinds=[needle]", "data.num_eval=8"]
+    "data.in2.prior_layers=2", "debias.needle_mix.kinds=[needle]", "data.num_eval=8"]
 # +exp=mdqa_reader too, with its own mix kind (mdqa rows: two one-fact documents need ~120 tokens here)
 READER = [o for o in FROM_CHECKPOINT if not o.startswith("debias.")] + [
     "data.context_len=256", "debias.needle_mix.pool=16"]

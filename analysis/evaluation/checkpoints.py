@@ -10,10 +10,10 @@ the PATH.
 """
 from __future__ import annotations
 
-import json
 import re
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -22,52 +22,22 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.evaluation.config import EvalConfig
+from analysis.evaluation.config import EvalConfig, Probe
+from analysis.evaluation.interventions import Intervention
 from analysis.evaluation.probes import build_probes, evaluate_probes
 from analysis.evaluation.result import ProbeResult
 from data_builders.build import build_datasets
 from data_builders.probes import ProbeItem, in2_probe
-from models.attention.attn_calibration import AttnCalibration
 from models.build import DType
-from models.training.checkpoint import (
-    STEP_DIR,
-    TRAINER_STATE,
-    checkpoint_config,
-    list_checkpoints,
-    load_checkpoint_model,
-    run_dir_of,
-)
+from models.training.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint_model
 from models.training.distributed import resolve_device
+from models.training.run_dir import STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
+from models.training.state import TrainerState
 from models.wheel_models import WheelModelError, is_wheel_model, local_pretrained
 
-
-class CheckpointProbe(StrEnum):
-    kv = "kv"  # key-value retrieval: the gold pair's index
-    mdqa = "mdqa"  # multi-document QA (needs the NQ file): the gold document's index
-    needle = "needle"  # a code hidden at a depth of filler text
-    in2 = "in2"  # held-out IN2 records of the run (needs its run config): the gold depth bin
-
-
-PROBES = tuple(CheckpointProbe)
-POSITION_AXIS = {
-    "kv": "gold key-value pair index",
-    "mdqa": "gold document index",
-    "needle": "needle depth",
-    "in2": "gold depth bin (lower edge)",
-}
-RUN_CONFIG = Path(".hydra") / "config.yaml"
 # `name` or `org/name` as the hub spells repo ids; a PATH starting with . / or ~, or with two
 # slashes, is meant as a local path.
 HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
-
-
-class CheckpointDType(StrEnum):
-    """Weights dtype of a loaded checkpoint; auto = the dtype its weights were saved in."""
-
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
 
 
 class CompareError(Exception):
@@ -105,8 +75,7 @@ class Target:
 def _checkpoint_step(folder: Path) -> int | None:
     if match := STEP_DIR.match(folder.name):
         return int(match.group(1))
-    state = folder / TRAINER_STATE
-    return int(json.loads(state.read_text())["step"]) if state.is_file() else None
+    return int(TrainerState.read(folder).step) if (folder / TRAINER_STATE).is_file() else None
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -140,7 +109,7 @@ def resolve_target(path: str | Path, label: str | None = None) -> Target:
         checkpoints = list_checkpoints(given)
         if checkpoints:
             return Target(given, label, checkpoints[-1], given, _checkpoint_step(checkpoints[-1]))
-        if (given / "checkpoints").is_dir():
+        if RunDir(given).checkpoints.is_dir():
             raise CompareError(f"{path}: run directory without a complete checkpoint under checkpoints/")
         if not ((given / "config.json").is_file() or (given / "adapter_config.json").is_file()):
             raise CompareError(f"{path}: neither a run directory (checkpoints/step-N) nor a checkpoint "
@@ -153,11 +122,12 @@ def resolve_target(path: str | Path, label: str | None = None) -> Target:
 def reference_run(targets: Sequence[Target]) -> tuple[Target, DictConfig] | None:
     """The first PATH whose run has a resolved Hydra config, and that config."""
     for target in targets:
-        if target.run_dir is not None and (target.run_dir / RUN_CONFIG).is_file():
+        config = RunDir(target.run_dir).config if target.run_dir is not None else None
+        if config is not None and config.is_file():
             try:
-                return target, OmegaConf.load(target.run_dir / RUN_CONFIG)
+                return target, OmegaConf.load(config)
             except (OSError, OmegaConfBaseException) as err:
-                raise CompareError(f"{target.path}: unreadable {target.run_dir / RUN_CONFIG}: {err}") from err
+                raise CompareError(f"{target.path}: unreadable {config}: {err}") from err
     return None
 
 
@@ -189,7 +159,7 @@ def load_model(
 ) -> PreTrainedModel:
     """The checkpoint's model in eval mode on `device` (LoRA adapters merged into their base).
 
-    `dtype`: a `CheckpointDType` value (auto = as saved); `attn_implementation`: transformers' (eager,
+    `dtype`: a `DType` value (auto = as saved); `attn_implementation`: transformers' (eager,
     sdpa, flash_attention_2, ...), None = its default.
     """
     try:
@@ -228,33 +198,52 @@ class ProbeBank:
 
     def __init__(self, cfg: EvalConfig, in2: list[ProbeItem] | None) -> None:
         self.cfg = cfg
-        self._shared: dict[str, list[ProbeItem] | None] = {CheckpointProbe.in2: in2}
+        self._shared: dict[str, list[ProbeItem] | None] = {Probe.in2: in2}
 
     def items(self, probe: str, tokenizer: PreTrainedTokenizerBase) -> list[ProbeItem] | None:
         """Items of `probe`; None when they cannot be built (mdqa without a data folder, in2 without records)."""
-        probe = CheckpointProbe(probe)
+        probe = Probe(probe)
         if probe in self._shared:
             return self._shared[probe]
         try:
             built = build_probes(replace(self.cfg, probes=[probe]), tokenizer).get(probe)
         except (OSError, ValueError, KeyError) as err:
             raise CompareError(f"probe {probe}: cannot build its items: {err}") from err
-        if probe != CheckpointProbe.needle:
+        if probe != Probe.needle:
             self._shared[probe] = built
         return built
 
 
-def answer_probes(
+def answer_checkpoint(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     probes: Mapping[str, Sequence[ProbeItem]],
     cfg: EvalConfig,
-    calibration: AttnCalibration | None = None,
-) -> dict[str, ProbeResult]:
-    """Greedy answers to every probe's items, scored: each probe with its budget and metric in `cfg`.
+    intervention: Intervention | None = None,
+    label: str = "the model",
+) -> tuple[dict[str, ProbeResult], dict[str, float]]:
+    """Greedy answers to every probe's items with `intervention` installed on the model, scored (each probe with
+    its budget and metric in `cfg`), and the wall seconds each probe's answers took.
 
-    `cfg.chat_template`: text prompts (kv, mdqa, needle) go through the tokenizer's chat template as one
-    user turn; token-id prompts (in2) are always used as they are. `calibration`: an installed attention
-    calibration (`analysis.evaluation.interventions.model_intervention`) the answers are made with.
+    `cfg` is the probes' settings the intervention made (`Intervention.configure`), their items built with it.
+    Each result's settings record the intervention (`Intervention.settings`); None: the model as it is and its
+    results' settings as `evaluate_probes` makes them. Raises CompareError `<label>: <why>` before anything is
+    answered when the intervention cannot change the model.
     """
-    return evaluate_probes(model, tokenizer, probes, cfg, calibration)[1]
+    if intervention is not None:
+        try:
+            intervention.check_model(model)
+        except ValueError as err:
+            raise CompareError(f"{label}: {err}") from err
+    results: dict[str, ProbeResult] = {}
+    seconds: dict[str, float] = {}
+    installed = nullcontext() if intervention is None else intervention.installed(model, tokenizer, cfg.batch_tokens)
+    with installed as calibration:
+        for probe, items in probes.items():
+            started = time.perf_counter()
+            results.update(evaluate_probes(model, tokenizer, {probe: items}, cfg, calibration)[1])
+            seconds[probe] = time.perf_counter() - started
+        recorded = {} if intervention is None else intervention.settings(model, calibration)
+    for result in results.values():
+        result.settings.update(recorded)
+    return results, seconds

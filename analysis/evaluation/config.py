@@ -2,7 +2,8 @@
 
 `EvalConfig` is the `eval` config group; `KVProbeConfig`, `MDQAProbeConfig` and `NeedleProbeConfig` its
 probes' sections. `probe_budget`, `probe_metric` and `probe_source` say what each probe generates, how it
-is scored and which file it reads; `check_probe_files` fails at start-up on a missing file, naming its key.
+is scored and which file it reads; `check_probes` fails at start-up on a probe it cannot build or a
+missing file, naming its key.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from analysis.evaluation.scoring import best_subspan_em, exact_match, first_line, substring_match, whole_word_subspan_em
+from data_builders.files import expand_paths
 from data_builders.mdqa import Distractors
-from data_builders.probes import KV_FILE, NQ_FILE, Order, expand_paths
+from data_builders.probes import KV_FILE, NQ_FILE, Order
 
 Scorer = Callable[[str, Sequence[str]], float]
 
@@ -54,9 +56,21 @@ METRICS = {
 
 
 class Probe(StrEnum):
+    """Every position-wise probe; `eval.probes` takes the first three (in2 is scored whenever the data is IN2)."""
+
     kv = "kv"  # key-value retrieval (Liu et al. 2023): the gold pair's index
     mdqa = "mdqa"  # multi-document QA over NQ (needs data_dir or eval.mdqa.path): the gold document's index
     needle = "needle"  # a code hidden at a depth of filler text, per context length
+    in2 = "in2"  # held-out IN2 records of a run (its run config rebuilds them): the gold depth bin
+
+
+PROBES = tuple(Probe)
+POSITION_AXIS = {  # what a probe's position is, for figure axes
+    Probe.kv: "gold key-value pair index",
+    Probe.mdqa: "gold document index",
+    Probe.needle: "needle depth",
+    Probe.in2: "gold depth bin (lower edge)",
+}
 
 
 class QAMetric(StrEnum):
@@ -133,9 +147,13 @@ def probe_source(name: str, cfg: EvalConfig) -> Path | None:
     return Path(cfg.data_dir) / (KV_FILE if name == Probe.kv else NQ_FILE)
 
 
-def check_probe_files(cfg: EvalConfig, prefix: str = "eval.") -> None:
-    """Fail before a model is loaded when a file a requested probe reads is missing, naming its key."""
+def check_probes(cfg: EvalConfig, prefix: str = "eval.") -> None:
+    """Fail before a model is loaded on a probe `build_probes` cannot build, or a missing file a requested probe
+    reads, naming its key."""
     wanted = set(map(Probe, cfg.probes))
+    if Probe.in2 in wanted:
+        raise ValueError(f"{prefix}probes has in2: the held-out IN2 records are scored every eval.every steps "
+                         f"whenever the data is IN2 (eval.num_examples of them); leave it out of {prefix}probes")
     files = [(f"{name}.path" if getattr(cfg, name).path else "data_dir", probe_source(name, cfg))
              for name in (Probe.kv, Probe.mdqa) if name in wanted]
     if Probe.mdqa in wanted:

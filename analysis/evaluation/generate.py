@@ -34,6 +34,40 @@ class FirstLineComplete(StoppingCriteria):
         return torch.tensor(["\n" in t.lstrip() for t in texts], dtype=torch.bool, device=input_ids.device)
 
 
+def _stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The model's eos ids, and the tokenizer's eos: models trained here end answers with it, which a config
+    may not list."""
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+def _length_batches(prompts: Sequence[Sequence[int]], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
+    """Prompt indices in batches of similar lengths (little compute goes to padding), each of at most
+    `batch_size` prompts and `batch_tokens` padded tokens (one prompt at least)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):  # the prompt added sets the width
+        if not batches or len(batches[-1]) == batch_size or (
+                batch_tokens is not None and (len(batches[-1]) + 1) * len(prompts[i]) > batch_tokens):
+            batches.append([])
+        batches[-1].append(i)
+    return batches
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, L) left-padded with `pad`, so every row's last prompt token is at the same column, and
+    their attention mask (B, L)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[r, width - len(prompt):] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def greedy_generate(
     model: PreTrainedModel,
@@ -62,31 +96,15 @@ def greedy_generate(
         log.warning("%d of %d prompts plus %d new tokens exceed the model's max_position_embeddings=%d: "
                     "their answers test length extrapolation", too_long, len(prompts), max_new_tokens, limit)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    # Models trained here end answers with the tokenizer's eos, which a config may not list.
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    # Similar lengths share a batch, so little compute goes to padding.
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches: list[list[int]] = []
-    for i in order:  # ascending lengths: the prompt being added sets the batch's width
-        if not batches or len(batches[-1]) == batch_size or (
-                batch_tokens is not None and (len(batches[-1]) + 1) * len(prompts[i]) > batch_tokens):
-            batches.append([])
-        batches[-1].append(i)
+    eos = _stop_ids(model, tokenizer)
+    batches = _length_batches(prompts, batch_size, batch_tokens)
     outputs: list[str] = [""] * len(prompts)
     was_training = model.training
     model.eval()
     try:
         for rows in tqdm(batches, desc="generate", disable=not progress):
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, L)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
-            for r, i in enumerate(rows):
-                n = len(prompts[i])
-                ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
-                mask[r, width - n :] = 1
+            ids, mask = _left_padded([prompts[i] for i in rows], pad)  # (B, L) each
+            width = ids.shape[1]
             with batch_context(rows, width) if batch_context is not None else nullcontext():
                 out = model.generate(
                     input_ids=ids.to(model.device),

@@ -91,6 +91,8 @@ def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[st
     """
     probes: dict[str, list[ProbeItem]] = {}
     for name in map(Probe, cfg.probes):  # plain strings too: ValueError on an unknown probe
+        if name == Probe.in2:
+            raise ValueError("in2 items are a run's held-out records: evaluate_in2 scores them")
         source = probe_source(name, cfg) if name != Probe.needle else None
         if name == Probe.kv:
             probes[name] = kv_probe(source, cfg.kv.n_pairs, cfg.kv.positions, n_examples=cfg.probe_examples,

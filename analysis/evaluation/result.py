@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from analysis.evaluation.scoring import bootstrap_ci, paired_bootstrap_ci
-from data_builders.files import atomic_write_text
+from data_builders.files import atomic_write_text, json_safe
+from models.training.run_dir import RunDir
 
 
 @dataclass
@@ -80,7 +81,7 @@ class ProbeResult:
             "outcomes": self.outcomes,
         }
         # Atomic: compare and a resumed run read these back, and must never see half a file.
-        atomic_write_text(Path(path), json.dumps(summary, indent=1))
+        atomic_write_text(Path(path), json.dumps(json_safe(summary), indent=1))
         return Path(path)
 
     @classmethod
@@ -92,4 +93,4 @@ class ProbeResult:
 
 def write_eval_json(run_dir: str | Path, step: int, name: str, result: ProbeResult) -> Path:
     """Save `result` as `run_dir/eval/<name>_step<step>.json`."""
-    return result.save_json(Path(run_dir) / "eval" / f"{name}_step{step}.json")
+    return result.save_json(RunDir(run_dir).eval_json(name, step))

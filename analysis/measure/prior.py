@@ -10,13 +10,11 @@ density, the exact discrete closed form (a cross-check), least-squares fits of t
 log space, and the residual weight nearest a profile in 1-Wasserstein distance.
 """
 
-import argparse
 import functools
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
 from math import comb
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
@@ -160,6 +158,36 @@ def _dense_steps(L: int, maps) -> list:
     return [lambda v, out, a=a: np.matmul(v, a, out=out) for a in mats]
 
 
+def _attention_steps(L: int, H: int, attention, slopes, content) -> list:
+    """`rollout`'s per-layer maps v -> vA_t (layer 1 first), its arguments checked."""
+    is_name = isinstance(attention, str)
+    if slopes is not None and not (is_name and attention == "alibi"):
+        raise ValueError("slopes only apply to attention='alibi'")
+    if content is not None and not (is_name and attention in ("diag", "alibi")):
+        raise ValueError("content only applies to attention='diag' or 'alibi'")
+    if not is_name:
+        steps = _dense_steps(L, attention)
+        if len(steps) != H:
+            raise ValueError(f"got {len(steps)} attention maps for {H} lambdas")
+        return steps
+    if attention == "cesaro":
+        return [_cesaro_step(L)] * H
+    if attention == "alibi":
+        if slopes is None:
+            raise ValueError("attention='alibi' needs slopes")
+        slopes = np.atleast_1d(np.asarray(slopes, dtype=np.float64))
+        if slopes.ndim != 1 or len(slopes) == 0 or not np.all(np.isfinite(slopes)) or np.any(slopes < 0):
+            raise ValueError(f"slopes must be finite, >= 0 and 1-D, got {slopes}")
+        if content is not None and not np.isfinite(content):
+            raise ValueError(f"content must be a finite logit, got {content}")
+        return [_alibi_step(L, slopes) if content is None else _alibi_content_step(L, slopes, float(content))] * H
+    if attention == "diag":
+        if content is None or not np.isfinite(content):
+            raise ValueError(f"attention='diag' needs a finite content logit, got {content}")
+        return [_diag_step(L, float(content))] * H
+    raise ValueError(f"attention must be 'cesaro', 'alibi', 'diag' or an array, got {attention!r}")
+
+
 def rollout(L, lambdas, attention="cesaro", *, slopes=None, content=None) -> np.ndarray:
     """Last row of the residual-aware rollout ``N_H ... N_1``, ``N_t = (1-λ_t) I + λ_t A_t``.
 
@@ -193,35 +221,7 @@ def rollout(L, lambdas, attention="cesaro", *, slopes=None, content=None) -> np.
     lambdas = _weights_01(lambdas, "lambdas")
     if lambdas.ndim != 1:
         raise ValueError(f"lambdas must be a 1-D sequence, got shape {lambdas.shape}")
-    H = len(lambdas)
-    is_name = isinstance(attention, str)
-    if slopes is not None and not (is_name and attention == "alibi"):
-        raise ValueError("slopes only apply to attention='alibi'")
-    if content is not None and not (is_name and attention in ("diag", "alibi")):
-        raise ValueError("content only applies to attention='diag' or 'alibi'")
-
-    if not is_name:
-        steps = _dense_steps(L, attention)
-        if len(steps) != H:
-            raise ValueError(f"got {len(steps)} attention maps for {H} lambdas")
-    elif attention == "cesaro":
-        steps = [_cesaro_step(L)] * H
-    elif attention == "alibi":
-        if slopes is None:
-            raise ValueError("attention='alibi' needs slopes")
-        slopes = np.atleast_1d(np.asarray(slopes, dtype=np.float64))
-        if slopes.ndim != 1 or len(slopes) == 0 or not np.all(np.isfinite(slopes)) or np.any(slopes < 0):
-            raise ValueError(f"slopes must be finite, >= 0 and 1-D, got {slopes}")
-        if content is not None and not np.isfinite(content):
-            raise ValueError(f"content must be a finite logit, got {content}")
-        steps = [_alibi_step(L, slopes) if content is None else _alibi_content_step(L, slopes, float(content))] * H
-    elif attention == "diag":
-        if content is None or not np.isfinite(content):
-            raise ValueError(f"attention='diag' needs a finite content logit, got {content}")
-        steps = [_diag_step(L, float(content))] * H
-    else:
-        raise ValueError(f"attention must be 'cesaro', 'alibi', 'diag' or an array, got {attention!r}")
-
+    steps = _attention_steps(L, len(lambdas), attention, slopes, content)
     v = np.zeros(L)
     v[-1] = 1.0
     av = np.empty(L)
@@ -561,48 +561,3 @@ def fit_schedule(profile, H, family: str = "constant") -> ScheduleFit:
     return ScheduleFit(
         "power", {"a0": a0, "p": p}, alphas, **_quality(profile, log_rho, prior_profile(L, H, alphas))
     )
-
-
-def _plot(path: Path, x: np.ndarray, p: np.ndarray, title: str) -> None:
-    from matplotlib.figure import Figure  # a bare Figure renders with the Agg canvas, no pyplot state
-
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    raw, anchored = fig.subplots(1, 2)
-    raw.semilogy(x, p)
-    raw.set(title="raw p(j)", xlabel="x = (j-1)/(L-1)", ylabel="p(j)")
-    anchored.semilogy(x, p / p[-1])
-    anchored.set(title="anchored at x = 1", xlabel="x = (j-1)/(L-1)", ylabel="p(j) / p(L)")
-    fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m analysis.measure.prior",
-        description="Write the closed-form Cesàro prior p(j) = (N^H)[L, j] as CSV and a log-scale PNG.",
-    )
-    parser.add_argument("--L", type=int, default=2048, help="sequence length (default 2048)")
-    parser.add_argument("--H", type=int, default=24, help="number of layers (default 24)")
-    parser.add_argument("--alpha", type=float, default=0.3, help="residual weight a in [0, 1] (default 0.3)")
-    parser.add_argument("--out", type=Path, required=True, help="output directory (created if missing)")
-    args = parser.parse_args(argv)
-    try:
-        p = prior_profile(args.L, args.H, args.alpha)
-    except ValueError as err:
-        parser.error(str(err))
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"prior_L{args.L}_H{args.H}_a{args.alpha:g}"
-    csv_path, png_path = args.out / f"{stem}.csv", args.out / f"{stem}.png"
-    j = np.arange(1, args.L + 1)
-    x = np.linspace(0.0, 1.0, args.L)
-    np.savetxt(
-        csv_path, np.column_stack([j, x, p]), fmt=["%d", "%.17g", "%.17g"],
-        delimiter=",", header="j,x,p", comments="",
-    )
-    _plot(png_path, x, p, f"Cesàro prior, L={args.L}, H={args.H}, a={args.alpha:g}")
-    print(f"wrote {csv_path} and {png_path}")
-
-
-if __name__ == "__main__":
-    main()

@@ -125,6 +125,12 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
     `keep_heads` also keeps every head's map (tests, small models). Computed in the model's dtype, at
     least float32 (float64 for a float64 model).
     """
+    found = _recorded(model, input_ids)
+    return _as_capture(found, keep_heads)
+
+
+def _recorded(model: nn.Module, input_ids: torch.Tensor) -> dict[str, list]:
+    """Per decoder layer t: its input x, attention output a, maps, o_proj input and head strengths."""
     layers = decoder_layers(model)
     n_layers = len(layers)
     found: dict[str, list] = {k: [None] * n_layers for k in ("maps", "x", "a", "o_in", "strength")}
@@ -171,9 +177,13 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
                            attn.o_proj.register_forward_pre_hook(on_o_proj_input(t))):
                 stack.callback(handle.remove)
         unwrap(model).base_model(input_ids=input_ids)  # the decoder alone: no logits are needed
+    return found
 
+
+def _as_capture(found: dict[str, list], keep_heads: bool) -> Capture:
+    """`capture`'s arrays from what `_recorded` found: head-mean and head-weighted maps, residual shares."""
     mean_maps, weighted_maps, shares, weights = [], [], [], []
-    for t, layer in enumerate(layers):
+    for t in range(len(found["maps"])):
         maps = found["maps"][t]  # (B, nh, L, L) float64
         x, a = _wide(found["x"][t]), _wide(found["a"][t])  # (B, L, d)
         x_norm, a_norm = x.norm(dim=-1), a.norm(dim=-1)  # (B, L)
@@ -214,9 +224,6 @@ def rollout_metrics(profile: np.ndarray, predicted: np.ndarray) -> dict[str, flo
     resid = log10_profile(profile) - log10_profile(predicted)
     return {"spearman": spearman(profile, predicted), "w1": w1_distance(profile, predicted),
             "rmse_log10": float(resid.std())}
-
-
-ROLLOUT_FILE = "rollout.npz"  # a run's rollouts beside jacobian.npz, in its format: set "<set>.<variant>"
 
 
 def record_name(set_name: str, variant: str) -> str:

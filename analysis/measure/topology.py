@@ -72,6 +72,7 @@ def sag_below_chord(smooth: np.ndarray, width: int) -> np.ndarray:
     return smooth[0] + slope * (c - c[0]) - smooth
 
 
+# Long for its docstring: the one definition of every valley and prior metric a run logs.
 def topology_metrics(profile, H) -> dict:
     """Valley and prior-fit metrics of a profile, keyed by `METRIC_KEYS`.
 

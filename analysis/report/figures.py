@@ -1,4 +1,6 @@
-"""PNG figures for a run: Jacobian profile evolution, fit to the prior, heatmap, accuracy by depth/position.
+"""Every PNG figure of the project: a run's Jacobian profile evolution, fit to the prior, heatmap and accuracy by
+depth/position; the reports' profiles of several PATHs (analysis.compare), arms by gold depth (analysis.study),
+rollouts against the measured profile (analysis.rollout_study) and the closed-form prior (analysis.prior).
 
 Figures are built on ``matplotlib.figure.Figure`` (Agg canvas), not pyplot, so plotting from the
 training loop touches no global backend or figure state. Each ``plot_*`` function writes one PNG and
@@ -9,8 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from matplotlib import colormaps
@@ -31,15 +34,24 @@ RHO_LABEL = r"$\rho(j) = \|\partial\, \mathrm{target} / \partial e_j\|$"
 X_LABEL = "relative position x = (j-1)/(L-1)"
 
 
-def _save(fig: Figure, out_png: str | os.PathLike) -> Path:
+def _save(fig: Figure, out_png: str | os.PathLike, dpi: int = 120) -> Path:
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=dpi)
     return out
 
 
 def _rel_x(L: int) -> np.ndarray:
     return np.arange(L) / max(L - 1, 1)  # (L,)
+
+
+def _interval_series(
+    ax: Axes, x: np.ndarray, y: np.ndarray, ci: np.ndarray, i: int, n: int, spread: float, colour: Any, label: str
+) -> None:
+    """Series `i` of `n`: points `y` (k,) at `x` (k,) with their intervals `ci` (k, 2), moved sideways by
+    `spread` per series, so that overlapping intervals of different series stay apart."""
+    err = np.abs(np.asarray(ci).reshape(-1, 2).T - y)  # (2, k): below, above
+    ax.errorbar(x + spread * (i - (n - 1) / 2), y, yerr=err, marker="o", capsize=3, color=colour, label=label)
 
 
 def _load_set(npz_path: str | os.PathLike, set_name: str) -> tuple[np.ndarray, np.ndarray, int]:
@@ -237,11 +249,8 @@ def position_accuracy_figure(
         colour = palette(i % 20) if palette is not None else f"C{i % 10}"
         acc, ci = result.accuracy_by_position(), result.ci_by_position()
         shown = [p for p in positions if p in acc]
-        # A small sideways offset keeps overlapping intervals of different curves apart.
-        x = np.array([positions.index(p) for p in shown]) + 0.08 * (i - (len(results) - 1) / 2)
-        y = np.array([acc[p] for p in shown])
-        err = np.abs(np.array([ci[p] for p in shown]).reshape(-1, 2).T - y)  # (2, n): below, above
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colour, label=name)
+        _interval_series(ax, np.array([positions.index(p) for p in shown]), np.array([acc[p] for p in shown]),
+                         np.array([ci[p] for p in shown]), i, len(results), 0.08, colour, name)
         if -1 in acc:
             ax.axhline(acc[-1], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
     ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
@@ -366,3 +375,131 @@ def needle_grid_figure(results: Mapping[str, "ProbeResult"], title: str = "") ->
 def plot_needle_grid(results: Mapping[str, "ProbeResult"], out_png: str | os.PathLike, title: str = "") -> Path:
     """`needle_grid_figure` as a PNG."""
     return _save(needle_grid_figure(results, title), out_png)
+
+
+@dataclass(frozen=True)
+class PathProfile:
+    """One PATH's curves of one Jacobian set, as `profiles_figure` draws them."""
+
+    label: str  # the PATH's label
+    step: int | None  # the checkpoint's training step, None when unknown
+    layers: int  # H of its fitted prior
+    profile: np.ndarray  # (L,) the checkpoint's mean profile
+    initial: np.ndarray | None = None  # (L,) step 0 of its run
+    rollout: np.ndarray | None = None  # (L,) its attention rollout with measured residual shares
+
+
+def profiles_figure(paths: Sequence[PathProfile | None], set_name: str) -> Figure:
+    """One set's profile of every PATH, its fitted prior (dashed), step 0 (dotted) and rollout (dash-dot); raw
+    and anchored. None stands for a PATH without this set: nothing is drawn, and the later PATHs keep their colours.
+    """
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    raw, anchored = fig.subplots(1, 2)
+    for i, path in enumerate(paths):
+        if path is None:
+            continue
+        label, profile, x = path.label, path.profile, _rel_x(len(path.profile))
+        prior, alpha = scaled_prior(profile, path.layers)  # (L,), the best-fitting a
+        step = f"step {path.step}" if path.step is not None else "checkpoint"
+        curves = [(f"{label} ({step})", profile, {"lw": 1.2}),
+                  (f"{label} prior, H={path.layers}, a={alpha:.3f}", prior, {"lw": 0.9, "ls": "--"})]
+        if path.initial is not None:
+            curves.append((f"{label} (step 0)", path.initial, {"lw": 0.9, "ls": ":"}))
+        if path.rollout is not None:  # on the profile's scale, by its mean log10 offset
+            scaled = path.rollout * 10.0 ** np.mean(log10_profile(profile) - log10_profile(path.rollout))
+            curves.append((f"{label} rollout, measured λ", scaled, {"lw": 0.9, "ls": "-."}))
+        for text, curve, style in curves:
+            raw.plot(x, curve, color=f"C{i % 10}", label=text, **style)
+            anchored.plot(x, curve / curve[-1], color=f"C{i % 10}", label=text, **style)
+    raw.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j)$", title="raw (prior scaled by its fit)")
+    anchored.set(yscale="log", xlabel=X_LABEL, ylabel=r"$\rho(j) / \rho(L)$", title="anchored at x = 1")
+    for ax in (raw, anchored):
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Jacobian profiles, {set_name}: mean over sequences")
+    return fig
+
+
+def plot_profiles(paths: Sequence[PathProfile | None], set_name: str, out_png: str | os.PathLike) -> Path:
+    """`profiles_figure` as a PNG."""
+    return _save(profiles_figure(paths, set_name), out_png)
+
+
+def depth_intervals_figure(
+    arms: Mapping[str, tuple[Sequence[float], Sequence[Sequence[float]]]],
+    start: Sequence[float],
+    start_label: str,
+    title: str,
+) -> Figure:
+    """Accuracy by gold-depth bin with 95% bootstrap intervals, one series per arm (name -> (accuracy (B,),
+    interval (B, 2))), at the centres of B equal bins of [0, 1]; dashed grey: `start` (B,), where the arms began."""
+    n_bins = len(start)
+    x = np.arange(n_bins) / n_bins + 0.5 / n_bins  # bin centres: lower edge + half a bin
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(x, np.asarray(start, dtype=np.float64), ls="--", lw=1.2, color="grey", marker=".", label=start_label)
+    for i, (arm, (acc, ci)) in enumerate(arms.items()):
+        _interval_series(ax, x, np.asarray(acc, dtype=np.float64), np.asarray(ci, dtype=np.float64), i, len(arms),
+                         0.12 / n_bins, f"C{i % 10}", arm)
+    ax.set(xlabel="gold depth (bin centre)", ylabel="accuracy", xlim=(0.0, 1.0), ylim=(-0.02, 1.02), title=title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_depth_intervals(
+    arms: Mapping[str, tuple[Sequence[float], Sequence[Sequence[float]]]],
+    start: Sequence[float],
+    start_label: str,
+    title: str,
+    out_png: str | os.PathLike,
+) -> Path:
+    """`depth_intervals_figure` as a PNG."""
+    return _save(depth_intervals_figure(arms, start, start_label, title), out_png)
+
+
+def predicted_profiles_figure(
+    curves: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], measured: str, prior: str
+) -> Figure:
+    """A measured profile and its predictions, each scaled to sum 1: a row of panels per model, a column per set.
+
+    `curves[model][set]`: name -> (L,); the curve named `measured` is drawn thick and black, the one named `prior`
+    dotted, and every other one is a rollout.
+    """
+    models, sets = list(curves), list(dict.fromkeys(s for by_set in curves.values() for s in by_set))
+    fig = Figure(figsize=(6.5 * len(sets), 4.5 * len(models)), layout="constrained")
+    axes = fig.subplots(len(models), len(sets), squeeze=False)  # rows: models, columns: sets
+    for ax, (model, set_name) in zip(axes.flat, [(m, s) for m in models for s in sets]):
+        for k, (name, curve) in enumerate(curves[model][set_name].items()):
+            ax.plot(_rel_x(len(curve)), curve / curve.sum(), lw=2.0 if name == measured else 1.0,
+                    color="k" if name == measured else f"C{k}", ls=":" if name == prior else "-",
+                    label=name if name in (measured, prior) else f"rollout, {name}")
+        ax.set(yscale="log", xlabel=X_LABEL, ylabel="share of influence", title=f"{model}, {set_name}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig
+
+
+def plot_predicted_profiles(
+    curves: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], out_png: str | os.PathLike, measured: str,
+    prior: str,
+) -> Path:
+    """`predicted_profiles_figure` as a PNG."""
+    return _save(predicted_profiles_figure(curves, measured, prior), out_png, dpi=110)
+
+
+def prior_figure(x: np.ndarray, p: np.ndarray, title: str) -> Figure:
+    """The closed-form prior p (L,) at relative positions x (L,), log scale: raw, and anchored at x = 1."""
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    raw, anchored = fig.subplots(1, 2)
+    raw.semilogy(x, p)
+    raw.set(title="raw p(j)", xlabel="x = (j-1)/(L-1)", ylabel="p(j)")
+    anchored.semilogy(x, p / p[-1])
+    anchored.set(title="anchored at x = 1", xlabel="x = (j-1)/(L-1)", ylabel="p(j) / p(L)")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_prior(x: np.ndarray, p: np.ndarray, out_png: str | os.PathLike, title: str) -> Path:
+    """`prior_figure` as a PNG."""
+    return _save(prior_figure(x, p, title), out_png)

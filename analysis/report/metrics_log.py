@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +24,10 @@ from typing import Any, Optional
 import numpy as np
 
 from analysis.measure.prior import log10_profile, scaled_prior
-from data_builders.files import atomic_write_text
+from data_builders.files import atomic_write_text, json_safe
+from models.training.run_dir import RunDir
 
 CHART_POINTS = 128  # positions per curve in the wandb profile chart (jacobian.npz keeps all L)
-WANDB_RUN_FILE = "wandb_run.json"  # run_dir/wandb_run.json: the id of the wandb run the directory logs to
-RUN_ID_KEY = "wandb_run_id"  # the same id in a checkpoint's trainer_state.json
 NAME_MAX = 128  # characters of a wandb run name
 # Run-table summaries (`wandb.define_metric`) of the logged keys matching each pattern (fnmatch: `*` spans
 # `/`). wandb 0.31 globs only a trailing `*` ("eval/*"), so each key is defined when it is first logged.
@@ -84,7 +82,7 @@ def resolve_mode(mode: Optional[str], environ: Mapping[str, str] = os.environ) -
 
 def stored_run_id(run_dir: str | Path) -> Optional[str]:
     """The id of the wandb run `run_dir` logged to (its wandb_run.json), or None."""
-    path = Path(run_dir) / WANDB_RUN_FILE
+    path = RunDir(run_dir).wandb_run
     return json.loads(path.read_text()).get("id") if path.is_file() else None
 
 
@@ -160,14 +158,6 @@ def init_wandb(cfg: LoggerConfig, mode: LoggerMode, folder: Path, config: dict[s
     )
 
 
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible as strings
-    return value
-
-
 class MetricsLogger:
     """Appends one JSON object per `log` call to metrics.jsonl and mirrors scalars to wandb.
 
@@ -180,7 +170,7 @@ class MetricsLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: Optional[str] = None):
         mode = resolve_mode(cfg.mode)
         run_dir = Path(run_dir)
-        self.path = run_dir / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         self._wandb = None
@@ -189,7 +179,7 @@ class MetricsLogger:
         if mode != LoggerMode.disabled:
             self._wandb = init_wandb(cfg, mode, run_dir, config, self.run_id, cfg.name or run_dir.name)
             self.run_id = self._wandb.id
-            atomic_write_text(run_dir / WANDB_RUN_FILE, json.dumps(
+            atomic_write_text(RunDir(run_dir).wandb_run, json.dumps(
                 {"id": self.run_id, "project": cfg.project, "entity": cfg.entity, "name": self._wandb.name,
                  "group": cfg.group, "mode": mode.value}, indent=2))
 
@@ -203,7 +193,7 @@ class MetricsLogger:
                 self._wandb.define_metric(key, summary=summary)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        row = json_safe({"step": step, **metrics})
         self._file.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._define_summaries(metrics)
@@ -258,7 +248,7 @@ class NullLogger:
 def truncate_metrics(run_dir: str | Path, size: int) -> None:
     """Cut `run_dir/metrics.jsonl` back to its first `size` bytes: the rows logged before a checkpoint was
     saved (a killed run's later rows, a torn last line included, are logged again when training resumes)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if path.is_file() and path.stat().st_size > size:
         with open(path, "r+b") as f:
             f.truncate(size)
@@ -266,7 +256,7 @@ def truncate_metrics(run_dir: str | Path, size: int) -> None:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Rows of a run's metrics.jsonl (the reader `analysis.compare` uses)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -6,7 +6,6 @@ eval/in2_step*.json, checkpoints/, plots/, wandb/), so the summary never says wh
 """
 from __future__ import annotations
 
-import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +13,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from analysis.compare import markdown_table
+from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import ProbeResult
 from analysis.report.metrics_log import read_metrics
-from analysis.study import eval_files, fairness
+from analysis.report.tables import markdown_table, num
 from models.training.checkpoint import list_checkpoints
+from models.training.run_dir import RunDir
 
-SUMMARY_FILE = "summary.md"
 # Per measured set: the valley's depth and width, the prior's fit, and the best rollout's fit.
 JACOBIAN_KEYS = (
     "valley/{set}/anchor_to_trough_log10",
@@ -32,6 +31,7 @@ JACOBIAN_KEYS = (
     "rollout/{set}/attention_only/w1",
 )
 FAIRNESS_ROWS = {"worst_bin": "worst bin", "gap": "gap (max − min)", "middle_minus_ends": "middle − ends"}
+MISSING = "—"  # the cell of a number the run did not log, or logged as nan or inf
 
 
 @dataclass
@@ -58,12 +58,6 @@ def _steps_of(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, An
     return [(row["step"], row[key]) for row in rows if key in row]
 
 
-def _num(value: Any, digits: int = 3) -> str:
-    if isinstance(value, str):  # metrics.jsonl keeps nan/inf as strings
-        return value
-    return "—" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
-
-
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
@@ -79,7 +73,7 @@ def progress_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     steps = [row["step"] for row in trained]
     first, last = min(steps), max(steps)
     lines = [f"- steps {first - 1} → {last} ({len(set(steps))} updates), final train/loss "
-             f"{_num(trained[-1]['train/loss'])}"]
+             f"{num(trained[-1]['train/loss'], missing=MISSING)}"]
     if first > 1:
         lines[0] += f" (resumed at step {first - 1})"
     lines.append(f"- training wall time {_duration(wall)} (evaluation and Jacobian included), "
@@ -93,8 +87,9 @@ def accuracy_lines(curves: Sequence[DepthCurve]) -> list[str]:
     if not curves:
         return []
     header = ["gold depth", *(f"step {c.step}" for c in curves)]
-    rows = [[label, *(_num(c.by_bin.get(label)) for c in curves)] for label in curves[0].by_bin]
-    rows += [[f"**{name}**", *(_num(c.fairness.get(key)) for c in curves)] for key, name in FAIRNESS_ROWS.items()]
+    rows = [[label, *(num(c.by_bin.get(label), missing=MISSING) for c in curves)] for label in curves[0].by_bin]
+    rows += [[f"**{name}**", *(num(c.fairness.get(key), missing=MISSING) for c in curves)]
+             for key, name in FAIRNESS_ROWS.items()]
     return ["## Accuracy by gold depth (held-out IN2, exact match)", "",
             *markdown_table(header, rows), "",
             "middle: gold depth in [0.25, 0.75); gap: best bin minus worst bin.", ""]
@@ -112,7 +107,7 @@ def jacobian_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     if not table:
         return []
     first_step, last_step = table[0][1][0], table[0][2][0]
-    body = [[f"`{key}`", _num(first[1]), _num(last[1])] for key, first, last in table]
+    body = [[f"`{key}`", num(first[1], missing=MISSING), num(last[1], missing=MISSING)] for key, first, last in table]
     return ["## Jacobian profile (valley depth in decades; fits: Spearman, W1 at the W1-optimal α)", "",
             *markdown_table(["metric", f"step {first_step}", f"step {last_step}"], body), ""]
 
@@ -123,12 +118,12 @@ def wandb_sync_command(run_dir: Path) -> Optional[str]:
 
 
 def file_lines(run_dir: Path, start_model: Optional[str]) -> list[str]:
-    checkpoints = list_checkpoints(run_dir)
-    plots = sorted((run_dir / "plots").glob("*.png"))
+    checkpoints, paths = list_checkpoints(run_dir), RunDir(run_dir)
+    plots = sorted(paths.plots.glob("*.png"))
     lines = ["## Where things are", "",
-             f"- checkpoints: {', '.join(c.name for c in checkpoints) or 'none'} under {run_dir / 'checkpoints'}",
-             f"- plots ({len(plots)}): {', '.join(p.name for p in plots) or 'none'} under {run_dir / 'plots'}",
-             f"- every logged number: {run_dir / 'metrics.jsonl'}; Jacobian profiles: {run_dir / 'jacobian.npz'}"]
+             f"- checkpoints: {', '.join(c.name for c in checkpoints) or 'none'} under {paths.checkpoints}",
+             f"- plots ({len(plots)}): {', '.join(p.name for p in plots) or 'none'} under {paths.plots}",
+             f"- every logged number: {paths.metrics}; Jacobian profiles: {paths.jacobian}"]
     if sync := wandb_sync_command(run_dir):
         lines.append(f"- wandb (offline): `{sync}` uploads it")
     compared = [start_model] if start_model else []
@@ -142,8 +137,8 @@ def run_summary(run_dir: str | Path, exp_name: str, start_model: Optional[str] =
     (`model.pretrained`), which `analysis.compare` then compares the run with; None for a random init
     (the run's own step-0 evaluation is its starting point)."""
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    files = eval_files(run_dir)
+    rows = read_metrics(run_dir) if RunDir(run_dir).metrics.is_file() else []
+    files = RunDir(run_dir).eval_files("in2")
     curves = [depth_curve(step, files[step]) for step in sorted({min(files), max(files)})] if files else []
     lines = [f"# Run summary: {exp_name}", "", f"run directory: {run_dir}", "", *progress_lines(rows), "",
              *accuracy_lines(curves), *jacobian_lines(rows), *file_lines(run_dir, start_model)]
@@ -152,7 +147,7 @@ def run_summary(run_dir: str | Path, exp_name: str, start_model: Optional[str] =
 
 def headline_numbers(run_dir: str | Path) -> dict[str, float]:
     """The end state's fairness numbers for the wandb run summary (`summary/in2/<metric>`)."""
-    files = eval_files(Path(run_dir))
+    files = RunDir(run_dir).eval_files("in2")
     if not files:
         return {}
     last = max(files)

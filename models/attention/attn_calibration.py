@@ -55,9 +55,17 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from models.attention.ms_poe import attention_window, check_patchable_attention, chosen_indices, patched_forwards
+from models.attention.patching import (
+    LayerSet,
+    attention_window,
+    check_patchable_attention,
+    chosen_indices,
+    patched_forwards,
+    resolve_layers,
+)
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # kernels whose 4D (or absent, causal) masks the recomputed rows read
+LAYER_SETS = (LayerSet.last_half, LayerSet.all)  # the named `layers` settings
 
 
 class Weighting(StrEnum):
@@ -89,11 +97,9 @@ class AttnCalibrationConfig:
             raise ValueError("attn_calibration.dummy_text is empty: the reference needs dummy tokens")
         self.weighting, self.reference = Weighting(self.weighting), Reference(self.reference)
 
-
-def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:
-    """0-based indices of the calibrated layers ("last_half": L//2 .. L-1, "all", or the list)."""
-    named = {"last_half": list(range(num_layers // 2, num_layers)), "all": list(range(num_layers))}
-    return chosen_indices(layers, num_layers, named, "attn_calibration.layers")
+    def layer_indices(self, num_layers: int) -> list[int]:
+        """0-based indices of the calibrated layers ("last_half": L//2 .. L-1, "all", or the list)."""
+        return resolve_layers(self.layers, num_layers, LAYER_SETS, "attn_calibration.layers")
 
 
 def resolve_heads(heads: str | Sequence[int], num_heads: int) -> list[int]:
@@ -107,7 +113,7 @@ def check_attn_calibration(model: nn.Module, cfg: AttnCalibrationConfig | None =
     check_patchable_attention(config, "attn_calibration", "rescales the one softmax map of standard heads",
                               ATTN_IMPLEMENTATIONS, "recomputes attention rows with the model's mask")
     if cfg is not None:
-        resolve_layers(cfg.layers, config.num_hidden_layers)
+        cfg.layer_indices(config.num_hidden_layers)
         resolve_heads(cfg.heads, config.num_attention_heads)
 
 
@@ -380,7 +386,7 @@ def attn_calibration(model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: 
     """
     cfg = cfg if cfg is not None else AttnCalibrationConfig()
     check_attn_calibration(model, cfg)
-    layers = resolve_layers(cfg.layers, model.config.num_hidden_layers)
+    layers = cfg.layer_indices(model.config.num_hidden_layers)
     heads = resolve_heads(cfg.heads, model.config.num_attention_heads)
     state = _State()
     modules = {i: model.model.layers[i].self_attn for i in layers}

@@ -67,7 +67,7 @@ the sliding window the original passes (Qwen2: the layer's, Mistral: the config'
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -78,13 +78,19 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from models.attention.nope import is_nope
+from models.attention.patching import (
+    LayerSet,
+    attention_window,
+    check_patchable_attention,
+    patched_forwards,
+    resolve_layers,
+)
 
-ARCHS = ("qwen2", "llama", "mistral")
 HEAD_TYPES = ("outlier", "normal")
 ASSIGNMENTS = ("reference", "rank")
 # attention kernels whose masks the head statistic can read: 4D bool/additive masks, or flash's 2D padding mask
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
-PATCHED_BY = "_patched_by"  # attribute of an installed forward function: the intervention that installed it
+LAYER_SETS = (LayerSet.reference, LayerSet.all)  # the named `layers` settings
 
 
 @dataclass
@@ -114,8 +120,12 @@ class MsPoEConfig:
             raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
         if self.assignment not in ASSIGNMENTS:
             raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {self.assignment!r}")
-        if isinstance(self.layers, str) and self.layers not in ("reference", "all"):
+        if isinstance(self.layers, str) and self.layers not in LAYER_SETS:
             raise ValueError(f"layers must be 'reference', 'all' or a list of layer indices, got {self.layers!r}")
+
+    def layer_indices(self, num_layers: int) -> list[int]:
+        """0-based indices of the patched layers ("reference": 2..L-1, the reference's runs; "all": 0..L-1; a list)."""
+        return resolve_layers(self.layers, num_layers, LAYER_SETS, "ms_poe.layers")
 
 
 @dataclass
@@ -166,42 +176,6 @@ def check_ms_poe(model: nn.Module) -> None:
     if getattr(rotary, "inv_freq", None) is None:
         raise ValueError(f"Ms-PoE needs the model's RoPE frequencies (model.model.rotary_emb.inv_freq); "
                          f"{type(model).__name__} has none")
-
-
-def check_patchable_attention(config: Any, who: str, what: str, implementations: Sequence[str], why: str) -> None:
-    """Raise ValueError when `who` (an intervention that replaces attention forwards) cannot patch a model of
-    `config`: differential attention (`who` `what`), an architecture outside ARCHS, or an attention
-    implementation outside `implementations` (`who` `why`)."""
-    if getattr(config, "diff_attention", None) is not None:
-        raise ValueError(f"{who}: differential-attention layers ({config.diff_attention}) compute two maps per head; "
-                         f"{who} {what}")
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHS:
-        raise ValueError(f"{who} patches the attention of {ARCHS}; got architecture {model_type!r}")
-    attn_impl = getattr(config, "_attn_implementation", None)
-    if attn_impl not in implementations:
-        raise ValueError(f"{who} {why}: attn_implementation must be one of {tuple(implementations)}, got "
-                         f"{attn_impl!r}")
-
-
-def chosen_indices(value: str | Sequence[int], count: int, named: dict[str, list[int]], setting: str) -> list[int]:
-    """0-based indices a layers/heads setting selects among `count`: a name of `named`, or a list of indices;
-    ValueError naming `setting` when it selects none or one out of range."""
-    if isinstance(value, str):
-        if value not in named:
-            raise ValueError(f"{setting}={value!r}: use {', '.join(named)}, or a list of indices")
-        chosen = named[value]
-    else:
-        chosen = sorted({int(i) for i in value})
-    if not chosen or not all(0 <= i < count for i in chosen):
-        raise ValueError(f"{setting}={value!r} selects none of the {count} (indices must be in [0, {count}))")
-    return chosen
-
-
-def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:
-    """0-based indices of the patched layers ("reference": 2..L-1, the reference's runs; "all": 0..L-1; a list)."""
-    return chosen_indices(layers, num_layers, {"reference": list(range(2, num_layers)), "all": list(range(num_layers))},
-                          "ms_poe.layers")
 
 
 def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -277,17 +251,6 @@ class _OneKeyHeadPerQueryHead:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
-
-
-def attention_window(module: nn.Module, model_type: str) -> tuple[int | None, dict[str, Any]]:
-    """The layer's sliding window, and the `sliding_window` kwarg the original forward passes (Llama: none)."""
-    if model_type == "llama":
-        return None, {}
-    if hasattr(module, "sliding_window"):  # Qwen2 decides it per layer (layer_types)
-        window = module.sliding_window
-    else:  # Mistral passes the config's to every layer
-        window = getattr(module.config, "sliding_window", None)
-    return window, {"sliding_window": window}
 
 
 def _make_forward(module: nn.Module, rotary: nn.Module, model_type: str, cfg: MsPoEConfig,
@@ -379,7 +342,7 @@ def ms_poe(model: nn.Module, cfg: MsPoEConfig | None = None) -> Iterator[MsPoESt
     cfg = cfg if cfg is not None else MsPoEConfig()
     check_ms_poe(model)
     decoder = model.model
-    chosen = resolve_layers(cfg.layers, len(decoder.layers))
+    chosen = cfg.layer_indices(len(decoder.layers))
     state = MsPoEState(cfg=cfg, table=ratio_table(cfg, model.config.num_attention_heads))
 
     def install(idx: int, module: nn.Module) -> Callable:
@@ -388,30 +351,3 @@ def ms_poe(model: nn.Module, cfg: MsPoEConfig | None = None) -> Iterator[MsPoESt
 
     with patched_forwards({i: decoder.layers[i].self_attn for i in chosen}, install, "Ms-PoE"):
         yield state
-
-
-@contextmanager
-def patched_forwards(modules: dict[int, nn.Module], make: Callable[[int, nn.Module], Callable], who: str
-                     ) -> Iterator[None]:
-    """Give each attention module (by layer index) the forward `make(index, module)` returns, and restore the
-    model's own on exit (errors too). One intervention at a time: modules another one (or this one) patched
-    are refused, as a second patch would silently replace the first."""
-    owners = {getattr(m.__dict__.get("forward"), PATCHED_BY, None) for m in modules.values()} - {None}
-    if owners:
-        raise RuntimeError(f"{who}: {', '.join(sorted(owners))} is already installed on these layers (one "
-                           "intervention at a time)")
-    saved: list[tuple[nn.Module, bool, Any]] = []
-    try:
-        for idx, module in modules.items():
-            # an instance attribute shadows the class's forward; remember one that was already there
-            saved.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-            forward = make(idx, module)
-            setattr(forward, PATCHED_BY, who)
-            module.forward = forward
-        yield
-    finally:
-        for module, had_own, previous in reversed(saved):
-            if had_own:
-                module.forward = previous
-            else:
-                del module.forward

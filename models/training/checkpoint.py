@@ -20,30 +20,28 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from data_builders.files import fsync_tree, publish_dir
-from models.attention.diff import DiffAttentionMixin, set_diff_step
+from models.attention.diff_attention import DiffAttentionMixin, set_diff_step
 from models.attention.nope import disable_rope, is_nope
 from models.build import DType
+from models.training.run_dir import BASE_MODEL, STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
+from models.training.state import TrainerState
 from models.wheel_models import local_pretrained
 
 log = logging.getLogger(__name__)
-STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d+$|^\.step-\d+\.old\d+$")  # what a crash mid-save can leave in checkpoints/
-FILES_KEY = "files"  # trainer_state.json: the size of every other file of the checkpoint, to find a damaged one
 NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
-BASE_MODEL = "base_model"  # <run_dir>/base_model/: the saved base of a LoRA run (see the module docstring)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
-    folder = Path(run_dir) / "checkpoints"
+    folder = RunDir(run_dir).checkpoints
     if not folder.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
@@ -75,12 +73,12 @@ def resolve_checkpoint(resume_from: str, run_dir: str | Path) -> Path | None:
         ckpts = list_checkpoints(run_dir)
         if not ckpts:
             raise FileNotFoundError(
-                f"trainer.resume_from=latest: no checkpoint under {run_dir / 'checkpoints'}. `latest` continues "
+                f"trainer.resume_from=latest: no checkpoint under {RunDir(run_dir).checkpoints}. `latest` continues "
                 f"the run of this directory (set hydra.run.dir to it); to continue the newest run of the "
                 f"experiment from a fresh directory use trainer.resume_from=auto")
         found = newest_intact(ckpts)
         if found is None:
-            raise FileNotFoundError(f"trainer.resume_from=latest: every checkpoint under {run_dir / 'checkpoints'} "
+            raise FileNotFoundError(f"trainer.resume_from=latest: every checkpoint under {RunDir(run_dir).checkpoints} "
                                     "is damaged (see the warnings above)")
         return found
     path = Path(resume_from)
@@ -99,14 +97,16 @@ def _written_at(ckpt: Path) -> tuple[int, str]:
 
 def checkpoint_damage(ckpt: Path) -> str | None:
     """Why the checkpoint cannot be resumed from (naming the file), or None when it is intact: its
-    trainer_state.json must parse, and every file it lists must be there at the size it was written with
-    (a file cut short by a crash or a full disk). Checkpoints from before the list are only parsed."""
+    trainer_state.json must parse (as a `TrainerState`), and every file it lists must be there at the size it was
+    written with (a file cut short by a crash or a full disk). Checkpoints from before the list are only parsed."""
     state_file = Path(ckpt) / TRAINER_STATE
     try:
-        state = json.loads(state_file.read_text())
+        files = TrainerState.read(ckpt).files or {}
     except (OSError, ValueError) as err:
         return f"{state_file} is unreadable ({err})"
-    for name, size in state.get(FILES_KEY, {}).items():
+    except KeyError as err:
+        return f"{state_file} has no {err} key"
+    for name, size in files.items():
         path = Path(ckpt) / name
         if not path.is_file():
             return f"{path} is missing"
@@ -127,7 +127,7 @@ def newest_intact(ckpts: list[Path]) -> Path | None:
 
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     """Remove the half-written checkpoint folders an earlier crash left in `run_dir/checkpoints` (logged)."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     stale = sorted(p for p in root.iterdir() if TMP_DIR.match(p.name)) if root.is_dir() else []
     for path in stale:
         log.info("removing %s, left by a crash while it was being written", path)
@@ -154,10 +154,10 @@ def _record_files(folder: Path) -> None:
     state_file = folder / TRAINER_STATE
     if not state_file.is_file():  # a folder of other files (tests of the publishing alone)
         return
-    state = json.loads(state_file.read_text())
-    state[FILES_KEY] = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-                        if p.is_file() and p != state_file}
-    state_file.write_text(json.dumps(state, indent=2))
+    state = TrainerState.read(folder)
+    state.files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                   if p.is_file() and p != state_file}
+    state.write(folder)
 
 
 def atomic_checkpoint(
@@ -174,8 +174,7 @@ def atomic_checkpoint(
     temporary folder, whose name therefore depends on the step only); only the main process
     creates, publishes (replacing a checkpoint of the same step, never merging) and prunes folders.
     """
-    root = Path(run_dir) / "checkpoints"
-    final = root / f"step-{step}"
+    root, final = RunDir(run_dir).checkpoints, RunDir(run_dir).checkpoint(step)
     tmp = root / f".tmp-step-{step}"
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
@@ -209,26 +208,6 @@ def atomic_checkpoint(
     return final
 
 
-def save_trainer_state(folder: Path, step: int, rank: int, extra: dict[str, Any]) -> None:
-    """RNG state of this rank, and (main process) the JSON resume state: step, data position, ...
-
-    `trainer_state.json` is what marks a folder as a checkpoint, so the main process writes it
-    after its other files.
-    """
-    torch.save({"torch": torch.get_rng_state()}, folder / f"rng-rank{rank}.pt")
-    if rank == 0:
-        (folder / TRAINER_STATE).write_text(json.dumps({"step": step, **extra}, indent=2))
-
-
-def load_trainer_state(folder: Path, rank: int) -> dict[str, Any]:
-    """Restore this rank's RNG state; returns the JSON resume state."""
-    rng = folder / f"rng-rank{rank}.pt"
-    if not rng.exists():
-        raise FileNotFoundError(f"{rng}: the checkpoint was written by fewer ranks than this run has")
-    torch.set_rng_state(torch.load(rng, weights_only=True)["torch"])
-    return json.loads((folder / TRAINER_STATE).read_text())
-
-
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     """Load a `save_pretrained` folder's safetensors into an already built model (tied weights allowed)."""
     from safetensors.torch import load_file
@@ -256,14 +235,6 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
         raise RuntimeError(f"{folder}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
-def run_dir_of(checkpoint: str | Path) -> Path | None:
-    """`<run_dir>` when `checkpoint` is `<run_dir>/checkpoints/step-N`, else None."""
-    checkpoint = Path(checkpoint).resolve()
-    if STEP_DIR.match(checkpoint.name) and checkpoint.parent.name == "checkpoints":
-        return checkpoint.parent.parent
-    return None
-
-
 class BaseWeights(NamedTuple):
     """Where a checkpoint's full weights come from."""
 
@@ -286,12 +257,12 @@ def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base
     run_dir = run_dir_of(checkpoint) if run_dir is None else Path(run_dir)
     if base:
         found = BaseWeights(local_pretrained(base), True, "the given base")
-    elif run_dir is not None and (run_dir / BASE_MODEL).is_dir():
-        found = BaseWeights(str(run_dir / BASE_MODEL), True, f"the run's {BASE_MODEL}/ folder")
+    elif run_dir is not None and RunDir(run_dir).base_model.is_dir():
+        found = BaseWeights(str(RunDir(run_dir).base_model), True, f"the run's {BASE_MODEL}/ folder")
     elif recorded := json.loads(adapter_config.read_text()).get("base_model_name_or_path"):
         found = BaseWeights(recorded, True, f"base_model_name_or_path in {adapter_config}")
     else:
-        looked = f"{run_dir / BASE_MODEL}, " if run_dir is not None else ""
+        looked = f"{RunDir(run_dir).base_model}, " if run_dir is not None else ""
         raise FileNotFoundError(f"no base model for the LoRA adapters in {checkpoint}: looked at {looked}"
                                 f"base_model_name_or_path in {adapter_config} (empty)")
     path = Path(found.path).expanduser()
@@ -322,7 +293,7 @@ def checkpoint_config(checkpoint: str | Path, run_dir: str | Path | None = None)
 def load_checkpoint_model(
     checkpoint: str | Path,
     run_dir: str | Path | None = None,
-    dtype: DType | str = "auto",
+    dtype: DType | str = DType.auto,
     merge_lora: bool = True,
     base: str | None = None,
     attn_implementation: str | None = None,
@@ -331,7 +302,7 @@ def load_checkpoint_model(
     """The checkpoint's causal LM in eval mode (on the CPU); LoRA adapters applied to their base.
 
     `checkpoint`: a folder, or a hub id (a model that was never trained here). `dtype`: a `DType`
-    value, or "auto" for the dtype the weights were saved in. `attn_implementation`: transformers'
+    value (auto: the dtype the weights were saved in). `attn_implementation`: transformers'
     (eager, sdpa, flash_attention_2, ...); None = its default. With `merge_lora` the adapters are
     merged into the base weights (safe_merge: NaN/inf in a merged weight raises), else the result is a
     peft model. `run_dir` and `base` as in `base_weights`. Remote code runs only with
@@ -340,7 +311,7 @@ def load_checkpoint_model(
     """
     weights = base_weights(checkpoint, run_dir, base)
     model = AutoModelForCausalLM.from_pretrained(
-        weights.path, dtype="auto" if dtype == "auto" else DType(dtype).torch,
+        weights.path, dtype=DType(dtype).torch,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
     )
     if is_nope(model.config):  # transformers rebuilt the rotary embedding: trained without it, run without it
@@ -367,4 +338,4 @@ def _restore_diff_ramp(model: torch.nn.Module, checkpoint: Path) -> None:
     if not state.is_file():
         raise FileNotFoundError(f"{checkpoint}: LoRA adapters on a differential-attention base need the training "
                                 f"step for the λ warm-up, read from {TRAINER_STATE}, which is missing")
-    set_diff_step(model, int(json.loads(state.read_text())["step"]))
+    set_diff_step(model, int(TrainerState.read(checkpoint).step))

@@ -5,11 +5,12 @@ learning rate follows the positional prior, eta(x) ∝ rho_H(x), and asks whethe
 weighting, middle-context curricula or over-sampled retrieval data close the gap. The options:
 
 - `mean` (default): the mean next-token NLL over the answer tokens of the micro-batch (plain IN2).
-- `depth_weight`: each sample's answer tokens weighted by w(d) ∝ p(d)^(-beta), p the closed-form prior
-  at the sample's gold depth d (`data_builders.depth_prior.depth_prior`, at the model's H layers, with `debias.alpha`
-  or the alpha fitted to the latest measured Jacobian profile), normalised to mean 1 over the samples of
-  the micro-batch and clipped at `debias.max_weight` (`mean_one_clipped`). loss = sum_t w_s(t) nll_t / N,
-  so beta = 0 is exactly the mean objective.
+- `depth_weight`: each sample's answer tokens weighted by w(d) ∝ p(d)^(-beta), beta = `debias.prior_power`, p the
+  closed-form prior at the sample's gold depth d (`data_builders.depth_prior.depth_prior`, at the model's H layers,
+  with `debias.prior_alpha` or the alpha fitted to the latest measured Jacobian profile), normalised to mean 1 over
+  the samples of the micro-batch and clipped at `debias.max_weight` (`mean_one_clipped`).
+  loss = sum_t w_s(t) nll_t / N, so beta = 0 is exactly the mean objective. `data.in2.depth_law=valley` draws
+  training golds by the same law with the same names (`data.in2.prior_alpha`, `data.in2.prior_power`).
 - `group_dro`: Group DRO over K equal-width gold-depth bins (Sagawa et al. 2020, "Distributionally Robust
   Neural Networks", Algorithm 1 with its online weights): per micro-batch, loss_k = mean NLL over the
   answer tokens of the samples in bin k (0 for a bin with none), q_k <- q_k exp(eta loss_k) renormalised
@@ -35,6 +36,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from data_builders.depth_prior import depth_prior
+from data_builders.needle_mix import NeedleMixConfig
 from data_builders.probes import bin_label
 from models.training.loss import labelled_nll
 
@@ -47,27 +49,13 @@ class Objective(StrEnum):
     group_dro = "group_dro"
 
 
-class MixKind(StrEnum):
-    needle = "needle"  # "The secret code of <word> is <number>." in filler sentences (data_builders.probes)
-    kv = "kv"  # one UUID key's value among UUID pairs (Liu et al.'s probe)
-    mdqa = "mdqa"  # a question about an invented person among documents about others (the mdqa prompt)
-
-
-@dataclass
-class NeedleMixConfig:
-    share: float = 0.0  # of each micro-batch's rows replaced by synthetic retrieval samples; 0 = off
-    kinds: list[MixKind] = field(default_factory=lambda: [MixKind.needle, MixKind.kv])  # drawn alternately
-    pool: int = 4000  # distinct retrieval samples generated (seeded), read in turn
-    seed: int = 1  # generator seed; samples equal to an evaluation probe item are dropped
-
-
 @dataclass
 class DebiasConfig:
     """`debias.*`: how per-sample losses combine, and the retrieval-data mix (conf/debias/ presets)."""
 
     objective: Objective = Objective.mean
-    beta: float = 1.0  # depth_weight: w(d) ∝ p(d)^(-beta)
-    alpha: Optional[float] = None  # depth_weight: the prior's residual weight; None = fitted (prior/<set>/alpha)
+    prior_power: float = 1.0  # depth_weight: w(d) ∝ p(d)^(-prior_power)
+    prior_alpha: Optional[float] = None  # depth_weight: the prior's residual weight; None = fitted (prior/<set>/alpha)
     max_weight: float = 5.0  # depth_weight: weights are clipped here (>= 1: their mean is 1)
     bins: int = 10  # group_dro: equal-width gold-depth bins
     eta: float = 0.01  # group_dro: step size of the exponentiated-gradient update of q
@@ -91,17 +79,13 @@ def validate_debias(cfg: DebiasConfig, jacobian_every: int, sequence_parallel: i
     if cfg.objective == Objective.depth_weight:
         if cfg.max_weight < 1:
             raise ValueError(f"debias.max_weight={cfg.max_weight} must be >= 1 (the weights average 1)")
-        if cfg.alpha is None and jacobian_every < 1:
-            raise ValueError("debias.objective=depth_weight with debias.alpha=null follows the alpha fitted to the "
-                             "measured Jacobian, which is off (jacobian.every=0): set debias.alpha (e.g. 0.5)")
-        if cfg.alpha is not None and not 0 < cfg.alpha < 1:
-            raise ValueError(f"debias.alpha={cfg.alpha} must be in (0, 1)")
+        if cfg.prior_alpha is None and jacobian_every < 1:
+            raise ValueError("debias.objective=depth_weight with debias.prior_alpha=null follows the alpha fitted to "
+                             "the measured Jacobian, which is off (jacobian.every=0): set debias.prior_alpha (e.g. 0.5)")
+        if cfg.prior_alpha is not None and not 0 < cfg.prior_alpha < 1:
+            raise ValueError(f"debias.prior_alpha={cfg.prior_alpha} must be in (0, 1)")
     if cfg.objective == Objective.group_dro and (cfg.bins < 1 or cfg.eta < 0):
         raise ValueError(f"debias.bins={cfg.bins} must be >= 1 and debias.eta={cfg.eta} >= 0")
-    if not 0 <= cfg.needle_mix.share < 1:
-        raise ValueError(f"debias.needle_mix.share={cfg.needle_mix.share} must be in [0, 1)")
-    if cfg.needle_mix.share and (not cfg.needle_mix.kinds or cfg.needle_mix.pool < 1):
-        raise ValueError("debias.needle_mix needs at least one of debias.needle_mix.kinds and pool >= 1")
 
 
 def mean_one_clipped(raw: torch.Tensor, cap: float) -> torch.Tensor:
@@ -205,13 +189,13 @@ class DebiasObjective:
 
     def __init__(self, cfg: DebiasConfig, layers: int, all_sum: Callable[[torch.Tensor], torch.Tensor]):
         self.cfg, self.layers, self.all_sum = cfg, layers, all_sum
-        self.alpha = cfg.alpha  # depth_weight: fixed, or the latest fitted one (`observe`)
+        self.alpha = cfg.prior_alpha  # depth_weight: fixed, or the latest fitted one (`observe`)
         self.dro = GroupDRO(cfg.bins, cfg.eta) if cfg.objective == Objective.group_dro else None
         self._last: dict[str, float] = {}
 
     def observe(self, metrics: Mapping[str, float]) -> None:
-        """Follow the alpha fitted to the latest measured Jacobian profile (with debias.alpha=null)."""
-        if self.cfg.alpha is not None:
+        """Follow the alpha fitted to the latest measured Jacobian profile (with debias.prior_alpha=null)."""
+        if self.cfg.prior_alpha is not None:
             return
         fitted = next((metrics[k] for k in ALPHA_KEYS if k in metrics), None)
         if fitted is not None and math.isfinite(fitted) and 0 < fitted < 1:
@@ -226,7 +210,7 @@ class DebiasObjective:
         if self.cfg.objective == Objective.depth_weight:
             if self.alpha is None:
                 raise RuntimeError("depth_weight has no alpha yet: the Jacobian is measured before the first update")
-            w = depth_weights(depths, self.layers, self.alpha, self.cfg.beta, self.cfg.max_weight)
+            w = depth_weights(depths, self.layers, self.alpha, self.cfg.prior_power, self.cfg.max_weight)
             self._last = {"debias/alpha": self.alpha, "debias/weight_max": float(w.max()),
                           "debias/weight_min": float(w.min())}
             return (w.to(sums.dtype) * sums).sum() / count

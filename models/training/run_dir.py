@@ -1,0 +1,141 @@
+"""A run directory's files, by name: the one place their names are spelled.
+
+    <run>/
+      .hydra/config.yaml, overrides.yaml   the resolved config and the command-line overrides (Hydra)
+      train.log                            the run's log lines (start-up, evals, saves, a failure)
+      metrics.jsonl                        one JSON row per logged step (the wandb history, offline)
+      jacobian.npz, rollout.npz            Jacobian profiles and attention rollouts of every measured step
+      eval/<probe>_step<N>.json            position-wise results (analysis.evaluation.result.ProbeResult)
+      eval/metrics_step<N>.json            their metric values (scripts.eval_checkpoint)
+      plots/*.png                          figures drawn during and at the end of the run
+      checkpoints/step-<N>/                save_pretrained + tokenizer + trainer_state.json + rng-rank<R>.pt
+      base_model/                          the saved base of a LoRA run started from a changed architecture
+      tokenizer/                           the run's tokenizer
+      summary.md                           the end-of-run summary (analysis.report.run_summary)
+      wandb_run.json, wandb/               the wandb run the directory logs to, and wandb's own files
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+HYDRA_DIR = ".hydra"
+RUN_CONFIG = Path(HYDRA_DIR) / "config.yaml"
+OVERRIDES = Path(HYDRA_DIR) / "overrides.yaml"
+TRAIN_LOG = "train.log"
+METRICS = "metrics.jsonl"
+JACOBIAN = "jacobian.npz"
+ROLLOUT = "rollout.npz"  # in jacobian.npz's format, one set per "<set>.<variant>"
+EVAL_DIR = "eval"
+PLOTS_DIR = "plots"
+CHECKPOINTS_DIR = "checkpoints"
+BASE_MODEL = "base_model"
+TOKENIZER_DIR = "tokenizer"
+SUMMARY = "summary.md"
+WANDB_RUN = "wandb_run.json"
+TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder: what marks it as complete
+
+EVAL_FILE = re.compile(r"^(?P<probe>\w+?)_step(?P<step>\d+)\.json$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def eval_name(probe: str, step: int) -> str:
+    return f"{probe}_step{step}.json"
+
+
+def rng_name(rank: int) -> str:
+    """A checkpoint's RNG state of one rank (models.training.state.TrainerState)."""
+    return f"rng-rank{rank}.pt"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory (nothing is created or read here)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / RUN_CONFIG
+
+    @property
+    def overrides(self) -> Path:
+        return self.root / OVERRIDES
+
+    @property
+    def log(self) -> Path:
+        return self.root / TRAIN_LOG
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def jacobian(self) -> Path:
+        return self.root / JACOBIAN
+
+    @property
+    def rollout(self) -> Path:
+        return self.root / ROLLOUT
+
+    @property
+    def eval(self) -> Path:
+        return self.root / EVAL_DIR
+
+    @property
+    def plots(self) -> Path:
+        return self.root / PLOTS_DIR
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS_DIR
+
+    @property
+    def base_model(self) -> Path:
+        return self.root / BASE_MODEL
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / TOKENIZER_DIR
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY
+
+    @property
+    def wandb_run(self) -> Path:
+        return self.root / WANDB_RUN
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    def eval_json(self, probe: str, step: int) -> Path:
+        return self.eval / eval_name(probe, step)
+
+    def eval_metrics(self, step: int) -> Path:
+        return self.eval / f"metrics_step{step}.json"
+
+    def plot(self, name: str) -> Path:
+        return self.plots / f"{name}.png"
+
+    def eval_files(self, probe: str) -> dict[int, Path]:
+        """{step: path} of every `eval/<probe>_step<N>.json`, by step."""
+        folder = self.eval
+        found = {}
+        for path in folder.glob(f"{probe}_step*.json") if folder.is_dir() else ():
+            match = EVAL_FILE.match(path.name)
+            if match and match["probe"] == probe:
+                found[int(match["step"])] = path
+        return dict(sorted(found.items()))
+
+
+def run_dir_of(checkpoint: str | Path) -> Path | None:
+    """The run directory of a `<run>/checkpoints/step-<N>` folder; None for a folder outside a run."""
+    checkpoint = Path(checkpoint).resolve()
+    if STEP_DIR.match(checkpoint.name) and checkpoint.parent.name == CHECKPOINTS_DIR:
+        return checkpoint.parents[1]
+    return None
