@@ -37,7 +37,7 @@ import torch
 
 from data_builders.depth_prior import depth_prior
 from data_builders.needle_mix import NeedleMixConfig
-from data_builders.probes import bin_label
+from data_builders.probes import bin_label, depth_bin
 from models.training.loss import labelled_nll
 
 ALPHA_KEYS = ("prior/vanilla/alpha", "prior/chunked/alpha")  # the fitted alpha depth_weight follows, first found
@@ -138,8 +138,9 @@ class GroupDRO:
         self.q = torch.full((bins,), 1.0 / bins, dtype=torch.float64)
 
     def bin_of(self, depths: torch.Tensor) -> torch.Tensor:
-        """Equal-width bin of each depth in [0, 1] (1 falls in the last), as `data_builders.probes.depth_bin`."""
-        return (depths.double() * self.bins).long().clamp(0, self.bins - 1)
+        """The depth bin of each sample (`data_builders.probes.depth_bin`, the bins of the accuracy curve)."""
+        return torch.tensor([depth_bin(d, self.bins) for d in depths.tolist()], dtype=torch.long,
+                            device=depths.device)  # a micro-batch's few samples
 
     def update(self, bin_losses: torch.Tensor) -> torch.Tensor:
         """q_k <- q_k exp(eta loss_k), renormalised over all bins; `bin_losses` (K,) detached (0 for an empty
