@@ -1,8 +1,9 @@
 """Run the named benchmarks and print one table; `--write` also rewrites BENCHMARKS.md.
 
-    python -m scripts.bench                 # every benchmark
+    python -m scripts.bench                 # every benchmark but the real-model ones
     python -m scripts.bench train prior     # some of them
-    python -m scripts.bench --write         # and record the table in BENCHMARKS.md
+    python -m scripts.bench --write         # and record the table in BENCHMARKS.md (its sections below stay)
+    python -m scripts.bench hf_trainer      # a real model against transformers.Trainer (~20 min; the wheel model)
 
 Every row is a ratio against a baseline measured in the same process and run, because the machines
 are shared and noisy: an absolute time alone means little.
@@ -31,7 +32,10 @@ BENCHMARKS = {
     "diff": ("scripts.bench_diff", "bench_diff"),
     "data": ("scripts.bench_data", "bench_data"),
     "long": ("scripts.bench_long", "bench_long"),
+    "hf_trainer": ("scripts.bench_hf_trainer", "bench_hf_trainer"),
 }
+REAL_MODEL = ("hf_trainer",)  # run only when named: they fetch a model and take many minutes
+REAL_MODEL_SECTION = "Real model: SmolLM2-135M-Instruct against transformers.Trainer"
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR_REFS = Path("/proc/self/clear_refs")
 T = TypeVar("T")
@@ -80,6 +84,24 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def write_table(out: str, command: str, real_model: bool) -> None:
+    """BENCHMARKS.md with `out`: the main table (its `## ...` sections kept), or, for real-model benchmarks,
+    the section `## Real model` (replaced, the rest kept)."""
+    path = ROOT / "BENCHMARKS.md"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    made = (f"Made by:\n\n```\n{command.strip()}\n```\n\non {platform.machine()}, {torch.get_num_threads()} torch "
+            f"threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.\n\n{out}\n")
+    main, _, sections = old.partition("\n## ")
+    sections = [s for s in sections.split("\n## ") if s] if sections else []
+    if real_model:
+        sections = [s for s in sections if not s.startswith(REAL_MODEL_SECTION)]
+        sections.append(f"{REAL_MODEL_SECTION}\n\nRatios against a baseline measured in the same run. {made}")
+    else:
+        main = ("# Benchmarks\n\nRatios against a baseline measured in the same run (see each benchmark's module "
+                f"in `scripts/`). {made}")
+    path.write_text(main.rstrip("\n") + "\n" + "".join(f"\n## {s.rstrip(chr(10))}\n" for s in sections))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
@@ -89,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
     rows = []
-    for name in args.names or list(BENCHMARKS):
+    for name in args.names or [n for n in BENCHMARKS if n not in REAL_MODEL]:
         module, func = BENCHMARKS[name]
         print(f"running {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -98,14 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     out = table(rows)
     print(out)
     if args.write:
-        command = "python -m scripts.bench " + " ".join(sys.argv[1:])
-        header = (
-            "# Benchmarks\n\nRatios against a baseline measured in the same run (see each benchmark's module in "
-            f"`scripts/`). Made by:\n\n```\n{command.strip()}\n```\n\non {platform.machine()}, "
-            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d')}.\n\n"
-        )
-        (ROOT / "BENCHMARKS.md").write_text(header + out + "\n")
+        names = args.names or list(BENCHMARKS)
+        write_table(out, "python -m scripts.bench " + " ".join(sys.argv[1:]), set(names) <= set(REAL_MODEL))
 
 
 if __name__ == "__main__":
