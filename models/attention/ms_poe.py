@@ -95,7 +95,9 @@ LAYER_SETS = (LayerSet.reference, LayerSet.all)  # the named `layers` settings
 
 @dataclass
 class MsPoEConfig:
-    """Ms-PoE settings. Each default is the reference's (inference.py flags, src/ms_poe.sh runs)."""
+    """Ms-PoE settings. ratio_min, ratio_max, layers, head_type and outlier_threshold default to the reference
+    code's (inference.py flags, src/ms_poe.sh runs). assignment and endpoint default to the paper's text, which
+    the code departs from: `assignment="reference", endpoint=False` is what the code computes."""
 
     ratio_min: float = 1.2  # --compress_ratio_min (inference.py default, src/ms_poe.sh)
     ratio_max: float = 1.8  # --compress_ratio_max
