@@ -347,7 +347,7 @@ def _valley_ends(job: Job) -> dict[tuple[str, str], tuple[int, float, int, float
     for step, row in job.metrics.items():
         for key, value in row.items():
             match = VALLEY_KEY.match(key)
-            # metrics_log writes non-finite values as strings: not a usable measurement
+            # non-finite values are null in metrics.jsonl (strings in files older than that rule): not a measurement
             if match and isinstance(value, (int, float)) and math.isfinite(value):
                 logged.setdefault((match.group(1), match.group(2)), []).append((step, float(value)))
     return {key: (*values[0], *values[-1]) for key, values in logged.items()}

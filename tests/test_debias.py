@@ -290,6 +290,17 @@ def test_valley_depths_pass_a_ks_test_against_their_law():
     assert stats.kstest(_offsets(DepthLaw.uniform, 4000), "uniform").pvalue > 0.01
 
 
+def test_a_saved_run_config_with_the_old_valley_keys_reads_under_the_prior_names():
+    from omegaconf import OmegaConf
+
+    from data_builders.config import as_data_config
+
+    old = OmegaConf.create({"in2": {"depth_law": "valley", "valley_layers": 4, "valley_alpha": 0.3,
+                                    "valley_power": 2.0}})
+    c = as_data_config(old).in2
+    assert (c.depth_law, c.prior_layers, c.prior_alpha, c.prior_power) == (DepthLaw.valley, 4, 0.3, 2.0)
+
+
 def test_valley_law_needs_the_layer_count():
     cfg = DataConfig()
     cfg.in2.depth_law = DepthLaw.valley

@@ -328,6 +328,14 @@ def test_bad_jacobian_cadence_fails_at_start_up_naming_the_key(compose_cfg, tmp_
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_settings_without_a_meaning_here_fail_at_start_up(compose_cfg, tmp_path):
+    with pytest.raises(ValueError, match="eval.probes has in2: the held-out IN2 records are scored"):
+        run(compose_cfg(*TINY, "eval.probes=[in2]", "eval.probe_every=1"), tmp_path)
+    with pytest.raises(ValueError, match="model.dtype=auto keeps the dtype pretrained weights were saved in"):
+        run(compose_cfg(*TINY, "model.dtype=auto"), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_missing_probe_file_fails_at_start_up_naming_the_key(compose_cfg, tmp_path):
     missing = tmp_path / "kv-retrieval-140_keys.jsonl.gz"
     with pytest.raises(FileNotFoundError, match=f"eval.kv.path={missing}: "):

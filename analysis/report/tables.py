@@ -19,7 +19,7 @@ def num(value: float | str | None, signed: bool = False, missing: str | None = "
     """A number to 3 decimals (`signed`: with its sign); `missing` for None, nan and ±inf.
 
     With `missing=None` (for values that are never None) nan and inf are written as numbers ("nan", "+inf").
-    A string is the cell as it is: metrics.jsonl keeps nan and inf as strings.
+    A string is the cell as it is (metrics.jsonl files written before NaN became null hold "nan" and "inf").
     """
     if isinstance(value, str):
         return value
