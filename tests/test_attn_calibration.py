@@ -1,6 +1,7 @@
-"""Attention calibration (models/attn_calibration.py): Eq. 5 written out in float64, total document attention
-kept, the identity under a zero reference (functions and whole models, through decoding), the dummy reference
-equal to eager attention maps, token spans of real prompts, restoration, and the models it refuses."""
+"""Attention calibration (models/attention/attn_calibration.py): Eq. 5 written out in float64, total document
+attention kept, the identity under a zero reference (functions and whole models, through decoding), the dummy
+references (per segment and shared) equal to eager attention maps, token spans of real prompts, restoration, and
+the models it refuses."""
 from __future__ import annotations
 
 import math
@@ -203,6 +204,28 @@ def test_reference_is_the_dummy_attention_of_the_last_token():
         for layer in (1, 2):
             expected = maps[layer][0, [0, 3], -1, a:b].mean(-1)
             torch.testing.assert_close(reference[layer][:, k], expected.float(), rtol=0, atol=1e-6)
+
+
+def test_shared_reference_is_the_dummy_attention_with_every_segment_swapped():
+    """reference=dummy_shared: one pass with every segment's tokens replaced by the dummy's; ref[layer][h, k] = the
+    eager map's mean attention of the last prompt token over segment k's dummy tokens."""
+    model = tiny("llama", "eager")
+    _, _, prompts = batch_inputs(pad=0)
+    ids, spans = prompts[1], SEGMENTS[1]
+    cfg = AttnCalibrationConfig(layers=[1, 2], heads=[0, 3], reference="dummy_shared")
+    with attn_calibration(model, StubTokenizer(), cfg) as calibration:
+        reference = calibration.references(ids, spans)
+    dummy = list(ids)
+    for a, b in spans:
+        dummy[a:b] = [[5, 6, 7][i % 3] for i in range(b - a)]
+    with torch.no_grad():
+        maps = model(torch.tensor([dummy]), output_attentions=True).attentions
+    for layer in (1, 2):
+        expected = torch.stack([maps[layer][0, [0, 3], -1, a:b].mean(-1) for a, b in spans], -1)
+        torch.testing.assert_close(reference[layer], expected.float(), rtol=0, atol=1e-6)
+    per_segment = AttnCalibrationConfig(layers=[1, 2], heads=[0, 3])
+    with attn_calibration(model, StubTokenizer(), per_segment) as calibration:
+        assert not torch.allclose(calibration.references(ids, spans)[2], reference[2], atol=1e-4)
 
 
 def test_restores_the_model_and_refuses_nesting_and_bad_settings():

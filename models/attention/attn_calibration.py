@@ -13,7 +13,9 @@ calibrated layer and head:
 2. Reference (Eq. 3): the same prompt with segment k's tokens replaced by a dummy document of the same token
    length (`dummy_text`'s tokens, repeated), so every token keeps its position; one forward pass per
    segment (the paper's O(K) extra passes, batched): ref_k = Attn(dummy, k) of the last prompt token
-   (the query that predicts the answer's first token).
+   (the query that predicts the answer's first token). `reference=dummy_shared` swaps every segment for the
+   dummy in one pass (1 extra pass instead of K, so it fits a real model on a CPU): ref_k is then the dummy's
+   attention at position k beside other dummies rather than beside the real documents, an approximation.
 3. Calibrated relevance (Eq. 4): rel_k = Attn(x_k, k) - ref_k.
 4. Redistribution (Eq. 5): a'_i = C * alpha_k / Attn(x_k, k) * a_i for i in S_k, with alpha = softmax(rel / t)
    over the segments (`weighting=softmax`, the paper's) and C such that sum_k sum_{i in S_k} a'_i equals
@@ -74,7 +76,8 @@ class Weighting(StrEnum):
 
 
 class Reference(StrEnum):
-    dummy = "dummy"  # the dummy document at each segment's position (the paper's Eq. 3)
+    dummy = "dummy"  # the dummy document at each segment's position (the paper's Eq. 3): K passes
+    dummy_shared = "dummy_shared"  # every segment a dummy at once: 1 pass, an approximation of Eq. 3
     zero = "zero"  # no positional reference: redistribute by the raw attention (an ablation; identity check)
 
 
@@ -160,8 +163,9 @@ class _State:
     """What the installed forwards read: the mode, and per mode its inputs and outputs."""
 
     mode: str = "off"  # off | measure (record the reference) | calibrate
-    probe_keys: torch.Tensor | None = None  # measure: (B, S) bool, the dummy segment of each row
-    measured: dict[int, torch.Tensor] = field(default_factory=dict)  # measure: layer -> (B, Hc) mean attention
+    probe_segments: torch.Tensor | None = None  # measure: (B, S) segment of each dummy token, -1 elsewhere
+    num_segments: int = 0  # measure: K
+    measured: dict[int, torch.Tensor] = field(default_factory=dict)  # measure: layer -> (B, Hc, K) mean attention
     segment_of_key: torch.Tensor | None = None  # calibrate: (B, W) segment per prompt column, -1 outside
     start: torch.Tensor | None = None  # calibrate: (B,) first column calibrated (after the last segment)
     first_start: int = 0  # calibrate: start.min(), kept on the host (no device sync in every forward)
@@ -228,12 +232,11 @@ def _make_forward(module: nn.Module, model_type: str, heads: list[int], cfg: Att
         batch, num_queries, num_keys = query.shape[0], query.shape[2], key.shape[2]
         q_cols = torch.arange(offset, offset + num_queries, device=query.device)
         chosen = query[:, head_index]
-        if state.mode == "measure":  # the last token's attention to the dummy segment of each row
+        if state.mode == "measure":  # the last token's attention to each dummy segment of each row
             last = slice(num_queries - 1, num_queries)
             allowed = _allowed(attention_mask, last, q_cols[last], num_keys, window, batch)
-            probs = rows_probs(chosen[:, :, last], key, allowed)[:, :, 0]  # (B, Hc, S)
-            probe = state.probe_keys.to(probs.dtype)[:, None, :]  # (B, 1, S)
-            state.measured[layer] = (probs * probe).sum(-1) / probe.sum(-1).clamp(min=1)
+            probs = rows_probs(chosen[:, :, last], key, allowed)  # (B, Hc, 1, S)
+            state.measured[layer] = segment_attention(probs, state.probe_segments, state.num_segments)[:, :, 0]
         elif state.mode == "calibrate":
             first = max(state.first_start - offset, 0)  # the first local row any batch row calibrates
             if first < num_queries:
@@ -324,26 +327,35 @@ class AttnCalibration:
         num_heads = len(self.heads)
         if self.cfg.reference == Reference.zero or not spans:
             return {layer: torch.zeros(num_heads, len(spans)) for layer in self.layers}
-        base = torch.tensor(list(ids))
-        copies, probes = [], []
-        for a, b in spans:
-            copy, probe = base.clone(), torch.zeros(len(ids), dtype=torch.bool)
-            copy[a:b] = torch.tensor([self.dummy_ids[i % len(self.dummy_ids)] for i in range(b - a)])
-            probe[a:b] = True
-            copies.append(copy)
-            probes.append(probe)
-        per_pass = max(1, (self.batch_tokens or len(ids) * len(spans)) // len(ids))
-        measured: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
-        self.state.mode = "measure"
+        copies, labels = self._dummy_copies(ids, spans)
+        per_pass = max(1, (self.batch_tokens or len(ids) * len(copies)) // len(ids))
+        measured = {layer: torch.zeros(num_heads, len(spans)) for layer in self.layers}
+        self.state.mode, self.state.num_segments = "measure", len(spans)
         try:
             for i in range(0, len(copies), per_pass):
-                self.state.probe_keys = torch.stack(probes[i:i + per_pass]).to(self.model.device)
+                self.state.probe_segments = torch.stack(labels[i:i + per_pass]).to(self.model.device)
                 self._forward(torch.stack(copies[i:i + per_pass]))
-                for layer in self.layers:
-                    measured[layer].append(self.state.measured[layer].float().cpu())
+                for layer in self.layers:  # a copy measures only its own dummies: the others' columns are 0
+                    measured[layer] += self.state.measured[layer].float().cpu().sum(0)
         finally:
-            self.state.mode, self.state.probe_keys = "off", None
-        return {layer: torch.cat(parts).T for layer, parts in measured.items()}  # (Hc, K)
+            self.state.mode, self.state.probe_segments = "off", None
+        return measured
+
+    def _dummy_copies(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The prompts of the reference passes and each one's dummy-segment labels: one copy per segment
+        (`dummy`), or one copy with every segment swapped (`dummy_shared`)."""
+        groups = [list(enumerate(spans))] if self.cfg.reference == Reference.dummy_shared else [
+            [(k, span)] for k, span in enumerate(spans)]
+        copies, labels = [], []
+        for group in groups:
+            copy, label = torch.tensor(list(ids)), torch.full((len(ids),), -1, dtype=torch.long)
+            for k, (a, b) in group:
+                copy[a:b] = torch.tensor([self.dummy_ids[i % len(self.dummy_ids)] for i in range(b - a)])
+                label[a:b] = k
+            copies.append(copy)
+            labels.append(label)
+        return copies, labels
 
     @contextmanager
     def batch(self, prompts: Sequence[Sequence[int]], spans: Sequence[Sequence[tuple[int, int]]], width: int
