@@ -318,9 +318,9 @@ def test_depth_intervals_sets_the_arms_apart_around_the_bin_centres(tmp_path):
 
 def test_predicted_profiles_one_panel_per_model_and_set_each_curve_summing_to_one(tmp_path):
     rho, prior = prior_profile(L, H, 0.3) * 50.0, prior_profile(L, H, 0.5)
-    curves = {model: {name: {"measured profile": rho * k, "measured": rho ** 2, "prior": prior}
+    curves = {model: {name: {"measured profile": rho * k, "measured": rho, "prior": prior}
                       for name in ("vanilla", "chunked")} for k, model in ((1, "trained"), (3, "random init"))}
-    fig = predicted_profiles_figure(curves, "measured profile", "prior")
+    fig = predicted_profiles_figure(curves, "measured profile", ("prior",))
     assert [ax.get_title() for ax in fig.axes] == ["trained, vanilla", "trained, chunked", "random init, vanilla",
                                                    "random init, chunked"]
     measured, rollout, fitted = fig.axes[0].lines
@@ -330,7 +330,24 @@ def test_predicted_profiles_one_panel_per_model_and_set_each_curve_summing_to_on
     assert measured.get_color() == "k" and measured.get_linewidth() == 2.0 and fitted.get_linestyle() == ":"
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["measured profile", "rollout, measured",
                                                                             "prior"]
-    assert_png(plot_predicted_profiles(curves, tmp_path / "rollout_study.png", "measured profile", "prior"))
+    assert_png(plot_predicted_profiles(curves, tmp_path / "rollout_study.png", "measured profile", ("prior",)))
+
+
+def test_predicted_profiles_range_follows_the_measured_curve_and_priors_not_a_sink_rollout():
+    """A trained model's attention-only rollout spans ~40 decades (its sink raised to every layer): the y-range
+    stays on the measured curve and the priors, and the clipped rollout's legend gives its span."""
+    rho, prior = prior_profile(L, H, 0.3), prior_profile(L, H, 0.5)
+    sink = np.full(L, 1e-20)
+    sink[0] = 1.0
+    curves = {"trained": {"vanilla": {"measured profile": rho, "attention_only": sink, "prior": prior,
+                                      "prior w1": prior_profile(L, H, 0.2)}}}
+    ax = predicted_profiles_figure(curves, "measured profile", ("prior", "prior w1")).axes[0]
+    low, high = ax.get_ylim()
+    shares = [c / c.sum() for c in (rho, prior, prior_profile(L, H, 0.2))]
+    assert low <= min(s.min() for s in shares) and high >= max(s.max() for s in shares) and low > 1e-12
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[1].startswith("rollout, attention_only (clipped: 1e-") and labels[2:] == ["prior", "prior w1"]
+    assert [line.get_linestyle() for line in ax.lines][2:] == [":", ":"]
 
 
 def test_prior_figure_raw_and_anchored_at_the_last_position():

@@ -153,7 +153,7 @@ def test_capture_leaves_the_model_as_it_was():
 
 
 def test_rollout_study_reports_every_predictor_for_both_models(compose_cfg, tmp_path):
-    from analysis.rollout_study import PRIOR_ROW, main
+    from analysis.rollout_study import PRIOR_ROWS, main
     from tests.conftest import TINY
     from train import run
 
@@ -163,7 +163,7 @@ def test_rollout_study_reports_every_predictor_for_both_models(compose_cfg, tmp_
     text = (out / "rollout_study.md").read_text()
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| trained") or
             line.startswith("| random")]
-    predictors = [*map(str, RolloutVariant), PRIOR_ROW]
+    predictors = [*map(str, RolloutVariant), *PRIOR_ROWS]
     table = [r for r in rows if r[2] in predictors]  # model, set, predictor, three metrics
     assert {(r[0].lstrip("| "), r[1], r[2]) for r in table} == {
         (m, s, p) for m in ("trained (step 3)", "random init") for s in ("vanilla", "chunked") for p in predictors}
@@ -172,8 +172,27 @@ def test_rollout_study_reports_every_predictor_for_both_models(compose_cfg, tmp_
     assert (out / "rollout_study.png").stat().st_size > 0
     rope = text.split("## RoPE invariance at init")[1]
     rope_rows = [line.split(" | ") for line in rope.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [(r[0], r[1]) for r in rope_rows] == [(f"| {s}", name) for s in (0, 1, 2) for name in ("vanilla", "chunked")]
-    assert all(-1.0 <= float(r[2].rstrip(" |")) <= 1.0 for r in rope_rows)
+    assert [(r[0], r[1], r[2]) for r in rope_rows] == [
+        ("| 32", str(s), name) for s in (0, 1, 2) for name in ("vanilla", "chunked")]
+    assert all(-1.0 <= float(r[3].rstrip(" |")) <= 1.0 for r in rope_rows)
+
+
+def test_rollout_study_of_a_checkpoint_alone_at_two_lengths_with_hutchinson(compose_cfg, tmp_path):
+    """The real-model form: several lengths in one table (a row label per length), Hutchinson profiles, and
+    neither random-init rows nor the RoPE check."""
+    from analysis.rollout_study import PRIOR_W1_ROW, main
+    from tests.conftest import TINY
+    from train import run
+
+    run(compose_cfg(*TINY, "trainer.max_steps=2"), tmp_path / "run")
+    out = tmp_path / "study"
+    assert main(["--checkpoint", str(tmp_path / "run"), "--out", str(out), "--seq-len", "16,32", "--n-seq", "1",
+                 "--estimator", "hutchinson", "--num-probes", "4", "--no-random-init"]) == 0
+    text = (out / "rollout_study.md").read_text()
+    assert "Hutchinson (4 probes per sequence" in text and "random" not in text and "RoPE" not in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| trained")]
+    assert {(r[0].lstrip("| "), r[1]) for r in rows if r[2] == PRIOR_W1_ROW} == {
+        (f"trained (step 2), L={L}", s) for L in (16, 32) for s in ("vanilla", "chunked")}
 
 
 def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_path):
@@ -211,12 +230,12 @@ def test_training_logs_rollout_metrics_at_every_measured_step(compose_cfg, tmp_p
 
 def test_study_curves_keep_the_jacobian_apart_from_the_measured_lambda_rollout():
     from analysis.measure.jacobian import Estimator, JacobianConfig, measure_sets
-    from analysis.rollout_study import JACOBIAN, PRIOR_ROW, study_model
+    from analysis.rollout_study import JACOBIAN, PRIOR_ROWS, study_model
 
     model, seqs = tiny("qwen2").float(), {"vanilla": ids()}
     cfg = JacobianConfig(estimator=Estimator.exact, seq_len=L)
     rows, curves = study_model("tiny", model, seqs, cfg)
-    assert list(curves["vanilla"]) == [JACOBIAN, *map(str, RolloutVariant), PRIOR_ROW]
+    assert list(curves["vanilla"]) == [JACOBIAN, *map(str, RolloutVariant), *PRIOR_ROWS]
     np.testing.assert_allclose(curves["vanilla"][JACOBIAN], measure_sets(model, seqs, cfg)["vanilla"].profile.mean(0))
     assert not np.allclose(curves["vanilla"][JACOBIAN], curves["vanilla"]["measured"])
-    assert len(rows) == len(RolloutVariant) + 1
+    assert len(rows) == len(RolloutVariant) + len(PRIOR_ROWS)

@@ -10,7 +10,7 @@ returns its path; the ``*_figure`` function of the same name builds that Figure 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -459,22 +459,26 @@ def plot_depth_intervals(
 
 
 def predicted_profiles_figure(
-    curves: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], measured: str, prior: str
+    curves: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], measured: str, priors: Collection[str]
 ) -> Figure:
     """A measured profile and its predictions, each scaled to sum 1: a row of panels per model, a column per set.
 
-    `curves[model][set]`: name -> (L,); the curve named `measured` is drawn thick and black, the one named `prior`
-    dotted, and every other one is a rollout.
+    `curves[model][set]`: name -> (L,); the curve named `measured` is drawn thick and black, those named in
+    `priors` dotted, and every other one is a rollout. The y-range follows the measured curve and the priors:
+    a trained model's attention-only rollout can span tens of decades (its attention sink raised to every
+    layer), so a rollout beyond that range is clipped and its legend entry gives its span.
     """
     models, sets = list(curves), list(dict.fromkeys(s for by_set in curves.values() for s in by_set))
     fig = Figure(figsize=(6.5 * len(sets), 4.5 * len(models)), layout="constrained")
     axes = fig.subplots(len(models), len(sets), squeeze=False)  # rows: models, columns: sets
     for ax, (model, set_name) in zip(axes.flat, [(m, s) for m in models for s in sets]):
-        for k, (name, curve) in enumerate(curves[model][set_name].items()):
-            ax.plot(_rel_x(len(curve)), curve / curve.sum(), lw=2.0 if name == measured else 1.0,
-                    color="k" if name == measured else f"C{k}", ls=":" if name == prior else "-",
-                    label=name if name in (measured, prior) else f"rollout, {name}")
-        ax.set(yscale="log", xlabel=X_LABEL, ylabel="share of influence", title=f"{model}, {set_name}")
+        shares = {name: curve / curve.sum() for name, curve in curves[model][set_name].items()}
+        limits = log_range(*(c for name, c in shares.items() if name == measured or name in priors))
+        for k, (name, share) in enumerate(shares.items()):
+            label = name if name == measured or name in priors else f"rollout, {name}{off_scale_note(share, limits)}"
+            ax.plot(_rel_x(len(share)), share, lw=2.0 if name == measured else 1.0,
+                    color="k" if name == measured else f"C{k}", ls=":" if name in priors else "-", label=label)
+        ax.set(yscale="log", ylim=limits, xlabel=X_LABEL, ylabel="share of influence", title=f"{model}, {set_name}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     return fig
@@ -482,10 +486,10 @@ def predicted_profiles_figure(
 
 def plot_predicted_profiles(
     curves: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], out_png: str | os.PathLike, measured: str,
-    prior: str,
+    priors: Collection[str],
 ) -> Path:
     """`predicted_profiles_figure` as a PNG."""
-    return _save(predicted_profiles_figure(curves, measured, prior), out_png, dpi=110)
+    return _save(predicted_profiles_figure(curves, measured, priors), out_png, dpi=110)
 
 
 def prior_figure(x: np.ndarray, p: np.ndarray, title: str) -> Figure:
