@@ -1,0 +1,91 @@
+"""Pair eval JSONs answered on the same items: accuracy by position and Δ against a baseline, as one table.
+
+    python -m scripts.pair_evals out/plain/eval/mdqa_step0.json \\
+        reorder=out/reorder/interventions/reorder/eval/mdqa_step0.json ms_poe=... --figure mdqa.png
+
+`scripts.eval_checkpoint` answers one intervention (or checkpoint) a run; this puts several such runs side by
+side, as `analysis.compare`'s interventions section does for the runs it answers itself. The first JSON is the
+baseline; each further one is NAME=PATH. Per row: accuracy at each gold position with its 95% bootstrap
+interval (closed-book too, when asked), the mean over gold positions, and the mean difference against the
+baseline on the items both answered (paired by item id, closed-book left out) with its paired 95% bootstrap
+interval (`*`: excludes 0). `--figure` also draws every row's accuracy by position. Results of different
+probes or metrics fail, naming the file.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from analysis.evaluation.config import POSITION_AXIS
+from analysis.evaluation.interventions import paired_delta
+from analysis.evaluation.result import ProbeResult
+from analysis.report.figures import plot_position_accuracy
+from analysis.report.tables import markdown_table, num, with_ci
+
+
+def _named(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, Path(path)
+
+
+def load_results(baseline: Path, others: Sequence[tuple[str, Path]]) -> dict[str, ProbeResult]:
+    """name -> result, the baseline first (named `plain`); ValueError naming a file that does not pair."""
+    results = {"plain": ProbeResult.load_json(baseline)}
+    for name, path in others:
+        if name in results:
+            raise ValueError(f"{name}={path}: the name {name!r} is given twice")
+        results[name] = ProbeResult.load_json(path)
+    first = results["plain"]
+    for (name, result), path in zip(list(results.items())[1:], [p for _, p in others]):
+        if result.probe != first.probe or result.settings.get("metric") != first.settings.get("metric"):
+            raise ValueError(f"{path}: probe {result.probe!r} with metric {result.settings.get('metric')!r}, but "
+                             f"{baseline} is {first.probe!r} with {first.settings.get('metric')!r}")
+    return results
+
+
+def paired_table(results: dict[str, ProbeResult], n_boot: int = 1000) -> list[str]:
+    """The markdown table: a row per result, a column per position of the baseline."""
+    plain = results["plain"]
+    labels = plain.labels()
+    header = ["arm", *("closed-book" if p < 0 else f"gold {label}" for p, label in labels.items()),
+              "mean over gold positions", "Δ vs plain [95% CI]", "items"]
+    rows = []
+    for name, result in results.items():
+        accuracy, ci = result.accuracy_by_position(), result.ci_by_position(n_boot)
+        cells = [with_ci(accuracy[p], *ci[p]) if p in accuracy else "n/a" for p in labels]
+        delta, items = "", str(sum(o["position"] >= 0 for o in result.outcomes))
+        if name != "plain":
+            value, (lo, hi), n = paired_delta(plain, result, n_boot)
+            delta = with_ci(value, lo, hi, signed=True, missing=None) + (" *" if n and (lo > 0 or hi < 0) else "")
+            items = str(n)
+        rows.append([name, *cells, num(result.mean), delta, items])
+    return markdown_table(header, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.pair_evals", description=__doc__.split("\n\n")[0])
+    parser.add_argument("baseline", type=Path, help="the baseline's eval JSON (eval/<probe>_step<N>.json)")
+    parser.add_argument("others", nargs="+", type=_named, help="NAME=PATH of each eval JSON compared with it")
+    parser.add_argument("--figure", type=Path, help="also write accuracy by position of every row to this PNG")
+    parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates (default 1000)")
+    args = parser.parse_args(argv)
+    try:
+        results = load_results(args.baseline, args.others)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print("\n".join(paired_table(results, args.n_boot)))
+    if args.figure is not None:
+        probe = results["plain"].probe
+        png = plot_position_accuracy(results, args.figure, f"{probe}: accuracy by gold position",
+                                     POSITION_AXIS.get(probe, "gold position"))
+        print(f"\nfigure: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""scripts.pair_evals: eval JSONs of one item set side by side, Δ paired by item id, mismatches refused."""
+from __future__ import annotations
+
+import pytest
+
+from analysis.evaluation.result import ProbeResult
+from scripts.pair_evals import main
+
+
+def result(probe: str, correct: dict[tuple[int, int], float], metric: str = "best_subspan_em") -> ProbeResult:
+    """(query, position) -> correctness; position -1 is closed-book."""
+    outcomes = [{"id": f"q{q}@{p}", "query": f"q{q}", "position": p, "label": "closed_book" if p < 0 else str(p),
+                 "prediction": "", "answers": ["a"], "correct": c, "extra": {}} for (q, p), c in correct.items()]
+    return ProbeResult(probe, outcomes, {"metric": metric})
+
+
+def test_rows_per_arm_and_the_paired_difference(tmp_path, capsys):
+    plain = {(q, p): float(p == 9) for q in range(10) for p in (-1, 0, 9)}  # only the last slot answered
+    arm = {**plain, **{(q, 0): 1.0 for q in range(5)}}  # +5 items right at gold 0, none lost
+    result("mdqa", plain).save_json(tmp_path / "plain.json")
+    result("mdqa", arm).save_json(tmp_path / "arm.json")
+    assert main([str(tmp_path / "plain.json"), f"arm={tmp_path / 'arm.json'}", "--figure",
+                 str(tmp_path / "fig.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("| arm | closed-book | gold 0 | gold 9 | mean over gold positions | Δ vs plain [95% CI] "
+                        "| items |")
+    plain_row, arm_row = lines[2].split(" | "), lines[3].split(" | ")
+    assert plain_row[2].startswith("0.000") and plain_row[3] == "1.000 [1.000, 1.000]" and plain_row[4] == "0.500"
+    assert arm_row[2].startswith("0.500 [") and arm_row[4] == "0.750"
+    assert arm_row[5].startswith("+0.250 [") and arm_row[5].endswith("] *") and arm_row[6] == "20 |"
+    assert (tmp_path / "fig.png").stat().st_size > 0
+
+
+def test_a_result_of_another_probe_or_metric_fails_naming_the_file(tmp_path, capsys):
+    cells = {(0, 0): 1.0}
+    result("mdqa", cells).save_json(tmp_path / "plain.json")
+    result("kv", cells).save_json(tmp_path / "kv.json")
+    result("mdqa", cells, metric="exact").save_json(tmp_path / "other.json")
+    for path in ("kv.json", "other.json"):
+        assert main([str(tmp_path / "plain.json"), f"x={tmp_path / path}"]) == 1
+        assert str(tmp_path / path) in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "plain.json"), str(tmp_path / "kv.json")])  # no NAME=
