@@ -11,10 +11,14 @@ arms are compared paired by question id:
 
 - fairness metrics of each arm's final answers (`fairness`): mean accuracy, worst depth bin, best minus
   worst bin (gap), middle [0.25, 0.75) minus ends accuracy and their ratio; a question's score is the mean
-  of its correctness over the arm's seeds;
-- a paired bootstrap over questions (`paired_bootstrap`): one set of resampled question indices for every
-  arm, so each arm's difference to the reference arm (default `none`) has the question-difficulty variance
-  shared by both arms removed; each value and difference with its percentile 95% interval;
+  of its correctness over the arm's seeds; each metric also per seed;
+- a two-level bootstrap (`paired_bootstrap`): each resample draws every arm's seeds with replacement
+  (training randomness; with 1 seed this level is empty), then one set of question indices for every arm,
+  so each arm's difference to the reference arm (default `none`) has the question-difficulty variance
+  shared by both arms removed; each value and difference with its percentile 95% interval, and the
+  worst bin's minimum detectable difference (`min_detectable_effect`);
+- the flat-curve floor of worst bin and gap (`flat_curve`): both are extremes over bins, so a perfectly flat
+  curve has a gap above 0; their values with the arm's scores shuffled across depth bins;
 - the Jacobian valley (`valley/<set>/peak_to_trough_log10`, `valley/<set>/middle_mass`) at the first and
   last logged step of each arm, mean over seeds.
 
@@ -30,6 +34,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -53,6 +58,7 @@ VALLEY_METRICS = ("peak_to_trough_log10", "middle_mass")
 VALLEY_KEY = re.compile(rf"^valley/([^/]+)/({'|'.join(VALLEY_METRICS)})$")
 SET_ORDER = ("vanilla", "chunked")  # known Jacobian sets first, any other after them
 CHUNK = 256  # bootstrap resamples processed at once: (arms, CHUNK, questions) floats stay small
+POWER = 0.8  # the probability of detecting a true difference of the minimum detectable effect
 
 
 class StudyError(ValueError):
@@ -99,10 +105,13 @@ class Study:
     def seeds(self, arm: str) -> list[int]:
         return [job.seed for job in self.arm_jobs(arm)]
 
+    def seed_scores(self, arm: str, start: bool = False) -> np.ndarray:
+        """(seeds, n) per-question correctness of each seed of `arm` at its final step (or step 0)."""
+        return np.stack([_correct_vector(job.start if start else job.final, self.ids) for job in self.arm_jobs(arm)])
+
     def scores(self, arm: str, start: bool = False) -> np.ndarray:
         """(n,) per-question correctness of `arm` at its final step (or step 0), mean over its seeds."""
-        rows = [_correct_vector(job.start if start else job.final, self.ids) for job in self.arm_jobs(arm)]
-        return np.mean(rows, axis=0)
+        return self.seed_scores(arm, start).mean(axis=0)
 
 
 @dataclass
@@ -280,6 +289,21 @@ def _interval(samples: np.ndarray, alpha: float) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def _seed_rows(scores: np.ndarray) -> np.ndarray:
+    """(seeds, n) rows of per-question scores; a 1-D vector is one seed."""
+    rows = np.asarray(scores, dtype=np.float64)
+    return rows[None] if rows.ndim == 1 else rows
+
+
+def _resample_seeds(rows: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """(count, n) per-question means over the seeds of `rows` (seeds, n) drawn with replacement."""
+    n_seeds = rows.shape[0]
+    if n_seeds == 1:  # nothing to draw: the seed level is empty
+        return np.broadcast_to(rows, (count, rows.shape[1]))
+    weights = rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=count) / n_seeds  # (count, seeds)
+    return weights @ rows
+
+
 def paired_bootstrap(
     scores: Mapping[str, np.ndarray],
     bins: np.ndarray,
@@ -291,26 +315,38 @@ def paired_bootstrap(
 ) -> tuple[dict[str, dict[str, Estimate]], dict[str, np.ndarray]]:
     """Each arm's fairness metrics with their intervals, and their differences to `reference`, paired.
 
-    Resamples questions with replacement (`n_boot` times, fixed `seed`); every arm is scored on the same
-    resampled indices, so a difference is taken question by question. Returns ({arm: {metric: Estimate}},
-    {arm: (n_boot,) worst_bin difference samples}): the samples give the interval widths the report shows.
+    scores: {arm: (seeds, n) per-question scores of each seed, or (n,) for one seed}. A point value is the
+    metric of each question's mean over the arm's seeds. Each of the `n_boot` resamples (fixed `seed`) has
+    two levels: every arm's seeds drawn with replacement, then question indices with replacement, the same
+    for every arm, so a difference is taken question by question. Seeds are drawn independently for each
+    arm, not paired by their number: arms differ in their data or their losses, so seed k of two arms is no
+    shared unit (where their runs correlate, independent draws err wide). Seeds and questions are crossed
+    (every seed answers every question): drawing both (a pigeonhole bootstrap) counts the seed x question
+    noise more than once (wider), and k drawn seeds carry (k - 1) / k of their variance (narrower). An arm
+    of one seed has no seed level; with 1-D scores this is the question-only bootstrap. The seed level draws
+    from its own stream, so the question indices do not depend on the number of seeds. Returns ({arm:
+    {metric: Estimate}}, {arm: (n_boot,) worst_bin difference samples}): the samples give the interval
+    widths and the minimum detectable effects the report shows.
     """
     if reference not in scores:
         raise StudyError(f"reference arm {reference!r} is not among the arms: {', '.join(scores)}")
     arms = [reference, *(a for a in scores if a != reference)]
-    matrix = np.stack([np.asarray(scores[a], dtype=np.float64) for a in arms])  # (A, n)
+    rows = [_seed_rows(scores[a]) for a in arms]  # A x (seeds, n)
+    means = np.stack([r.mean(axis=0) for r in rows])  # (A, n)
     bins, depths = np.asarray(bins, dtype=np.int64), np.asarray(depths, dtype=np.float64)
-    n_bins, middle, n = int(bins.max()) + 1, middle_of(depths), matrix.shape[1]
+    n_bins, middle, n = int(bins.max()) + 1, middle_of(depths), means.shape[1]
 
-    rng = np.random.default_rng(seed)
+    rng, seed_rng = np.random.default_rng(seed), np.random.default_rng((seed, 1))
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in FAIRNESS_METRICS}
     for start in range(0, n_boot, CHUNK):
-        idx = rng.integers(0, n, size=(min(CHUNK, n_boot - start), n))  # (c, n), shared by every arm
-        metrics, _ = resampled_metrics(matrix, bins, middle, idx, n_bins)
+        count = min(CHUNK, n_boot - start)
+        idx = rng.integers(0, n, size=(count, n))  # (c, n), shared by every arm
+        drawn = np.stack([_resample_seeds(r, count, seed_rng) for r in rows])  # (A, c, n)
+        metrics, _ = resampled_metrics(drawn, bins, middle, idx, n_bins)
         for name, values in metrics.items():
             chunks[name].append(values)
     samples = {name: np.concatenate(values, axis=1) for name, values in chunks.items()}  # {metric: (A, n_boot)}
-    point, _ = resampled_metrics(matrix, bins, middle, np.arange(n)[None], n_bins)
+    point, _ = resampled_metrics(means, bins, middle, np.arange(n)[None], n_bins)
 
     estimates: dict[str, dict[str, Estimate]] = {}
     worst_diffs: dict[str, np.ndarray] = {}
@@ -323,6 +359,43 @@ def paired_bootstrap(
             if name == "worst_bin":
                 worst_diffs[arm] = diff
     return estimates, worst_diffs
+
+
+def min_detectable_effect(diff_samples: np.ndarray, alpha: float = 0.05, power: float = POWER) -> float:
+    """The smallest true difference a two-sided test at level `alpha` detects with probability `power`.
+
+    Normal approximation from the bootstrap standard error of the difference: (z_{1-alpha/2} + z_power) x SE,
+    2.80 x SE at alpha 0.05 and power 0.8; nan with fewer than 2 finite samples.
+    """
+    finite = np.asarray(diff_samples, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    if finite.size < 2:
+        return float("nan")
+    z = NormalDist().inv_cdf
+    return float((z(1 - alpha / 2) + z(power)) * finite.std(ddof=1))
+
+
+def flat_curve(
+    scores: np.ndarray, bins: np.ndarray, depths: np.ndarray, n_perm: int = 2000, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """{metric: (n_perm,)} fairness metrics of a perfectly flat curve at these bin sizes and this accuracy.
+
+    The per-question scores (n,) are shuffled across questions (the depth labels permuted) `n_perm` times
+    (fixed `seed`): every bin then has the same expected accuracy, and what remains of worst_bin and gap is
+    the chance spread of bins of these sizes (a flat curve's gap is above 0, its worst bin below the mean).
+    """
+    scores, bins = np.asarray(scores, dtype=np.float64), np.asarray(bins, dtype=np.int64)
+    n, n_bins, middle = scores.size, int(bins.max()) + 1, middle_of(np.asarray(depths, dtype=np.float64))
+    rng = np.random.default_rng(seed)
+    chunks: dict[str, list[np.ndarray]] = {name: [] for name in FAIRNESS_METRICS}
+    for start in range(0, n_perm, CHUNK):
+        count = min(CHUNK, n_perm - start)
+        shuffled = rng.permuted(np.broadcast_to(scores, (count, n)), axis=1)  # (c, n)
+        metrics, _ = resampled_metrics(shuffled[None], bins, middle, np.broadcast_to(np.arange(n), (count, n)),
+                                       n_bins)
+        for name, values in metrics.items():
+            chunks[name].append(values[0])
+    return {name: np.concatenate(values) for name, values in chunks.items()}
 
 
 def bin_accuracy(
@@ -390,23 +463,34 @@ def analyse(
     if reference not in study.arms:
         raise StudyError(f"{study.sweep_dir}: reference arm {reference!r} has no job; arms: {', '.join(study.arms)}")
     arms = [reference, *(a for a in study.arms if a != reference)]
-    scores = {arm: study.scores(arm) for arm in arms}
-    scores[START] = study.scores(reference, start=True)  # what the arms start from, on the same questions
-    estimates, worst_diffs = paired_bootstrap(scores, study.bins, study.depths, reference, n_boot, alpha, seed)
+    rows = {arm: study.seed_scores(arm) for arm in arms}
+    rows[START] = study.seed_scores(reference, start=True)  # what the arms start from, on the same questions
+    estimates, worst_diffs = paired_bootstrap(rows, study.bins, study.depths, reference, n_boot, alpha, seed)
+    fairness = {}
+    for name, seed_rows in rows.items():
+        per_seed, _ = resampled_metrics(seed_rows, study.bins, middle_of(study.depths), np.arange(len(study.ids))[None],
+                                        study.n_bins)
+        flat = flat_curve(seed_rows.mean(axis=0), study.bins, study.depths, n_boot, seed)
+        fairness[name] = {metric: vars(e) | {"resolved": e.resolved, "per_seed": per_seed[metric][:, 0].tolist()}
+                          for metric, e in estimates[name].items()}
+        for metric, tail in (("worst_bin", alpha), ("gap", 1 - alpha)):  # the side a flat curve errs to
+            fairness[name][metric]["flat"] = {"expected": float(flat[metric].mean()), "quantile": tail,
+                                              "bound": float(np.quantile(flat[metric], tail))}
 
     by_bin = {}
     for arm in arms:
-        acc, ci = bin_accuracy(scores[arm], study.bins, study.n_bins, n_boot, alpha, seed)
+        acc, ci = bin_accuracy(rows[arm].mean(axis=0), study.bins, study.n_bins, n_boot, alpha, seed)
         by_bin[arm] = {"accuracy": acc.tolist(), "ci": ci.tolist()}
     start_acc, start_ci = bin_accuracy(study.scores(reference, start=True), study.bins, study.n_bins, n_boot,
                                        alpha, seed)
     ref_ci = np.asarray(by_bin[reference]["ci"])
     half_widths = (ref_ci[:, 1] - ref_ci[:, 0]) / 2  # (B,)
-    worst_half = {}
+    worst_half, worst_mde = {}, {}
     for arm, diff in worst_diffs.items():
         if arm != reference:
             low, high = _interval(diff, alpha)
             worst_half[arm] = (high - low) / 2
+            worst_mde[arm] = min_detectable_effect(diff, alpha)
 
     return {
         "sweep_dir": str(study.sweep_dir),
@@ -421,9 +505,9 @@ def analyse(
             "jobs": [str(job.path) for job in study.arm_jobs(arm)],
             "final_steps": [job.final_step for job in study.arm_jobs(arm)],
             "seed_means": [job.final.mean for job in study.arm_jobs(arm)],
+            "resampled": ["seed", "question"] if len(rows[arm]) > 1 else ["question"],  # the bootstrap's levels
         } for arm in arms},
-        "fairness": {arm: {name: vars(e) | {"resolved": e.resolved} for name, e in metrics.items()}
-                     for arm, metrics in estimates.items()},
+        "fairness": fairness,
         "bins": {"n_bins": study.n_bins, "labels": [study.labels.get(b, f"{b / study.n_bins:g}")
                                                     for b in range(study.n_bins)]},
         "by_bin": by_bin,
@@ -432,6 +516,8 @@ def analyse(
             "median_bin_halfwidth": float(np.nanmedian(half_widths)) if np.isfinite(half_widths).any() else None,
             "bin_halfwidths": half_widths.tolist(),
             "worst_bin_diff_halfwidth": worst_half,
+            "power": POWER,
+            "worst_bin_mde": worst_mde,
         },
         "valley": valley_changes(study),
     }
@@ -452,13 +538,23 @@ def plot_accuracy_by_depth(stats: Mapping[str, Any], out_png: str | Path) -> Pat
 # ---------------------------------------------------------------------------------------------- report
 
 
-FAIRNESS_HEADER = ("metric", "arm", "seeds", "value [95% CI]", "Δ vs {ref} [95% CI]")
+FAIRNESS_HEADER = ("metric", "arm", "seeds", "value [95% CI]", "per seed", "flat curve: expected (bound)",
+                   "Δ vs {ref} [95% CI]")
 VALLEY_HEADER = ("arm", "set", "steps", "peak_to_trough_log10 start", "end", "change",
                  "middle_mass start", "end", "change")
 
 
+def _flat(e: Mapping[str, Any]) -> str:
+    """The flat-curve floor of a worst_bin or gap estimate, "expected (quantile%: bound)"; "–" for others."""
+    if "flat" not in e:
+        return "–"
+    flat = e["flat"]
+    return f"{num(flat['expected'])} ({round(100 * flat['quantile'])}%: {num(flat['bound'])})"
+
+
 def fairness_table(stats: Mapping[str, Any]) -> list[str]:
-    """Markdown rows metric x arm: value [95% CI] and paired difference to the reference (`*`: excludes 0)."""
+    """Markdown rows metric x arm: value [95% CI], each seed's value, the flat-curve floor (worst_bin, gap)
+    and the paired difference to the reference (`*`: excludes 0)."""
     ref, rows = stats["reference"], []
     for name in FAIRNESS_METRICS:
         for arm, metrics in stats["fairness"].items():
@@ -467,7 +563,8 @@ def fairness_table(stats: Mapping[str, Any]) -> list[str]:
             if arm != ref and e["resolved"]:
                 diff += " *"
             seeds = ",".join(map(str, stats["arms"][arm]["seeds"])) if arm in stats["arms"] else "step 0"
-            rows.append([name, arm, seeds, with_ci(e["value"], e["low"], e["high"]), diff])
+            rows.append([name, arm, seeds, with_ci(e["value"], e["low"], e["high"]),
+                         ", ".join(num(v) for v in e["per_seed"]), _flat(e), diff])
     header = [h.format(ref=ref) for h in FAIRNESS_HEADER]
     return markdown_table(header, rows)
 
@@ -490,6 +587,56 @@ def valley_table(stats: Mapping[str, Any]) -> list[str]:
     return markdown_table(VALLEY_HEADER, rows)
 
 
+def _levels(stats: Mapping[str, Any], arm: str) -> str:
+    """The bootstrap levels behind an arm's intervals against the reference, as the report says them."""
+    single = [a for a in dict.fromkeys((arm, stats["reference"])) if "seed" not in stats["arms"][a]["resampled"]]
+    if not single:
+        return "seed and question resampling"
+    return (f"question resampling only; 1 seed of {' and '.join(f'`{a}`' for a in single)}: training randomness "
+            "not included")
+
+
+def _difference(e: Mapping[str, Any], higher: str, lower: str, null: str) -> str:
+    """A difference to the reference as its interval allows: `higher` or `lower` only when it excludes 0."""
+    ci = with_ci(e["diff"], e["diff_low"], e["diff_high"], signed=True)
+    if e["diff_low"] > 0:
+        return f"{higher}: {ci}"
+    if e["diff_high"] < 0:
+        return f"{lower}: {ci}"
+    return f"{null}: {ci}"
+
+
+def _flat_gap(e: Mapping[str, Any]) -> str:
+    """Whether a gap is above the one-sided bound of a flat curve's gap at the same bin sizes."""
+    flat = e["flat"]
+    pct = round(100 * flat["quantile"])
+    floor = f"a flat curve's at these bin sizes: {num(flat['expected'])}, {pct}% of them below {num(flat['bound'])}"
+    if e["value"] <= flat["bound"]:
+        return f"gap {num(e['value'])} indistinguishable from a flat curve ({floor})"
+    return f"gap {num(e['value'])} above a flat curve's ({floor})"
+
+
+def verdict_lines(stats: Mapping[str, Any]) -> list[str]:
+    """One markdown bullet per arm that claims a difference to the reference only where its interval excludes
+    0 (a null with the worst bin's minimum detectable effect), and a flat curve where the gap is inside the
+    flat-curve floor."""
+    ref, fair, mde = stats["reference"], stats["fairness"], stats["resolution"]["worst_bin_mde"]
+    lines = [f"- `{ref}` (reference): {_flat_gap(fair[ref]['gap'])}."]
+    for arm in stats["arms"]:
+        if arm == ref:
+            continue
+        metrics = fair[arm]
+        worst = _difference(metrics["worst_bin"], f"beats `{ref}` on worst-bin accuracy",
+                            f"below `{ref}` on worst-bin accuracy",
+                            f"no worst-bin difference to `{ref}` resolved (MDE ±{num(mde[arm])})")
+        gap = _difference(metrics["gap"], f"wider gap than `{ref}`", f"narrower gap than `{ref}`",
+                          f"no gap difference to `{ref}` resolved")
+        mean = _difference(metrics["mean"], f"higher mean accuracy than `{ref}`",
+                           f"lower mean accuracy than `{ref}`", f"no mean difference to `{ref}` resolved")
+        lines.append(f"- `{arm}` ({_levels(stats, arm)}): {worst}; {_flat_gap(metrics['gap'])}; {gap}; {mean}.")
+    return lines
+
+
 def report_lines(stats: Mapping[str, Any]) -> list[str]:
     """The report's markdown lines (without the figure, which `write_report` adds)."""
     ref, res = stats["reference"], stats["resolution"]
@@ -498,6 +645,14 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
                  ", ".join(num(m) for m in info["seed_means"])] for arm, info in arms.items()]
     pct = round(100 * (1 - stats["alpha"]))
     widths = ", ".join(f"{arm} ±{num(w)}" for arm, w in res["worst_bin_diff_halfwidth"].items()) or "no other arm"
+    mdes = ", ".join(f"{arm} ±{num(m)}" for arm, m in res["worst_bin_mde"].items()) or "no other arm"
+    single = [arm for arm, info in arms.items() if "seed" not in info["resampled"]]
+    counts = sorted({len(info["seeds"]) for info in arms.values() if "seed" in info["resampled"]})
+    seed_level = (f"{', '.join(f'`{arm}`' for arm in single)}: 1 seed: training randomness not included (the "
+                  "intervals and Δ of such an arm resample questions only). " if single else "")
+    if counts:  # a bootstrap of k values has (k - 1) / k of their variance
+        seed_level += (f"The seed level draws from {'/'.join(map(str, counts))} seeds per arm; with k seeds it "
+                       "carries (k - 1) / k of their variance (narrower intervals). ")
     lines = [
         "# Debias study", "",
         f"Sweep: `{stats['sweep_dir']}`", "",
@@ -505,22 +660,36 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
         f"questions shared by every job (paired by id).", "",
         *markdown_table(["arm", "seeds", "final step", "mean accuracy per seed"], arm_rows), "",
         "## Position fairness", "",
-        f"Final-step accuracy; a question's score is the mean of its correctness over the arm's seeds. "
-        f"`worst_bin`: lowest of the {stats['bins']['n_bins']} gold-depth bins; `gap`: highest minus lowest bin; "
-        f"`middle_minus_ends` / `middle_over_ends`: gold depth in [{MIDDLE[0]}, {MIDDLE[1]}) against the rest. "
-        f"Intervals: {pct}% percentile bootstrap over questions ({stats['n_boot']} resamples, seed {stats['seed']}); "
-        f"Δ: arm minus `{ref}` on the same resampled questions (paired). `*`: the Δ interval excludes 0. "
-        "Seeds are averaged per question, so seed-to-seed variance is not a separate term of the intervals "
-        "(the arms table shows each seed's mean). `worst_bin` and `gap` are extremes over bins: a resample's "
-        "lowest bin is biased low, so their intervals sit below (worst_bin) or above (gap) the point value; "
-        f"in the paired Δ the bias partly cancels. `{START}`: the starting checkpoint (every job's step-0 "
-        "evaluation).", "",
+        f"Final-step accuracy; a metric's value is taken on each question's mean correctness over the arm's "
+        f"seeds, `per seed` on each seed alone. `worst_bin`: lowest of the {stats['bins']['n_bins']} gold-depth "
+        f"bins; `gap`: highest minus lowest bin; `middle_minus_ends` / `middle_over_ends`: gold depth in "
+        f"[{MIDDLE[0]}, {MIDDLE[1]}) against the rest. Intervals: {pct}% percentile bootstrap at two levels "
+        f"({stats['n_boot']} resamples, seed {stats['seed']}): each resample draws every arm's seeds with "
+        "replacement (training randomness), independently for each arm (not paired by seed number), then the "
+        f"questions with replacement, the same for every arm; Δ: arm minus `{ref}` on the same resampled "
+        "questions (paired by id). Seeds and questions are crossed, so drawing both counts their interaction "
+        f"noise more than once (wider intervals). {seed_level}`*`: the Δ interval excludes 0. `worst_bin` and "
+        "`gap` are "
+        "extremes over bins, biased even for a flat curve: `flat curve` is what a perfectly flat curve with the "
+        f"arm's accuracy shows at these bin sizes (its question scores shuffled across depth bins, "
+        f"{stats['n_boot']} times), expected value and one-sided {pct}% bound (worst_bin: "
+        f"{100 - pct}% of flat curves fall below it; gap: {pct}% of flat curves' gaps lie below it). A "
+        "resample's lowest bin is biased low as well, so their intervals sit below (worst_bin) or above (gap) "
+        f"the point value; in the paired Δ the bias partly cancels. `{START}`: the starting checkpoint (every "
+        "job's step-0 evaluation).", "",
         *fairness_table(stats), "",
+        "### What the intervals say", "",
+        f"A difference to `{ref}` is claimed only where its {pct}% interval excludes 0; a gap at or below the "
+        "flat curve's bound is indistinguishable from a flat curve.", "",
+        *verdict_lines(stats), "",
         "### What difference is resolvable", "",
         f"The accuracy of one depth bin of `{ref}` is known to ±{num(res['median_bin_halfwidth'])} (median over "
-        f"bins of the half-width of each bin's {pct}% bootstrap interval, resampling within the bin). The "
-        f"worst-bin difference to `{ref}` is known to: {widths} (half-width of its paired interval); a smaller "
-        "change in the worst bin cannot be told from noise with these questions.", "",
+        f"bins of the half-width of each bin's {pct}% bootstrap interval, resampling the bin's questions with "
+        f"seeds averaged: no seed level). The worst-bin difference to `{ref}` is known to: {widths} (half-width "
+        f"of its paired interval). Its minimum detectable effect (MDE: the true difference this study finds "
+        f"with {round(100 * res['power'])}% power, two-sided α = {stats['alpha']:g}; normal approximation, "
+        "(z(1 - α/2) + z(power)) × the bootstrap standard error of the paired Δ, at the intervals' levels): "
+        f"{mdes}; a smaller true change in the worst bin is found with less than that probability.", "",
         "## Jacobian valley", "",
     ]
     if any(stats["valley"][arm] for arm in stats["valley"]):
@@ -543,8 +712,9 @@ def write_report(
     png = plot_accuracy_by_depth(stats, out / "accuracy_by_depth.png")
     lines = report_lines(stats)
     lines += ["## Accuracy by gold depth", "",
-              f"Final step, every arm, error bars: {round(100 * (1 - alpha))}% bootstrap intervals; dashed grey: "
-              f"`{reference}` at step 0 (the start).", "", f"![]({png.name})", ""]
+              f"Final step, every arm, error bars: {round(100 * (1 - alpha))}% bootstrap intervals over the bin's "
+              f"questions (seeds averaged: no seed level); dashed grey: `{reference}` at step 0 (the start).", "",
+              f"![]({png.name})", ""]
     atomic_write_text(out / "study.json", json.dumps(json_safe(stats), indent=1))
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines))

@@ -1,6 +1,8 @@
-"""analysis.study on a synthetic sweep: fairness metrics, paired bootstrap, job loading, report and CLI."""
+"""analysis.study on a synthetic sweep: fairness metrics, two-level bootstrap, flat-curve floor, detectable
+effects, job loading, report and CLI."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -10,7 +12,19 @@ import pytest
 from analysis.evaluation.fairness import FAIRNESS_METRICS, fairness
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.scoring import paired_bootstrap_ci
-from analysis.study import StudyError, analyse, arm_name, load_study, main, paired_bootstrap, seed_of, write_report
+from analysis.study import (
+    StudyError,
+    analyse,
+    arm_name,
+    flat_curve,
+    load_study,
+    main,
+    min_detectable_effect,
+    paired_bootstrap,
+    seed_of,
+    verdict_lines,
+    write_report,
+)
 
 N_QUESTIONS = 1000
 FINAL_STEP = 200
@@ -132,6 +146,90 @@ def test_mean_difference_matches_scoring_helper():
     assert estimates["arm"]["mean"].diff_high == pytest.approx(high, abs=1e-12)
 
 
+def _binned(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """n questions in 10 equal depth bins: (bins, depths)."""
+    bins = np.arange(n) % 10
+    return bins, (bins + np.random.default_rng(seed).uniform(0, 1, n)) / 10
+
+
+def test_flat_curve_floor_matches_binomial_bins():
+    """A curve that is not flat, shuffled across its bins, has the gap of 10 binomial bins at its mean."""
+    bins, depths = _binned(2000)  # 200 questions a bin, the study's size
+    probs = np.linspace(0.14, 0.54, 10)  # mean 0.34, the study's accuracy; its own gap is ~0.4
+    scores = (np.random.default_rng(1).random(2000) < probs[bins]).astype(float)
+    flat = flat_curve(scores, bins, depths, n_perm=400, seed=2)
+    draws = np.random.default_rng(3).binomial(200, scores.mean(), size=(20000, 10)) / 200
+    expected_gap = (draws.max(axis=1) - draws.min(axis=1)).mean()  # ~0.10
+    assert 0.05 < flat["gap"].mean() == pytest.approx(expected_gap, abs=0.01)
+    assert fairness(scores, bins, depths)["gap"] > np.quantile(flat["gap"], 0.95) > flat["gap"].mean()
+    assert np.quantile(flat["worst_bin"], 0.05) < flat["worst_bin"].mean() < scores.mean()
+    assert flat["worst_bin"].mean() == pytest.approx(draws.min(axis=1).mean(), abs=0.01)
+
+
+def test_seed_level_widens_intervals_of_differing_seeds():
+    """Seeds of systematically different accuracy widen the interval past the question-only one; identical
+    copies of one seed give the question-only bootstrap."""
+    rng = np.random.default_rng(4)
+    bins, depths = _binned(600)
+    none = (rng.random((2, 600)) < 0.5).astype(float)
+    arm = (rng.random((2, 600)) < np.array([[0.3], [0.7]])).astype(float)  # seed 1 is better by 0.4
+    two_level, _ = paired_bootstrap({"none": none, "arm": arm}, bins, depths, n_boot=400)
+    question_only, _ = paired_bootstrap({"none": none.mean(axis=0), "arm": arm.mean(axis=0)}, bins, depths,
+                                        n_boot=400)
+    for attr in ("high", "diff_high"):
+        width = {name: getattr(e["arm"]["mean"], attr) - getattr(e["arm"]["mean"], attr.replace("high", "low"))
+                 for name, e in (("two", two_level), ("one", question_only))}
+        assert width["two"] > 2 * width["one"], attr
+    assert two_level["arm"]["mean"].value == question_only["arm"]["mean"].value
+
+    copies, _ = paired_bootstrap({"none": np.stack([none[0]] * 2), "arm": np.stack([arm[0]] * 3)}, bins, depths,
+                                 n_boot=400)
+    single, _ = paired_bootstrap({"none": none[0], "arm": arm[0]}, bins, depths, n_boot=400)
+    for name in FAIRNESS_METRICS:
+        assert vars(copies["arm"][name]) == pytest.approx(vars(single["arm"][name]), abs=1e-12, nan_ok=True), name
+
+
+def test_mde_shrinks_with_questions_per_bin():
+    assert min_detectable_effect(np.random.default_rng(5).normal(0, 0.01, 20000)) == pytest.approx(0.028, abs=5e-4)
+    mde = {}
+    for n in (300, 3000):  # 30 and 300 questions a bin
+        rng = np.random.default_rng(6)
+        bins, depths = _binned(n)
+        rows = {arm: (rng.random((2, n)) < 0.5).astype(float) for arm in ("none", "arm")}
+        _, worst_diffs = paired_bootstrap(rows, bins, depths, n_boot=300)
+        mde[n] = min_detectable_effect(worst_diffs["arm"])
+    assert 0 < mde[3000] < 0.5 * mde[300]  # ~1 / sqrt(10)
+
+
+def test_verdict_follows_the_interval(stats: dict):
+    lines = verdict_lines(stats)
+    dro = next(line for line in lines if line.startswith("- `group_dro`"))
+    assert "beats `none` on worst-bin accuracy" in dro and "indistinguishable from a flat curve" in dro
+    assert "above a flat curve's" in next(line for line in lines if line.startswith("- `none`"))
+
+    crossing = copy.deepcopy(stats)  # the same point difference, its interval now including 0
+    crossing["fairness"]["group_dro"]["worst_bin"].update(diff_low=-0.01, resolved=False)
+    crossing["fairness"]["group_dro"]["mean"].update(diff_low=-0.01, diff_high=0.02, resolved=False)
+    dro = next(line for line in verdict_lines(crossing) if line.startswith("- `group_dro`"))
+    mde = stats["resolution"]["worst_bin_mde"]["group_dro"]
+    assert "beats" not in dro and f"no worst-bin difference to `none` resolved (MDE ±{mde:.3f})" in dro
+    assert "mean accuracy than" not in dro and "no mean difference to `none` resolved" in dro
+
+
+def test_single_seed_study_excludes_training_randomness(tmp_path: Path):
+    questions, rng = _questions(200), np.random.default_rng(7)
+    for n, arm in enumerate(ARM_PROBS):
+        _write_job(tmp_path / str(n), [f"debias={arm}", "seed=3"], _result(questions, START_PROBS, rng),
+                   _result(questions, ARM_PROBS[arm], rng), None)
+    text = write_report(load_study(tmp_path), tmp_path / "out", n_boot=100).read_text()
+    assert "1 seed: training randomness not included" in text
+    assert "`group_dro` (question resampling only; 1 seed of `group_dro` and `none`: training randomness not " \
+           "included)" in text
+    assert "seed and question resampling" not in text
+    data = json.loads((tmp_path / "out" / "study.json").read_text())
+    assert all(info["resampled"] == ["question"] for info in data["arms"].values())
+
+
 def test_load_study_groups_arms_and_seeds(sweep: Path):
     study = load_study(sweep)
     assert study.arms == ["none", "depth_weight", "group_dro"]
@@ -150,8 +248,11 @@ def test_better_arm_is_resolved(stats: dict):
     assert dro["worst_bin"]["diff_low"] > 0 and dro["worst_bin"]["resolved"]
     assert dro["gap"]["diff_high"] < 0
     assert stats["fairness"]["none"]["middle_minus_ends"]["high"] < 0  # the synthetic middle dip
-    assert stats["resolution"]["worst_bin_diff_halfwidth"]["group_dro"] > 0
+    half, mde = (stats["resolution"][key]["group_dro"] for key in ("worst_bin_diff_halfwidth", "worst_bin_mde"))
+    assert 0 < half < mde  # 2.80 standard errors against the interval's 1.96
     assert 0 < stats["resolution"]["median_bin_halfwidth"] < 0.2
+    assert stats["fairness"]["none"]["mean"]["per_seed"] == pytest.approx(stats["arms"]["none"]["seed_means"])
+    assert all(stats["arms"][arm]["resampled"] == ["seed", "question"] for arm in ARM_PROBS)
 
 
 def test_valley_start_end_and_missing(stats: dict):
@@ -175,6 +276,9 @@ def test_report_files(sweep: Path, tmp_path: Path):
     assert {line.split(" | ")[1] for line in table} == set(ARM_PROBS) | {"start"}  # + the starting checkpoint
     dro = next(line for line in table if "| group_dro |" in line)
     assert dro.rstrip(" |").endswith("*")
+    assert "(5%: " in dro and "(95%: " in next(line for line in text.splitlines() if line.startswith("| gap | none |"))
+    assert "`group_dro` (seed and question resampling): beats `none` on worst-bin accuracy" in text
+    assert "training randomness not included" not in text
     assert "n/a" in text  # depth_weight has no valley metrics
     data = json.loads((tmp_path / "out" / "study.json").read_text(),
                       parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))

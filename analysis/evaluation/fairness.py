@@ -18,9 +18,10 @@ def resampled_metrics(
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Fairness metrics of every arm on every resample: ({metric: (A, c)}, bin accuracy (A, c, n_bins)).
 
-    scores (A, n) per-question scores of A arms; bins (n,) depth bins; middle (n,) bool; idx (c, n) resampled
-    question indices, the same for every arm (the pairing). A bin without questions has accuracy nan and is
-    left out of worst_bin and gap.
+    scores (A, n) per-question scores of A arms, or (A, c, n) one score vector per arm and resample (scores
+    that themselves vary between resamples: the study's resampled seeds); bins (n,) depth bins; middle (n,)
+    bool; idx (c, n) resampled question indices, the same for every arm (the pairing). A bin without
+    questions has accuracy nan and is left out of worst_bin and gap.
     """
     c, n = idx.shape
     keys = (bins[idx] + n_bins * np.arange(c)[:, None]).ravel()  # (c * n,) one bincount for all resamples
@@ -32,7 +33,7 @@ def resampled_metrics(
     with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-nan slices: a resample without some bins
         for row in scores:
-            s = row[idx]  # (c, n)
+            s = row[idx] if row.ndim == 1 else np.take_along_axis(row, idx, axis=1)  # (c, n)
             sums = np.bincount(keys, weights=s.ravel(), minlength=c * n_bins).reshape(c, n_bins)
             acc = np.where(counts > 0, sums / counts, np.nan)  # (c, B)
             mid_acc = np.where(mid, s, 0.0).sum(axis=1) / n_mid  # (c,)
