@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.evaluation.config import EvalConfig, check_probes
+from analysis.evaluation.config import EvalConfig, Probe, check_mdqa_questions, check_probes, probe_source
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes
 from analysis.evaluation.result import ProbeResult, write_eval_json
 from analysis.measure.jacobian import (
@@ -64,7 +64,7 @@ from analysis.report.metrics_log import (
     truncate_metrics,
 )
 from analysis.report.run_summary import headline_numbers, run_summary
-from data_builders.build import DataBundle, build_datasets, train_documents
+from data_builders.build import DataBundle, build_datasets, built_with, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.files import atomic_write_text
@@ -263,6 +263,8 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
         raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
     if cfg.eval.probes:
         check_probes(cfg.eval)
+    if Probe.mdqa in cfg.eval.probes and probe_source(Probe.mdqa, cfg.eval) is not None:
+        check_mdqa_questions(cfg.eval.mdqa, built_with(cfg.data))
     validate_debias(cfg.debias, jac.every, t.sequence_parallel, cfg.data.format == DataFormat.in2)
     validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)
 

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 BUILD_FILE = "build.json"
 HELDOUT_FILE = "heldout_docs.json"
 # The code an IN2 build's bytes depend on: a change in any of these files gives a new fingerprint.
-_CODE = ("in2.py", "pools.py", "sources.py", "synthetic.py", "text.py", "tokenizer.py")
+_CODE = ("in2.py", "pools.py", "question_split.py", "sources.py", "synthetic.py", "text.py", "tokenizer.py")
 
 
 @dataclass
@@ -158,6 +158,15 @@ def load_prebuilt(folder: str | Path, tokenizer: Optional[PreTrainedTokenizerBas
     return DataBundle(splits["train"], splits["eval"], heldout, tokenizer or saved, stats)
 
 
+def built_with(cfg: DataConfig) -> DataConfig:
+    """The settings the data of `cfg` is built with: a prebuilt folder's (its build.json), else `cfg` itself
+    (also for a folder without build.json, whose settings are unknown)."""
+    card = Path(cfg.prebuilt) / BUILD_FILE if cfg.prebuilt else None
+    if card is None or not card.is_file():
+        return cfg
+    return as_data_config(json.loads(card.read_text())["config"])
+
+
 def build_datasets(cfg: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
     """Train and held-out splits of `cfg` (a DataConfig, or the `data` node of a composed config).
 
@@ -168,7 +177,8 @@ def build_datasets(cfg: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None
     cfg = as_data_config(cfg)
     validate_data(cfg)
     if ignored := ignored_settings(cfg):  # said once per build instead of silently ignored
-        log.warning("data.format=%s does not use these settings: %s", cfg.format, ", ".join(ignored))
+        log.warning("data.format=%s data.source=%s does not use these settings: %s", cfg.format, cfg.source,
+                    ", ".join(ignored))
     if cfg.prebuilt:
         return load_prebuilt(cfg.prebuilt, tokenizer)
     if cfg.format == DataFormat.lm_windows:

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from data_builders.question_split import QuestionSplit, check_split
+
 # Data files a `datasets` builder reads, by suffix (after any compression suffix is dropped).
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
@@ -128,6 +130,9 @@ class DataConfig:
     hf_split: str = "train"  # split of an hf hub dataset
     filler_path: Optional[str] = None  # extra distractor text: a .txt file, or a data file with filler_field
     filler_field: str = "text"  # text column of a non-.txt filler_path
+    # data.source=nq: which questions are evaluation questions (data_builders.question_split); they and their
+    # gold passages are held out (up to num_eval_docs passages) and never trained on
+    nq_split: QuestionSplit = field(default_factory=QuestionSplit)
     # Batching, not building: samples packed end to end into rows of pack_len tokens (None = context_len),
     # no attention across samples (data_builders.collate); trainer.micro_batch_size counts rows.
     packing: bool = False
@@ -251,13 +256,16 @@ def validate_data(cfg: DataConfig) -> None:
         _validate_in2(cfg)
     else:
         _validate_windows(cfg)
+    check_split(cfg.nq_split, "data.nq_split")
     check_paths(cfg.source, cfg.path, cfg.filler_path)
 
 
 def ignored_settings(cfg: DataConfig) -> list[str]:
-    """`data.<section>.key=value` of every changed setting in the section that `cfg.format` does not use."""
-    unused = "windows" if cfg.format == DataFormat.in2 else "in2"
-    return _changed(getattr(cfg, unused), type(getattr(cfg, unused))(), f"data.{unused}")
+    """`data.<section>.key=value` of every changed setting in the sections that `cfg.format` and `cfg.source`
+    do not use (`data.nq_split` is read by the nq source only)."""
+    unused = ["windows" if cfg.format == DataFormat.in2 else "in2"]
+    unused += ["nq_split"] if cfg.source != DataSource.nq else []
+    return [s for name in unused for s in _changed(getattr(cfg, name), type(getattr(cfg, name))(), f"data.{name}")]
 
 
 def _changed(section: Any, default: Any, prefix: str) -> list[str]:

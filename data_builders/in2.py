@@ -596,5 +596,7 @@ def build_in2(
         "depth_histogram": {s: depth_histogram(t.column("depth").to_numpy()) for s, t in tables.items()},
         "pool": {s: pool_stats(p) for s, p in prep.pools.items()},
     }
+    if prep.source.split is not None:  # which questions are held out, and how to check it (nq)
+        stats["split"] = prep.source.split
     heldout = heldout_documents(prep.pools["eval"], cfg.in2.heldout_doc_len)
     return tables, heldout, prep.tokenizer, stats

@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_builders.files import expand_paths, read_jsonl, read_jsonl_lines
 from data_builders.mdqa import Distractors, build_mdqa_records, passage_pool
+from data_builders.question_split import QuestionSplit, is_evaluation_question
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 KV_FILE = "kv-retrieval-75_keys.jsonl.gz"
@@ -377,6 +378,7 @@ def mdqa_probe(
     seed: int = 0,
     closed_book: bool = True,
     layout: Layout = Layout(),
+    heldout: QuestionSplit | None = None,
 ) -> list[ProbeItem]:
     """Multi-document QA (Liu et al.): a question over documents, one of which holds the answer.
 
@@ -393,6 +395,8 @@ def mdqa_probe(
     question-only item per question (position -1, label "closedbook"), the no-context baseline.
     `layout`: query-aware prompts, and the documents (in rank order: the gold's index is its rank) truncated
     and reordered; positions stay the gold's rank (`_qa_item`).
+    `heldout`: ask only the evaluation questions of this split (data_builders.question_split: those an IN2
+    build from NQ with the same `data.nq_split` never trains on); None asks from every record.
     """
     if layout.keep is not None and layout.keep < 1:
         raise ValueError(f"{path}: keep={layout.keep} documents: keep at least one")
@@ -403,7 +407,11 @@ def mdqa_probe(
         lines = read_jsonl_lines(file)
         for line_no, rec in lines:
             _check_qa_record(f"{file}:{line_no}", rec)
-        chosen = sample_indices(len(lines), n_examples, random.Random(seed))
+        eligible = [i for i, (_, rec) in enumerate(lines)
+                    if heldout is None or is_evaluation_question(rec["question"], heldout)]
+        if heldout is not None and not eligible:
+            raise ValueError(f"{file}: none of its {len(lines)} questions is an evaluation question of {heldout}")
+        chosen = [eligible[k] for k in sample_indices(len(eligible), n_examples, random.Random(seed))]
         if lines and all(len(rec.get("ctxs") or []) == 1 for _, rec in lines):
             file_items = _built_qa_items(file, lines, chosen, n_docs, positions, distractors, pool, seed, layout)
         else:

@@ -5,6 +5,7 @@ passages holding their evidence. Three kinds:
 - `synthetic`: the embedded invented-entity documents (data_builders.synthetic), no file needed;
 - `nq`: NaturalQuestions-Open in the lost-in-the-middle JSON-lines format (`nq-open-oracle.jsonl.gz`):
   the gold passage `ctxs[0]` (title + text) is the evidence, other questions' passages are distractors;
+  split by question (`data.nq_split`, data_builders.question_split): the mdqa probe's held-out questions;
 - `hf`: any `datasets` source (local json/jsonl/parquet/csv file, or a hub name when online) read
   through a field mapping (`FieldMap`).
 Any source can add a plain text corpus as filler (`filler_path`). Questions whose answer does not
@@ -30,6 +31,7 @@ from data_builders.config import (
     FieldMap,
     check_paths,
 )
+from data_builders.question_split import QuestionSplit, is_evaluation_question, split_card
 from data_builders.synthetic import Document, generate_documents, integration_questions, max_documents
 from data_builders.text import normalize_answer as normalize  # the scorers' normalization, too
 
@@ -76,6 +78,7 @@ class SourceData:
     heldout: SourceSplit
     skipped: dict[str, int]  # reason -> questions left out
     attribution: list[str]  # one line per input, for the dataset card
+    split: Optional[dict[str, Any]] = None  # the question split's rule, settings, counts (nq; `split_card`)
 
 
 @dataclass
@@ -246,20 +249,32 @@ def _contains_answer(answers: Sequence[str], passages: Sequence[str]) -> bool:
 
 
 def _split_records(
-    records: Iterator[_Record], filler: list[str], num_train: int, num_heldout: int, seed: int
-) -> tuple[SourceSplit, SourceSplit, dict[str, int]]:
-    """Questions checked and split by evidence passage: held-out passages never reach the training split.
+    records: Iterator[_Record], filler: list[str], num_train: int, num_heldout: int, seed: int,
+    split: Optional[QuestionSplit] = None,
+) -> tuple[SourceSplit, SourceSplit, dict[str, int], Optional[dict[str, Any]]]:
+    """Questions checked and split: held-out passages never reach the training split, as gold or distractor.
 
-    The first `num_heldout` distinct evidence passages of a seeded shuffle are held out, the next
-    `num_train` are the training pool; filler passages are split in the same proportion.
+    Without `split`, by evidence passage: the first `num_heldout` distinct evidence passages of a seeded
+    shuffle are held out, the next `num_train` are the training pool. With `split` (the nq source), by
+    question: the evidence passages of its evaluation questions (`is_evaluation_question`, skipped ones too)
+    may only be held out, every other passage only trained on; the first `num_heldout` and `num_train` of
+    each in a seeded shuffle are kept. Held-out questions are then evaluation questions only, and a training
+    question whose evidence an evaluation question shares is left out. Filler passages are split in the same
+    proportion. Returns the training and held-out parts, skip counts, and the split's card (`split_card`).
     """
-    skipped = {"empty_answer": 0, "answer_not_in_evidence": 0, "evidence_in_both_splits": 0}
+    skipped = {"empty_answer": 0, "answer_not_in_evidence": 0}
     index: dict[str, int] = {}
     passages: list[str] = []
-    questions: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = []
+    questions: list[tuple[str, tuple[str, ...], tuple[int, ...], bool]] = []  # ..., evaluation question
+    asked: list[str] = []  # every record's question, for the split's card
+    evaluation_evidence: set[str] = set()
     record_filler: list[str] = []
     for rec in records:
         record_filler.extend(rec.filler)
+        asked.append(rec.question)
+        evaluation = split is not None and is_evaluation_question(rec.question, split)
+        if evaluation:  # before the checks: a skipped question's gold may be another question's too
+            evaluation_evidence.update(rec.evidence)
         if not any(normalize(a) for a in rec.answers):
             skipped["empty_answer"] += 1
             continue
@@ -272,31 +287,44 @@ def _split_records(
                 index[e] = len(passages)
                 passages.append(e)
             ids.append(index[e])
-        questions.append((rec.question, rec.answers, tuple(dict.fromkeys(ids))))
+        questions.append((rec.question, rec.answers, tuple(dict.fromkeys(ids)), evaluation))
 
     rng = random.Random(seed)
     order = list(range(len(passages)))
     rng.shuffle(order)
-    held, train = order[:num_heldout], order[num_heldout : num_heldout + num_train]
+    reserved = {index[e] for e in evaluation_evidence if e in index}  # passages that may only be held out
+    if split is None:
+        held, train = order[:num_heldout], order[num_heldout : num_heldout + num_train]
+    else:
+        held = [i for i in order if i in reserved][:num_heldout]
+        train = [i for i in order if i not in reserved][:num_train]
     filler = list(dict.fromkeys(filler + record_filler))  # deduplicated, order kept
     rng.shuffle(filler)
     n_fill_held = round(len(filler) * len(held) / max(1, len(held) + len(train)))
 
-    def part(chosen: list[int], fill: list[str]) -> tuple[SourceSplit, set[int]]:
+    def part(chosen: list[int], fill: list[str], evaluation_only: bool) -> tuple[SourceSplit, set[int]]:
         new = {old: k for k, old in enumerate(chosen)}
         qs = [
             Question(q, a, tuple(new[e] for e in ev), "integration" if len(ev) > 1 else "fine_grained")
-            for q, a, ev in questions
-            if all(e in new for e in ev)
+            for q, a, ev, evaluation in questions
+            if all(e in new for e in ev) and (evaluation or not evaluation_only)
         ]
         return SourceSplit([passages[i] for i in chosen] + fill, qs), set(new)
 
-    held_split, held_set = part(held, filler[:n_fill_held])
-    train_split, train_set = part(train, filler[n_fill_held:])
-    skipped["evidence_in_both_splits"] = sum(
-        1 for _, _, ev in questions if set(ev) & held_set and set(ev) & train_set
-    )
-    return train_split, held_split, skipped
+    held_split, held_set = part(held, filler[:n_fill_held], split is not None)
+    train_split, train_set = part(train, filler[n_fill_held:], False)
+    if split is None:
+        skipped["evidence_in_both_splits"] = sum(
+            1 for _, _, ev, _ in questions if set(ev) & held_set and set(ev) & train_set
+        )
+        return train_split, held_split, skipped, None
+    shared = sum(1 for _, _, ev, evaluation in questions if not evaluation and set(ev) & reserved)
+    n_eval = sum(evaluation for *_, evaluation in questions)
+    skipped["evidence_of_an_evaluation_question"] = shared
+    # questions whose passages the caps left out (data.num_eval_docs, data.num_train_docs)
+    skipped["beyond_num_eval_docs"] = n_eval - len(held_split.questions)
+    skipped["beyond_num_train_docs"] = len(questions) - n_eval - shared - len(train_split.questions)
+    return train_split, held_split, skipped, split_card(asked, split)
 
 
 def _synthetic_split(docs: list[Document], with_integration: bool, seed: int) -> SourceSplit:
@@ -347,20 +375,26 @@ def file_source(
     hf_config: Optional[str] = None,
     hf_split: str = "train",
     filler: Optional[list[str]] = None,
+    nq_split: QuestionSplit = QuestionSplit(),
 ) -> SourceData:
-    """An `nq` or `hf` source read through `fields` (NQ_FIELDS for nq) and split by evidence passage."""
+    """An `nq` or `hf` source read through `fields` (NQ_FIELDS for nq): nq split by question (`nq_split`), hf
+    by evidence passage (`_split_records`)."""
     check_paths(kind, path, None)
     ds = _load(path, hf_config, hf_split, cache_dir)
-    train, held, skipped = _split_records(
-        _records(ds, NQ_FIELDS if kind == DataSource.nq else fields, path), filler or [], num_train, num_heldout, seed
+    nq = kind == DataSource.nq
+    train, held, skipped, split = _split_records(
+        _records(ds, NQ_FIELDS if nq else fields, path), filler or [], num_train, num_heldout, seed,
+        nq_split if nq else None,
     )
     if not train.questions or not held.questions:
+        what = (f"data.nq_split.share={nq_split.share} (evaluation questions) and data.num_eval_docs={num_heldout}"
+                if nq else f"data.num_eval_docs={num_heldout} (held-out evidence passages)")
         raise ValueError(
             f"{path}: {len(train.questions)} training and {len(held.questions)} held-out questions after the "
-            f"split; adjust data.num_eval_docs={num_heldout} (held-out evidence passages)"
+            f"split; adjust {what}"
         )
-    if kind == DataSource.nq:
-        return SourceData(str(kind), train, held, skipped, [NQ_ATTRIBUTION])
+    if nq:
+        return SourceData(str(kind), train, held, skipped, [NQ_ATTRIBUTION], split)
     attribution = f"Questions and passages from {path} (datasets fingerprint {ds._fingerprint})."
     return SourceData(str(kind), train, held, skipped, [attribution])
 
@@ -381,7 +415,7 @@ def load_source(cfg: DataConfig, cache_dir: Path, *, with_integration: bool) -> 
     elif cfg.source in (DataSource.nq, DataSource.hf):
         data = file_source(
             cfg.source, cfg.path, cfg.fields, cfg.num_train_docs, cfg.num_eval_docs, cfg.seed,
-            cache_dir, cfg.hf_config, cfg.hf_split, filler,
+            cache_dir, cfg.hf_config, cfg.hf_split, filler, cfg.nq_split,
         )
     else:
         raise ValueError(f"data.source={cfg.source!r} is not a known source (known: synthetic, nq, hf)")

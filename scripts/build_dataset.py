@@ -61,6 +61,26 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _split_section(split: Optional[dict[str, Any]]) -> str:
+    """The card's account of the question split (nq sources), or nothing."""
+    if split is None:
+        return ""
+    n_eval, n_train = split["questions"]["evaluation"], split["questions"]["training"]
+    return f"""
+
+## Evaluation questions
+
+Split by question (`data_builders/question_split.py`): a question is an evaluation question when
+`{split['rule']}`, with share {split['share']} and salt `{split['salt']}` (`data.nq_split`). Of the source's
+{n_eval + n_train} questions, {n_eval} are evaluation questions and {n_train} are on the training side. The
+held-out split asks evaluation questions only; no evaluation question, nor its gold passage (as gold or as
+distractor), is in a training sample. The mdqa probe asks the same questions with
+`eval.mdqa.questions=heldout` and `eval.mdqa.split` equal to `data.nq_split`.
+
+Fingerprint (sha256 of the evaluation questions' distinct normalized texts, sorted, one a line):
+`{split['fingerprint']}`."""
+
+
 def write_card(bundle: DataBundle, out: Path, command: str) -> None:
     """README.md dataset card and plots/*.png for a built folder."""
     stats = bundle.stats
@@ -91,7 +111,7 @@ Segment pools: {json.dumps(stats['pool'])}.
 
 ## Skipped questions
 
-{_table(['where', 'reason', 'questions'], skipped) if skipped else 'None.'}
+{_table(['where', 'reason', 'questions'], skipped) if skipped else 'None.'}{_split_section(stats.get('split'))}
 
 ## Lengths and depths
 

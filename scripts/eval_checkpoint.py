@@ -26,7 +26,9 @@ overrides of `EvalCheckpointConfig` (lists in brackets; an unknown key or a wron
 it). `chat_template=true` wraps the text prompts (kv, mdqa, needle) in the tokenizer's chat template
 as one user turn (instruct models; fails when the tokenizer has none); in2 prompts are the run's own
 token ids and are never wrapped. mdqa needs `data_dir` or `mdqa.path`; in2 needs the run config
-(`.hydra/config.yaml`) of the checkpoint's run.
+(`.hydra/config.yaml`) of the checkpoint's run. `mdqa.questions=heldout` asks only the evaluation questions
+of `mdqa.split` (data_builders.question_split); a run trained on NQ (`data.source=nq`) must be asked so,
+with `mdqa.split` equal to its `data.nq_split`, or it fails before loading, naming the keys.
 
 kv and mdqa default to the setup of Liu et al. 2023 (Lost in the Middle), so their numbers sit next to the
 published curves: 100 new tokens, the reference's metrics and gold positions, any of its data files as
@@ -87,13 +89,17 @@ from analysis.evaluation.config import (
     MDQAProbeConfig,
     NeedleProbeConfig,
     Probe,
+    check_mdqa_questions,
     with_budget,
 )
 from analysis.evaluation.interventions import Intervention, InterventionName
 from analysis.evaluation.result import ProbeResult, write_eval_json
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
+from data_builders.build import built_with
+from data_builders.config import as_data_config
 from data_builders.files import atomic_write_text, json_safe
 from data_builders.probes import Order
+from data_builders.question_split import check_split
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
 from models.build import DType
@@ -151,6 +157,7 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
         raise SystemExit(2)
     try:
         chosen_intervention(cfg)
+        check_split(cfg.mdqa.split, "mdqa.split")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
@@ -166,13 +173,19 @@ def chosen_intervention(cfg: EvalCheckpointConfig) -> Intervention:
 def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Path, dict[str, ProbeResult]]:
     """Answer the probes with the checkpoint and write JSONs, metrics and PNGs; the output folder and results."""
     target = resolve_target(ckpt)
+    asks_mdqa = Probe.mdqa in cfg.probes and (cfg.data_dir is not None or cfg.mdqa.path is not None)
+    reference = reference_run([target]) if Probe.in2 in cfg.probes or asks_mdqa else None
+    if asks_mdqa and reference is not None:
+        try:  # a fine-tune on NQ is asked only questions it never trained on
+            check_mdqa_questions(cfg.mdqa, built_with(as_data_config(reference[1].data)), "mdqa", "the run's data")
+        except (ValueError, OmegaConfBaseException) as err:
+            raise CompareError(f"{ckpt}: {err}") from err
     tokenizer = load_checkpoint_tokenizer(target, cfg.trust_remote_code)
     if cfg.chat_template and not tokenizer.chat_template:
         raise CompareError(f"{ckpt}: chat_template=true, but its tokenizer has no chat template (a base model's "
                            "usually has none: use chat_template=false)")
     in2 = None
     if Probe.in2 in cfg.probes:
-        reference = reference_run([target])
         if reference is None:
             raise CompareError(f"{ckpt}: in2 needs the run config (.hydra/config.yaml) of the checkpoint's run")
         in2 = build_in2_items(reference, tokenizer, cfg.examples)

@@ -106,7 +106,7 @@ def test_synthetic_source_splits_disjoint_entities():
     assert {q.task for q in plain.train.questions} == {"fine_grained"}
 
 
-def test_nq_source_uses_oracle_passage_and_splits_by_passage(tmp_path, nq_file):
+def test_nq_source_uses_oracle_passage_and_splits_by_question(tmp_path, nq_file):
     data = file_source("nq", str(nq_file), FieldMap(), 10_000, 300, seed=0, cache_dir=tmp_path)
     kept = len(data.train.questions) + len(data.heldout.questions)
     assert kept + sum(data.skipped.values()) == 2655

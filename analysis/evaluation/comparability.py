@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from analysis.evaluation.config import EvalConfig, QAMetric, probe_budget, probe_source
+from analysis.evaluation.config import EvalConfig, MDQAQuestions, QAMetric, probe_budget, probe_source
 from data_builders.mdqa import Distractors
 from data_builders.probes import ProbeItem
 
@@ -33,6 +33,8 @@ def probe_settings(name: str, cfg: EvalConfig, items: Sequence[ProbeItem]) -> di
         built = {it.extra.get("distractors") for it in items if it.position >= 0} - {None}
         if name == "mdqa":
             settings["distractors"] = "as in the file" if not built else sorted(built)[0]
+            if cfg.mdqa.questions == MDQAQuestions.heldout:  # a subset: another split asks other questions
+                settings["questions"] = f"heldout (share {cfg.mdqa.split.share}, salt {cfg.mdqa.split.salt})"
         probe_cfg = getattr(cfg, name)
         settings["query_aware"] = probe_cfg.query_aware
         moved = name == "mdqa" and (cfg.mdqa.order is not None or cfg.mdqa.keep is not None)
@@ -62,7 +64,7 @@ def describe_settings(settings: Mapping[str, Any]) -> str:
     if "order" in settings:
         parts.append(f"documents {settings['order'] or 'in rank order'}"
                      + (f", top {settings['keep']} kept" if settings.get("keep") is not None else ""))
-    for key in ("source", "distractors", "slots", "positions", "lengths", "depths"):
+    for key in ("source", "questions", "distractors", "slots", "positions", "lengths", "depths"):
         if key in settings:
             parts.append(f"{key} {settings[key]}")
     if "comparable_with_reference" in settings:

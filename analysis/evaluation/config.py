@@ -3,7 +3,7 @@
 `EvalConfig` is the `eval` config group; `KVProbeConfig`, `MDQAProbeConfig` and `NeedleProbeConfig` its
 probes' sections. `probe_budget`, `probe_metric` and `probe_source` say what each probe generates, how it
 is scored and which file it reads; `check_probes` fails at start-up on a probe it cannot build or a
-missing file, naming its key.
+missing file, naming its key, and `check_mdqa_questions` when mdqa would ask a question the model trains on.
 """
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from analysis.evaluation.scoring import best_subspan_em, exact_match, first_line, substring_match, whole_word_subspan_em
+from data_builders.config import DataConfig, DataFormat, DataSource
 from data_builders.files import expand_paths
 from data_builders.mdqa import Distractors
 from data_builders.probes import KV_FILE, NQ_FILE, Order
+from data_builders.question_split import QuestionSplit, check_split
 
 Scorer = Callable[[str, Sequence[str]], float]
 
@@ -73,6 +75,11 @@ POSITION_AXIS = {  # what a probe's position is, for figure axes
 }
 
 
+class MDQAQuestions(StrEnum):
+    all = "all"  # every question of the file, as the reference asks them
+    heldout = "heldout"  # only the evaluation questions of eval.mdqa.split (data_builders.question_split)
+
+
 class QAMetric(StrEnum):
     best_subspan_em = "best_subspan_em"  # the reference's metric (default): comparable with published curves
     whole_word_subspan_em = "whole_word_subspan_em"  # whole-word variant, stricter
@@ -107,6 +114,10 @@ class MDQAProbeConfig:
     # gold's rank; each outcome's extra["final_position"] says where it ended (-1: truncated away).
     order: Optional[Order] = None
     keep: Optional[int] = None
+    # heldout: ask only the evaluation questions of `split`, which IN2 data from NQ (data.source=nq) with
+    # data.nq_split equal to it never trains on; training on NQ requires it (`check_mdqa_questions`).
+    questions: MDQAQuestions = MDQAQuestions.all
+    split: QuestionSplit = field(default_factory=QuestionSplit)
 
 
 @dataclass
@@ -170,6 +181,27 @@ def check_probes(cfg: EvalConfig, prefix: str = "eval.") -> None:
         if missing:
             value = cfg.data_dir if key == "data_dir" else path
             raise FileNotFoundError(f"{prefix}{key}={value}: {missing[0]} is not a file")
+
+
+def check_mdqa_questions(mdqa: MDQAProbeConfig, data: DataConfig, mdqa_key: str = "eval.mdqa",
+                         data_key: str = "data") -> None:
+    """Fail at start-up, naming the keys, when the mdqa probe would ask a question its model trains on: IN2
+    data from NQ (`data.source=nq`: every question outside the evaluation ones of `data.nq_split` may be
+    trained on) with mdqa asking every question, or the evaluation questions of another split.
+
+    `data`: the settings the training data is built with (`data_builders.build.built_with`); other sources
+    and language-model windows ask no NQ question.
+    """
+    check_split(mdqa.split, f"{mdqa_key}.split")
+    if data.source != DataSource.nq or data.format != DataFormat.in2:
+        return
+    if mdqa.questions != MDQAQuestions.heldout:
+        raise ValueError(f"{data_key}.source=nq trains on NQ-open questions that {mdqa_key}.questions="
+                         f"{mdqa.questions} asks too: set {mdqa_key}.questions=heldout")
+    if mdqa.split != data.nq_split:
+        raise ValueError(f"{mdqa_key}.split (share={mdqa.split.share}, salt={mdqa.split.salt!r}) differs from "
+                         f"{data_key}.nq_split (share={data.nq_split.share}, salt={data.nq_split.salt!r}): the "
+                         f"probe would ask questions the data trains on; set {mdqa_key}.split to the data's")
 
 
 def probe_budget(name: str, cfg: EvalConfig) -> int:

@@ -31,7 +31,16 @@ if TYPE_CHECKING:
 
 
 from analysis.evaluation.comparability import probe_settings
-from analysis.evaluation.config import METRICS, EvalConfig, Metric, Probe, probe_budget, probe_metric, probe_source
+from analysis.evaluation.config import (
+    METRICS,
+    EvalConfig,
+    MDQAQuestions,
+    Metric,
+    Probe,
+    probe_budget,
+    probe_metric,
+    probe_source,
+)
 from analysis.evaluation.generate import GenerateFn, model_generate_fn
 from analysis.evaluation.result import ProbeResult
 
@@ -104,7 +113,8 @@ def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[st
             m = cfg.mdqa
             probes[name] = mdqa_probe(source, m.n_docs, m.positions, m.distractors, m.pool,
                                       n_examples=cfg.probe_examples, closed_book=m.closed_book,
-                                      layout=Layout(m.query_aware, m.order, m.keep))
+                                      layout=Layout(m.query_aware, m.order, m.keep),
+                                      heldout=m.split if m.questions == MDQAQuestions.heldout else None)
         else:
             filler = nq_filler(Path(cfg.data_dir) / NQ_FILE) if cfg.data_dir is not None else synthetic_filler()
             probes[name] = needle_probe(filler, cfg.needle.depths, cfg.needle.lengths, tokenizer,

@@ -1,0 +1,62 @@
+"""Which NaturalQuestions questions are evaluation questions: one rule for the training data and the mdqa probe.
+
+A question is an evaluation question when the first 8 bytes of sha256(salt + "\\0" + its normalized text,
+UTF-8), read big-endian as a fraction of 2^64, fall below `share`. Normalized = `normalize_answer` (lower case,
+no punctuation or articles, single spaces), so case and punctuation variants of one question land on one side.
+The decision reads the question alone: not the file's order, its other records, the data seed or
+PYTHONHASHSEED, so the IN2 source (`data.source=nq`, `data.nq_split`) and the mdqa probe
+(`eval.mdqa.questions=heldout`, `eval.mdqa.split`) agree question by question, also when the probe reads
+another file of the same questions (the reference's `*_gold_at_K` files). The evaluation questions and their
+gold passages never reach training.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from data_builders.text import normalize_answer
+
+RULE = 'sha256(salt + "\\0" + normalize_answer(question))[:8] / 2^64 < share'
+
+
+@dataclass
+class QuestionSplit:
+    """The rule's settings: the same settings give the same evaluation questions everywhere."""
+
+    share: float = 0.15  # expected share of evaluation questions (390 of NQ-open's 2,655)
+    salt: str = "posdebias-nq"  # another salt draws another set of evaluation questions
+
+
+def check_split(split: QuestionSplit, key: str) -> None:
+    """Fail at start-up, naming `key` (`data.nq_split`, `eval.mdqa.split`), on a share outside (0, 1)."""
+    if not 0 < split.share < 1:
+        raise ValueError(f"{key}.share={split.share} must be in (0, 1): a share of the questions held out")
+
+
+def _fraction(question: str, split: QuestionSplit) -> float:
+    digest = hashlib.sha256(f"{split.salt}\0{normalize_answer(question)}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def is_evaluation_question(question: str, split: QuestionSplit) -> bool:
+    """Whether `question` is asked only in evaluation (never trained on) under `split`."""
+    return _fraction(question, split) < split.share
+
+
+def split_card(questions: Iterable[str], split: QuestionSplit) -> dict[str, Any]:
+    """The split of `questions` for the dataset card: rule, settings, counts per side and a fingerprint.
+
+    fingerprint = sha256 of the evaluation questions' distinct normalized texts, sorted, one a line: a reader
+    recomputes it from the data file with `is_evaluation_question`.
+    """
+    questions = list(questions)
+    chosen = [q for q in questions if is_evaluation_question(q, split)]
+    texts = "\n".join(sorted({normalize_answer(q) for q in chosen}))
+    return {
+        "rule": RULE,
+        "share": split.share,
+        "salt": split.salt,
+        "questions": {"evaluation": len(chosen), "training": len(questions) - len(chosen)},
+        "fingerprint": hashlib.sha256(texts.encode("utf-8")).hexdigest(),
+    }
