@@ -48,6 +48,7 @@ from analysis.evaluation.checkpoints import (
     Target,
     answer_checkpoint,
     build_in2_items,
+    check_unseen_mdqa,
     count_layers,
     load_checkpoint_tokenizer,
     load_model,
@@ -61,6 +62,7 @@ from analysis.evaluation.config import (
     EvalConfig,
     KVProbeConfig,
     MDQAProbeConfig,
+    MDQAQuestions,
     NeedleProbeConfig,
     Probe,
     probe_budget,
@@ -648,6 +650,12 @@ def compare(paths: Sequence[str | Path], cfg: CompareConfig) -> Path:
     if unknown:
         raise CompareError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
     targets = [resolve_target(p, label) for p, label in zip(paths, short_labels(paths))]
+    if Probe.mdqa in cfg.probes and (cfg.data_dir is not None or cfg.mdqa.path is not None):
+        try:  # a fine-tune on NQ is asked only questions it never trained on
+            check_unseen_mdqa(targets, cfg.mdqa)
+        except CompareError as err:
+            raise CompareError(f"{err} (here: --mdqa-questions heldout, which asks the evaluation questions of the "
+                               f"default split, share={cfg.mdqa.split.share}, salt={cfg.mdqa.split.salt!r})") from err
     tokenizers = [load_checkpoint_tokenizer(t) for t in targets]
     plan, notes = compare_plan(targets, tokenizers, cfg)
     entries = [evaluate_target(t, tok, plan, cfg)
@@ -743,6 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="kv pairs per prompt (default: every pair of the file's records, 75 synthetic)")
     parser.add_argument("--mdqa-docs", type=positive_int, default=None,
                         help="mdqa documents per prompt built from an oracle file (default 20)")
+    parser.add_argument("--mdqa-questions", default=MDQAQuestions.all.value, choices=[q.value for q in MDQAQuestions],
+                        help="mdqa questions asked: all (the reference's) or heldout (only the evaluation questions "
+                             "of the default NQ split, data_builders.question_split: required for a PATH trained "
+                             "on IN2 from NQ)")
     parser.add_argument("--distractors", default=Distractors.retrieved.value, choices=[d.value for d in Distractors],
                         help="mdqa distractors added to an oracle file: retrieved (BM25, the reference's recipe; "
                              "default) or random (easier, not comparable)")
@@ -784,7 +796,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = CompareConfig(
         out=args.out, probes=args.probes, examples=args.examples, data_dir=args.data_dir,
         kv=KVProbeConfig(path=args.kv_path, n_pairs=args.kv_pairs),
-        mdqa=MDQAProbeConfig(path=args.mdqa_path, n_docs=args.mdqa_docs, distractors=args.distractors),
+        mdqa=MDQAProbeConfig(path=args.mdqa_path, n_docs=args.mdqa_docs, distractors=args.distractors,
+                             questions=MDQAQuestions(args.mdqa_questions)),
         needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
         device=args.device, dtype=DType(args.dtype), use_wandb=args.wandb, log_wandb=args.wandb_log,

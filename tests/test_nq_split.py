@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from analysis import compare
 from analysis.evaluation.config import EvalConfig, MDQAProbeConfig, MDQAQuestions
 from analysis.evaluation.probes import build_probes
 from data_builders.build import load_prebuilt
@@ -186,6 +187,12 @@ def test_the_sides_disagreeing_fail_at_start_up_naming_the_keys(compose_cfg, nq_
     assert "the run's data.source=nq trains on NQ-open questions that mdqa.questions=all" in capsys.readouterr().err
     assert eval_checkpoint.main([*args, "mdqa.questions=heldout", "mdqa.split.salt=x"]) == 1
     assert "mdqa.split (share=0.15, salt='x') differs from the run's data.nq_split" in capsys.readouterr().err
+    # analysis.compare: the same check, per PATH, before any tokenizer or model is loaded
+    compare_args = [str(run), "--probes", "mdqa", "--mdqa-path", str(nq_fixture), "--out", str(tmp_path / "cmp")]
+    assert compare.main(compare_args) == 1
+    err = capsys.readouterr().err
+    assert f"{run}: the run's data.source=nq trains on NQ-open questions that mdqa.questions=all" in err
+    assert "(here: --mdqa-questions heldout, which asks the evaluation questions of the default split" in err
 
 
 def test_nq_open_oracle_counts(nq_file):

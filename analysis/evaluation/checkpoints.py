@@ -22,11 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.evaluation.config import EvalConfig, Probe
+from analysis.evaluation.config import EvalConfig, MDQAProbeConfig, Probe, check_mdqa_questions
 from analysis.evaluation.interventions import Intervention
 from analysis.evaluation.probes import build_probes, evaluate_probes
 from analysis.evaluation.result import ProbeResult
-from data_builders.build import build_datasets
+from data_builders.build import build_datasets, built_with
+from data_builders.config import as_data_config
 from data_builders.probes import ProbeItem, in2_probe
 from models.build import DType
 from models.training.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint_model
@@ -129,6 +130,20 @@ def reference_run(targets: Sequence[Target]) -> tuple[Target, DictConfig] | None
             except (OSError, OmegaConfBaseException) as err:
                 raise CompareError(f"{target.path}: unreadable {config}: {err}") from err
     return None
+
+
+def check_unseen_mdqa(targets: Sequence[Target], mdqa: MDQAProbeConfig, mdqa_key: str = "mdqa") -> None:
+    """CompareError naming the PATH whose run trained on NQ questions the mdqa probe would ask
+    (`check_mdqa_questions` against the data settings in its run config); PATHs without a run config pass."""
+    for target in targets:
+        config = RunDir(target.run_dir).config if target.run_dir is not None else None
+        if config is None or not config.is_file():
+            continue
+        try:
+            check_mdqa_questions(mdqa, built_with(as_data_config(OmegaConf.load(config).data)), mdqa_key,
+                                 "the run's data")
+        except (ValueError, OmegaConfBaseException) as err:
+            raise CompareError(f"{target.path}: {err}") from err
 
 
 def load_checkpoint_tokenizer(target: Target, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
