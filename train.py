@@ -715,7 +715,8 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
 
     def write(folder: Path) -> None:
         run.engine.save(folder, run.tokenizer)
-        # group_dro's q: an exact resume needs it; the wandb run: a run resumed from here continues it
+        # group_dro's q, loss_weight's averages: an exact resume needs them; the wandb run: a run resumed from
+        # here continues it
         state = TrainerState(step=step, stream_position=run.stream.position, metrics_bytes=metrics_bytes,
                              debias=run.objective.state_dict() if run.objective is not None else None,
                              wandb_run_id=run.logger.run_id)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from data_builders.in2 import offset_law
 from data_builders.needle_mix import retrieval_samples
 from data_builders.tokenizer import train_bpe_tokenizer
 from models.training.debias import (
+    BinLossWeights,
     DebiasConfig,
     DebiasObjective,
     GroupDRO,
@@ -268,6 +271,92 @@ def test_group_dro_state_round_trips_and_checks_bins():
         GroupDRO(5, 0.1).load_state_dict(dro.state_dict())
 
 
+def _bin_loss_weights(cap=100.0):
+    """Four bins, averages m = (2, -, 1, 4) with bin 1 not seen yet, gamma = 2, rate 0.25."""
+    weights = BinLossWeights(4, 0.25, 2.0, cap)
+    weights.average = torch.tensor([2.0, 0.0, 1.0, 4.0], dtype=torch.float64)
+    weights.seen = torch.tensor([True, False, True, True])
+    return weights
+
+
+# bins 0, 1, 2, 3, 3; per-sample losses 1.5, 2, 0.5, 2.5 and none (no answer token left)
+LW_DEPTHS = torch.tensor([0.1, 0.3, 0.6, 0.9, 0.95], dtype=torch.float64)
+LW_SUMS = torch.tensor([3.0, 6.0, 0.5, 10.0, 0.0], dtype=torch.float64)
+LW_COUNTS = torch.tensor([2.0, 3.0, 1.0, 4.0, 0.0], dtype=torch.float64)
+
+
+def test_loss_weight_weights_and_averages_by_hand():
+    weights = _bin_loss_weights()
+    w = weights.step(LW_SUMS, LW_COUNTS, LW_DEPTHS, lambda t: t.clone())
+    # mean of the seen averages 7/3: ratios 6/7, 1 (bin 1 unseen: the mean), 3/7, 12/7, 12/7, squared
+    raw = torch.tensor([36 / 49, 1.0, 9 / 49, 144 / 49, 144 / 49], dtype=torch.float64)
+    assert torch.allclose(w, raw / raw.mean(), rtol=1e-14, atol=0)
+    assert w.mean().item() == pytest.approx(1.0, abs=1e-15) and w[3] > w[0] > w[2]  # more loss, more weight
+    # updated after weighting: 0.75 m + 0.25 l for seen bins, the first loss for bin 1; sample 4 has no loss
+    assert weights.average.tolist() == [1.875, 2.0, 0.875, 3.625] and weights.seen.all()
+    weights.step(LW_SUMS * math.nan, LW_COUNTS, LW_DEPTHS, lambda t: t.clone())  # a step train.py skips
+    assert weights.average.tolist() == [1.875, 2.0, 0.875, 3.625]
+    # clipped at 1.5: both bin-3 samples, the other three scaled to make up the mean (raw 36, 49, 9 of 94, x 2)
+    clipped = _bin_loss_weights(cap=1.5).step(LW_SUMS, LW_COUNTS, LW_DEPTHS, lambda t: t.clone())
+    expected = torch.tensor([72 / 94, 98 / 94, 18 / 94, 1.5, 1.5], dtype=torch.float64)
+    assert torch.allclose(clipped, expected, rtol=1e-14, atol=0) and clipped.mean().item() == pytest.approx(1.0)
+
+
+def test_loss_weight_averages_are_over_every_data_parallel_rank():
+    """Two ranks (an `all_sum` that adds the other rank's tensor) end with the averages of the union's step."""
+    union = _bin_loss_weights()
+    union.step(LW_SUMS, LW_COUNTS, LW_DEPTHS, lambda t: t.clone())
+    shards = [slice(0, 2), slice(2, 5)]
+    sent = []  # each rank's contribution to the collective
+    for part in shards:
+        _bin_loss_weights().step(LW_SUMS[part], LW_COUNTS[part], LW_DEPTHS[part], lambda t: sent.append(t) or t)
+    ranks = [_bin_loss_weights() for _ in shards]
+    for r, (weights, part) in enumerate(zip(ranks, shards)):
+        weights.step(LW_SUMS[part], LW_COUNTS[part], LW_DEPTHS[part], lambda t, r=r: t + sent[1 - r])
+        assert torch.equal(weights.average, union.average) and torch.equal(weights.seen, union.seen)
+
+
+def test_loss_weight_starts_as_the_plain_loss_then_weights_by_the_measured_bin_losses():
+    model = _tiny_model()
+    objective = DebiasObjective(DebiasConfig(objective=Objective.loss_weight, bins=10, loss_ema=0.5), 2,
+                                lambda t: t.clone())
+    first, second = collate(_batch((0.05, 0.15, 0.55, 0.58, 0.91, 0.12)), 0, depths=True), collate(
+        _batch((0.06, 0.92, 0.3, 0.57)), 0, depths=True)
+    assert objective(model, first).item() == pytest.approx(causal_lm_loss(model, first).item(), rel=1e-12)
+    nll, labelled = _per_token(model, first)
+    per_sample = [nll[s][labelled[s]].mean() for s in range(6)]
+    m = {0: per_sample[0], 1: (per_sample[1] + per_sample[5]) / 2, 5: (per_sample[2] + per_sample[3]) / 2,
+         9: per_sample[4]}  # one step: each seen bin's average is its first mean
+    assert objective.metrics() == pytest.approx(
+        {f"debias/bin_loss@{k / 10}": v.item() for k, v in m.items()} | {"debias/weight_max": 1.0,
+                                                                         "debias/weight_min": 1.0}, rel=1e-12)
+    mean = sum(m.values()) / 4
+    raw = torch.stack([m[0] / mean, m[9] / mean, torch.ones((), dtype=torch.float64), m[5] / mean])  # bin 3 unseen
+    w = raw / raw.mean()
+    nll, labelled = _per_token(model, second)
+    expected = sum(w[s] * nll[s][labelled[s]].sum() for s in range(4)) / labelled.sum()
+    assert objective(model, second).item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_loss_weight_state_round_trips_and_resumes_to_the_same_weights():
+    model = _tiny_model()
+    cfg = DebiasConfig(objective=Objective.loss_weight, bins=4, loss_ema=0.3, loss_power=1.5, max_weight=2.0)
+    batches = [collate(_batch(tuple(np.random.default_rng(i).uniform(size=5))), 0, depths=True) for i in range(4)]
+    whole = DebiasObjective(cfg, 2, lambda t: t.clone())
+    expected = [(whole(model, b).item(), whole.metrics()) for b in batches]
+    first = DebiasObjective(cfg, 2, lambda t: t.clone())
+    for batch in batches[:2]:
+        first(model, batch)
+    resumed = DebiasObjective(cfg, 2, lambda t: t.clone())
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert [(resumed(model, b).item(), resumed.metrics()) for b in batches[2:]] == expected[2:]
+    assert resumed.state_dict() == whole.state_dict() and expected[3][1]["debias/weight_max"] > 1
+    with pytest.raises(ValueError, match="debias.bins"):
+        DebiasObjective(replace(cfg, bins=5), 2, lambda t: t).load_state_dict(whole.state_dict())
+    with pytest.raises(ValueError, match="no loss_weight state"):
+        resumed.load_state_dict({"alpha": None})
+
+
 def _offsets(law: DepthLaw, n: int, free: int = 20000, **in2) -> np.ndarray:
     cfg = DataConfig()
     cfg.in2.depth_law = law
@@ -380,6 +469,9 @@ def test_debias_settings_that_cannot_run_fail_at_start_up(compose_cfg):
         (["debias=needle_mix", "data.packing=true"], "data.packing=false"),
         (["debias=needle_mix", "debias.needle_mix.share=0.01"], "mixed rows"),
         (["debias=depth_weight", "debias.prior_alpha=0.5", "debias.max_weight=0.5"], "debias.max_weight"),
+        (["debias=loss_weight", "debias.max_weight=0.5"], "debias.max_weight"),
+        (["debias=loss_weight", "debias.loss_ema=0"], "debias.loss_ema"),
+        (["debias=loss_weight", "debias.loss_power=-1"], "debias.loss_power"),
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -392,9 +484,46 @@ def test_debias_presets_combine(compose_cfg):
     assert cfg.data.in2.depth_law == DepthLaw.valley and cfg.data.in2.prior_layers == 2  # the model's
 
 
-def test_group_dro_resume_is_bitwise_exact(compose_cfg, tmp_path):
-    arm = ["debias=[group_dro,needle_mix]", "debias.needle_mix.kinds=[needle]", "debias.needle_mix.pool=16",
-           "debias.eta=0.5", "trainer.max_steps=4"]
+def test_every_arm_of_the_debias_study_composes_validates_and_has_its_own_name(compose_cfg):
+    """Each job of `python train.py -m +exp=debias_study`: the experiment plus one choice of its swept `debias`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from analysis.study import arm_name
+    from models.build import Attention, DiffMode
+    from tests.conftest import CONF_DIR
+
+    swept = OmegaConf.load(CONF_DIR / "exp" / "debias_study.yaml").hydra.sweeper.params.debias
+    sweep = OverridesParser.create().parse_overrides([f"debias={swept}"])[0]
+    arms = {}
+    for choice in sweep.sweep_string_iterator():
+        override = f"debias={choice}"
+        cfg = as_train_config(compose_cfg("+exp=debias_study", "model.pretrained=/some/checkpoint", override))
+        validate(cfg, DistInfo())
+        arms[arm_name([override])] = cfg
+    assert list(arms) == ["none", "group_dro", "loss_weight", "middle_ramp", "depth_sampling+group_dro",
+                          "diff_retrofit"]
+    assert {name: cfg.debias.objective for name, cfg in arms.items()} == {
+        "none": Objective.mean, "group_dro": Objective.group_dro, "loss_weight": Objective.loss_weight,
+        "middle_ramp": Objective.mean, "depth_sampling+group_dro": Objective.group_dro, "diff_retrofit": Objective.mean}
+    laws = {name: cfg.data.in2.depth_law for name, cfg in arms.items()}
+    assert laws.pop("middle_ramp") == DepthLaw.beta and laws.pop("depth_sampling+group_dro") == DepthLaw.valley
+    assert set(laws.values()) == {DepthLaw.uniform}
+    ramp = arms["middle_ramp"].data.in2
+    assert ramp.depth_beta == [2.0, 2.0] and ramp.depth_ramp > 0
+    diff = arms["diff_retrofit"].model
+    assert (diff.attention, diff.diff.mode) == (Attention.diff_v1, DiffMode.retrofit)
+    assert {cfg.model.attention for name, cfg in arms.items() if name != "diff_retrofit"} == {Attention.standard}
+
+
+@pytest.mark.parametrize("objective, settings, prefix", [
+    ("group_dro", ["debias=[group_dro,needle_mix]", "debias.needle_mix.kinds=[needle]", "debias.needle_mix.pool=16",
+                   "debias.eta=0.5"], "debias/q@"),
+    ("loss_weight", ["debias=loss_weight", "debias.bins=2", "debias.loss_ema=0.5", "debias.loss_power=2"],
+     "debias/bin_loss@"),
+])
+def test_debias_state_resume_is_bitwise_exact(compose_cfg, tmp_path, objective, settings, prefix):
+    arm = [*settings, "trainer.max_steps=4"]
     full, part = tmp_path / "full", tmp_path / "part"
     run(compose_cfg(*TINY, *arm), full)
     run(compose_cfg(*TINY, *arm, "trainer.save_every=2"), part)
@@ -405,11 +534,13 @@ def test_group_dro_resume_is_bitwise_exact(compose_cfg, tmp_path):
 
     def logged(run_dir):
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: {k: v for k, v in r.items() if k == "train/loss" or k.startswith("debias/q@")}
+        return {r["step"]: {k: v for k, v in r.items() if k == "train/loss" or k.startswith(prefix)}
                 for r in rows if "train/loss" in r}
 
+    states = [json.loads((d / "checkpoints" / "step-4" / "trainer_state.json").read_text())["debias"][objective]
+              for d in (full, part)]
+    per_bin = states[0]["q" if objective == "group_dro" else "average"]
+    assert states[0] == states[1] and max(per_bin) > min(per_bin)  # the state moved, and resumed to the same bits
     expected, resumed = logged(full), logged(part)
-    assert len(expected[4]) == 11 and [resumed[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]
-    q = [json.loads((d / "checkpoints" / "step-4" / "trainer_state.json").read_text())["debias"]["group_dro"]["q"]
-         for d in (full, part)]
-    assert q[0] == q[1] and max(q[0]) > min(q[0])  # q moved, and resumed to the same bits
+    assert len(expected[4]) == 1 + len(per_bin)  # the loss and every bin (loss_weight's two bins both seen)
+    assert [resumed[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]

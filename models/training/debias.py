@@ -21,10 +21,24 @@ weighting, middle-context curricula or over-sampled retrieval data close the gap
   sum_k q_k over the bins present, which with few samples per bin cancels q; docs/DEBIAS_STUDY.md.) Under
   data parallelism loss_k is the mean over every rank's samples of bin k, so q is the same on every rank;
   it is saved in checkpoints and resumes exactly.
+- `loss_weight`: weights from the measured loss by depth instead of the prior's shape (docs/DEBIAS_STUDY.md, "What
+  to try next"; no prior, no Jacobian). Per gold-depth bin k (group_dro's `bins` and bins) an exponential moving
+  average m_k of the per-sample loss l_s (a sample's mean NLL over its answer tokens): m_k <- (1 - r) m_k + r l_k,
+  r = `debias.loss_ema`, l_k the micro-batch's mean of l_s over bin k's samples (a bin's first l_k sets m_k).
+  A sample of bin k weighs w ∝ (m_k / mean_seen m)^gamma, gamma = `debias.loss_power`, normalised to mean 1 over
+  the samples of the micro-batch and clipped at `debias.max_weight` (`mean_one_clipped`), and
+  loss = sum_t w_s(t) nll_t / N as depth_weight's, so gamma = 0 is the plain loss. The weights are detached and
+  come from earlier micro-batches only (the averages are updated after weighting): a sample never weights
+  itself; a bin not seen yet counts as the mean of the seen ones (ratio 1), and the first micro-batch, with
+  none seen, is the plain loss. As group_dro's loss_k, l_k is over every data-parallel rank's samples, so the
+  averages are the same on every rank; they are logged (debias/bin_loss@<bin>, the bins seen so far), saved in
+  checkpoints and resume exactly.
 
-Depth sampling (a middle-heavy gold-depth law, `data.in2.depth_law=valley|beta`) is a data setting
-(data_builders.in2), and over-sampled retrieval data (`debias.needle_mix`) a batching one
-(data_builders.needle_mix); both live in this group's presets so arms combine: `debias=[depth_sampling,group_dro]`.
+Depth sampling (a middle-heavy gold-depth law, `data.in2.depth_law=valley|beta`, `debias=depth_sampling` and
+`debias=middle_ramp`) is a data setting (data_builders.in2), over-sampled retrieval data (`debias.needle_mix`) a
+batching one (data_builders.needle_mix), and differential attention retrofitted into the model
+(`debias=diff_retrofit`) a model one (models.attention.diff_attention); all live in this group's presets so arms
+combine: `debias=[depth_sampling,group_dro]`.
 """
 from __future__ import annotations
 
@@ -47,6 +61,7 @@ class Objective(StrEnum):
     mean = "mean"
     depth_weight = "depth_weight"
     group_dro = "group_dro"
+    loss_weight = "loss_weight"
 
 
 @dataclass
@@ -56,9 +71,11 @@ class DebiasConfig:
     objective: Objective = Objective.mean
     prior_power: float = 1.0  # depth_weight: w(d) ∝ p(d)^(-prior_power)
     prior_alpha: Optional[float] = None  # depth_weight: the prior's residual weight; None = fitted (prior/<set>/alpha)
-    max_weight: float = 5.0  # depth_weight: weights are clipped here (>= 1: their mean is 1)
-    bins: int = 10  # group_dro: equal-width gold-depth bins
+    max_weight: float = 5.0  # depth_weight, loss_weight: weights are clipped here (>= 1: their mean is 1)
+    bins: int = 10  # group_dro, loss_weight: equal-width gold-depth bins
     eta: float = 0.01  # group_dro: step size of the exponentiated-gradient update of q
+    loss_power: float = 1.0  # loss_weight: w ∝ (bin loss average / their mean)^loss_power
+    loss_ema: float = 0.1  # loss_weight: the share of a micro-batch's bin loss in the bin's moving average
     needle_mix: NeedleMixConfig = field(default_factory=NeedleMixConfig)
 
     @property
@@ -76,9 +93,9 @@ def validate_debias(cfg: DebiasConfig, jacobian_every: int, sequence_parallel: i
     if cfg.needs_depths and sequence_parallel > 1:
         raise ValueError(f"debias.objective={cfg.objective} with trainer.sequence_parallel={sequence_parallel}: "
                          "per-sample losses over sequence slices are not implemented; use one of them")
+    if cfg.objective in (Objective.depth_weight, Objective.loss_weight) and cfg.max_weight < 1:
+        raise ValueError(f"debias.max_weight={cfg.max_weight} must be >= 1 (the weights average 1)")
     if cfg.objective == Objective.depth_weight:
-        if cfg.max_weight < 1:
-            raise ValueError(f"debias.max_weight={cfg.max_weight} must be >= 1 (the weights average 1)")
         if cfg.prior_alpha is None and jacobian_every < 1:
             raise ValueError("debias.objective=depth_weight with debias.prior_alpha=null follows the alpha fitted to "
                              "the measured Jacobian, which is off (jacobian.every=0): set debias.prior_alpha (e.g. 0.5)")
@@ -86,6 +103,11 @@ def validate_debias(cfg: DebiasConfig, jacobian_every: int, sequence_parallel: i
             raise ValueError(f"debias.prior_alpha={cfg.prior_alpha} must be in (0, 1)")
     if cfg.objective == Objective.group_dro and (cfg.bins < 1 or cfg.eta < 0):
         raise ValueError(f"debias.bins={cfg.bins} must be >= 1 and debias.eta={cfg.eta} >= 0")
+    if cfg.objective == Objective.loss_weight:
+        if cfg.bins < 1 or cfg.loss_power < 0:
+            raise ValueError(f"debias.bins={cfg.bins} must be >= 1 and debias.loss_power={cfg.loss_power} >= 0")
+        if not 0 < cfg.loss_ema <= 1:
+            raise ValueError(f"debias.loss_ema={cfg.loss_ema} must be in (0, 1]")
 
 
 def mean_one_clipped(raw: torch.Tensor, cap: float) -> torch.Tensor:
@@ -130,17 +152,18 @@ def sample_sums(nll: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tens
     return sums[:n_samples], counts[:n_samples]
 
 
+def bin_of(depths: torch.Tensor, bins: int) -> torch.Tensor:
+    """The depth bin of each sample (`data_builders.probes.depth_bin`, the bins of the accuracy curve)."""
+    return torch.tensor([depth_bin(d, bins) for d in depths.tolist()], dtype=torch.long,
+                        device=depths.device)  # a micro-batch's few samples
+
+
 class GroupDRO:
     """Online Group DRO weights q over `bins` gold-depth bins (Sagawa et al. 2020)."""
 
     def __init__(self, bins: int, eta: float):
         self.bins, self.eta = bins, eta
         self.q = torch.full((bins,), 1.0 / bins, dtype=torch.float64)
-
-    def bin_of(self, depths: torch.Tensor) -> torch.Tensor:
-        """The depth bin of each sample (`data_builders.probes.depth_bin`, the bins of the accuracy curve)."""
-        return torch.tensor([depth_bin(d, self.bins) for d in depths.tolist()], dtype=torch.long,
-                            device=depths.device)  # a micro-batch's few samples
 
     def update(self, bin_losses: torch.Tensor) -> torch.Tensor:
         """q_k <- q_k exp(eta loss_k), renormalised over all bins; `bin_losses` (K,) detached (0 for an empty
@@ -162,7 +185,7 @@ class GroupDRO:
         ranks, because DeepSpeed averages gradients over the data-parallel ranks (and train.py `train/loss`).
         """
         K = self.bins
-        bins = self.bin_of(depths)
+        bins = bin_of(depths, K)
         bin_sums = sums.new_zeros(K).index_add(0, bins, sums)
         bin_counts = counts.new_zeros(K).index_add(0, bins, counts)
         # one collective: every rank's bin sums and counts, and the number of ranks (the summed ones)
@@ -184,6 +207,53 @@ class GroupDRO:
         self.q = q
 
 
+class BinLossWeights:
+    """loss_weight's moving averages of the per-sample loss over `bins` gold-depth bins, and the weights they give."""
+
+    def __init__(self, bins: int, rate: float, power: float, cap: float):
+        self.bins, self.rate, self.power, self.cap = bins, rate, power, cap
+        self.average = torch.zeros(bins, dtype=torch.float64)
+        self.seen = torch.zeros(bins, dtype=torch.bool)
+
+    def weights(self, bins: torch.Tensor) -> torch.Tensor:
+        """(S,) float64: (m_k / mean_seen m)^power for each sample's bin k, an unseen bin's ratio 1 (every one
+        while no bin is seen), normalised to mean 1 and clipped at `cap`."""
+        ratio = torch.ones(self.bins, dtype=torch.float64)
+        if self.seen.any():
+            ratio = torch.where(self.seen, self.average / self.average[self.seen].mean(), ratio)
+        return mean_one_clipped(ratio[bins.cpu()].pow(self.power), self.cap)
+
+    def update(self, bin_means: torch.Tensor, present: torch.Tensor) -> None:
+        """m_k <- (1 - rate) m_k + rate l_k for every present bin k; a bin's first l_k sets m_k."""
+        moved = torch.where(self.seen, (1 - self.rate) * self.average + self.rate * bin_means, bin_means)
+        self.average = torch.where(present, moved, self.average)
+        self.seen = self.seen | present
+
+    def step(self, sums: torch.Tensor, counts: torch.Tensor, depths: torch.Tensor,
+             all_sum: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """This micro-batch's sample weights (from the averages so far), then the averages updated with its
+        per-sample losses, summed over data-parallel ranks by `all_sum` (so every rank holds the same ones)."""
+        K = self.bins
+        bins = bin_of(depths, K)
+        w = self.weights(bins)
+        labelled = (counts > 0).double()  # a sample with no answer token left has no loss to average
+        per_sample = sums.detach().double() / counts.clamp(min=1)  # (S,) mean NLL over each sample's answer tokens
+        total = all_sum(torch.cat([per_sample.new_zeros(K).index_add(0, bins, per_sample * labelled),
+                                   per_sample.new_zeros(K).index_add(0, bins, labelled)])).cpu()
+        if total.isfinite().all():  # a non-finite loss skips the step (train.py): it must not stay in the averages
+            self.update(total[:K] / total[K:].clamp(min=1), total[K:] > 0)
+        return w
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"average": self.average.tolist(), "seen": self.seen.tolist()}  # JSON floats round-trip exactly
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        average = torch.tensor(state["average"], dtype=torch.float64)
+        if average.shape != (self.bins,):
+            raise ValueError(f"the checkpoint's loss_weight state has {average.numel()} bins, debias.bins={self.bins}")
+        self.average, self.seen = average, torch.tensor(state["seen"], dtype=torch.bool)
+
+
 class DebiasObjective:
     """The training loss of `debias.objective`: called by the engine on each micro-batch like
     `models.training.loss.causal_lm_loss(model, batch, device)`; batches carry `sample_ids` and `depths`."""
@@ -192,6 +262,8 @@ class DebiasObjective:
         self.cfg, self.layers, self.all_sum = cfg, layers, all_sum
         self.alpha = cfg.prior_alpha  # depth_weight: fixed, or the latest fitted one (`observe`)
         self.dro = GroupDRO(cfg.bins, cfg.eta) if cfg.objective == Objective.group_dro else None
+        self.bin_loss = (BinLossWeights(cfg.bins, cfg.loss_ema, cfg.loss_power, cfg.max_weight)
+                         if cfg.objective == Objective.loss_weight else None)
         self._last: dict[str, float] = {}
 
     def observe(self, metrics: Mapping[str, float]) -> None:
@@ -212,21 +284,31 @@ class DebiasObjective:
             if self.alpha is None:
                 raise RuntimeError("depth_weight has no alpha yet: the Jacobian is measured before the first update")
             w = depth_weights(depths, self.layers, self.alpha, self.cfg.prior_power, self.cfg.max_weight)
-            self._last = {"debias/alpha": self.alpha, "debias/weight_max": float(w.max()),
-                          "debias/weight_min": float(w.min())}
-            return (w.to(sums.dtype) * sums).sum() / count
-        return self.dro.loss(sums, counts, depths, self.all_sum)
+            self._last = {"debias/alpha": self.alpha}
+        elif self.bin_loss is not None:
+            w = self.bin_loss.step(sums, counts, depths, self.all_sum)
+        else:
+            return self.dro.loss(sums, counts, depths, self.all_sum)
+        self._last.update({"debias/weight_max": float(w.max()), "debias/weight_min": float(w.min())})
+        return (w.to(sums.device, sums.dtype) * sums).sum() / count
 
     def metrics(self) -> dict[str, float]:
-        """Logged every step: depth_weight's alpha and weight range, or group_dro's q per bin."""
+        """Logged every step: depth_weight's alpha and weight range, loss_weight's weight range and average loss
+        per bin seen so far, or group_dro's q per bin."""
         if self.dro is not None:
             return {f"debias/q@{bin_label(k, self.dro.bins)}": float(v) for k, v in enumerate(self.dro.q)}
-        return dict(self._last)
+        averages = {}
+        if self.bin_loss is not None:
+            averages = {f"debias/bin_loss@{bin_label(k, self.bin_loss.bins)}": float(v)
+                        for k, v in enumerate(self.bin_loss.average) if self.bin_loss.seen[k]}
+        return {**self._last, **averages}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"alpha": self.alpha}
         if self.dro is not None:
             state["group_dro"] = self.dro.state_dict()
+        if self.bin_loss is not None:
+            state["loss_weight"] = self.bin_loss.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -235,3 +317,7 @@ class DebiasObjective:
             if "group_dro" not in state:
                 raise ValueError("the checkpoint holds no group_dro state (trained with another debias.objective)")
             self.dro.load_state_dict(state["group_dro"])
+        if self.bin_loss is not None:
+            if "loss_weight" not in state:
+                raise ValueError("the checkpoint holds no loss_weight state (trained with another debias.objective)")
+            self.bin_loss.load_state_dict(state["loss_weight"])

@@ -23,7 +23,8 @@ class TrainerState:
     step: int  # optimizer steps done
     stream_position: int  # micro-batches the data stream has drawn (BatchStream.position)
     metrics_bytes: Optional[int] = None  # where metrics.jsonl ended: resuming in place cuts it back to here
-    debias: Optional[dict[str, Any]] = None  # the debias objective's state (group_dro's q); None: no objective
+    # the debias objective's state (group_dro's q, loss_weight's averages); None: no objective
+    debias: Optional[dict[str, Any]] = None
     wandb_run_id: Optional[str] = None  # the wandb run the run logged to: a run resumed from here continues it
     files: Optional[dict[str, int]] = None  # the size of every other file of the checkpoint, to find a damaged one
 
