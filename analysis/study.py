@@ -6,8 +6,8 @@
 A study is one `-m` sweep directory with one job directory per (arm, seed): `<sweep>/<n>/` holding
 `.hydra/overrides.yaml` (the arm is the `debias=` override, `a+b` for `debias=[a,b]`, `none` without one;
 the seed is `seed=`, 0 without one), `eval/in2_step0.json` and `eval/in2_step<N>.json` (the final step is
-the largest N), and `metrics.jsonl`. Every job asks the same held-out IN2 questions (same data seed), so
-arms are compared paired by question id:
+the largest N; any other N is a saved checkpoint scored by `scripts.eval_checkpoint`), and `metrics.jsonl`.
+Every job asks the same held-out IN2 questions (same data seed), so arms are compared paired by question id:
 
 - fairness metrics of each arm's final answers (`fairness`): mean accuracy, worst depth bin, best minus
   worst bin (gap), middle [0.25, 0.75) minus ends accuracy and their ratio; a question's score is the mean
@@ -20,9 +20,14 @@ arms are compared paired by question id:
 - the flat-curve floor of worst bin and gap (`flat_curve`): both are extremes over bins, so a perfectly flat
   curve has a gap above 0; their values with the arm's scores shuffled across depth bins;
 - the Jacobian valley (`valley/<set>/peak_to_trough_log10`, `valley/<set>/middle_mass`) at the first and
-  last logged step of each arm, mean over seeds.
+  last logged step of each arm, mean over seeds;
+- whether the per-step Jacobian metrics track the curve (`tracking`): the Spearman rank correlation, over
+  every (job, evaluated step), of the change in each valley metric and in the measured-λ rollout's fit
+  (`rollout/<set>/measured/w1`, `.../spearman`) with the change in middle minus ends accuracy, with a
+  bootstrap interval that resamples whole jobs.
 
-Writes `<out>/report.md`, `<out>/study.json` (every number) and `<out>/accuracy_by_depth.png`.
+Writes `<out>/report.md`, `<out>/study.json` (every number), `<out>/accuracy_by_depth.png` and
+`<out>/valley_accuracy_scatter.png`.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
@@ -42,10 +47,11 @@ import yaml
 
 from analysis.compare import positive_int
 from analysis.evaluation.config import Probe
-from analysis.evaluation.fairness import FAIRNESS_METRICS, MIDDLE, middle_of, resampled_metrics
+from analysis.evaluation.fairness import FAIRNESS_METRICS, MIDDLE, fairness, middle_of, resampled_metrics
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.scoring import bootstrap_ci
-from analysis.report.figures import plot_depth_intervals
+from analysis.measure.prior import spearman
+from analysis.report.figures import ScatterPanel, plot_depth_intervals, plot_valley_accuracy_scatter
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num, with_ci
 from data_builders.files import atomic_write_text, json_safe
@@ -59,6 +65,10 @@ VALLEY_KEY = re.compile(rf"^valley/([^/]+)/({'|'.join(VALLEY_METRICS)})$")
 SET_ORDER = ("vanilla", "chunked")  # known Jacobian sets first, any other after them
 CHUNK = 256  # bootstrap resamples processed at once: (arms, CHUNK, questions) floats stay small
 POWER = 0.8  # the probability of detecting a true difference of the minimum detectable effect
+# per-step Jacobian metrics whose change is set against the change in middle minus ends accuracy (`tracking`)
+TRACKED = ("valley/<set>/peak_to_trough_log10", "valley/<set>/middle_mass", "rollout/<set>/measured/w1",
+           "rollout/<set>/measured/spearman")
+MIN_JOBS = 3  # jobs a rank correlation needs before it is reported
 
 
 class StudyError(ValueError):
@@ -67,7 +77,8 @@ class StudyError(ValueError):
 
 @dataclass
 class Job:
-    """One (arm, seed) job of the sweep: its step-0 and final IN2 results and its merged metrics."""
+    """One (arm, seed) job of the sweep: its step-0, final and every other evaluated step's IN2 results, and
+    its merged metrics."""
 
     path: Path
     arm: str
@@ -76,6 +87,7 @@ class Job:
     final: ProbeResult
     final_step: int
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> every key logged at it
+    evals: dict[int, ProbeResult] = field(default_factory=dict)  # step -> IN2 results of every evaluated step
 
 
 @dataclass
@@ -193,13 +205,13 @@ def _load_job(job_dir: Path) -> Job:
         raise StudyError(f"{paths.eval}: only {paths.eval_json(Probe.in2, 0).name}, no final eval "
                          "(did the job finish?)")
     results = {}
-    for step in (0, final_step):
+    for step, path in files.items():
         try:
-            results[step] = ProbeResult.load_json(files[step])
+            results[step] = ProbeResult.load_json(path)
         except (OSError, ValueError, KeyError) as err:
-            raise StudyError(f"{files[step]}: unreadable eval JSON ({err})") from err
+            raise StudyError(f"{path}: unreadable eval JSON ({err})") from err
     return Job(job_dir, arm_name(overrides), seed_of(overrides), results[0], results[final_step], final_step,
-               _merged_metrics(job_dir))
+               _merged_metrics(job_dir), results)
 
 
 def _outcomes_by_id(result: ProbeResult, path: Path) -> dict[str, Mapping[str, Any]]:
@@ -235,7 +247,8 @@ def load_study(sweep_dir: str | Path) -> Study:
     """Read every job of a sweep (subdirectories with `.hydra/overrides.yaml`).
 
     Raises StudyError naming the path when a job has no step-0 or final eval JSON, when two jobs share an
-    (arm, seed), or when a job asked other questions than the first job (ids, or a question's depth).
+    (arm, seed), or when an eval JSON of any step asked other questions than the first job's final one (ids, or
+    a question's depth).
     """
     sweep = Path(sweep_dir)
     if not sweep.is_dir():
@@ -254,7 +267,7 @@ def load_study(sweep_dir: str | Path) -> Study:
     first_path = RunDir(jobs[0].path).eval_json(Probe.in2, jobs[0].final_step)
     first = _outcomes_by_id(jobs[0].final, first_path)
     for job in jobs:
-        for step, result in ((0, job.start), (job.final_step, job.final)):
+        for step, result in job.evals.items():
             path = RunDir(job.path).eval_json(Probe.in2, step)
             outcomes = _outcomes_by_id(result, path)
             missing, extra = first.keys() - outcomes.keys(), outcomes.keys() - first.keys()
@@ -426,10 +439,14 @@ def _valley_ends(job: Job) -> dict[tuple[str, str], tuple[int, float, int, float
     return {key: (*values[0], *values[-1]) for key, values in logged.items()}
 
 
+def _in_set_order(names: Iterable[str]) -> list[str]:
+    """Jacobian set names once each, `vanilla` and `chunked` first, any other after them by name."""
+    return sorted(set(names), key=lambda name: (SET_ORDER.index(name) if name in SET_ORDER else len(SET_ORDER), name))
+
+
 def valley_sets(study: Study) -> list[str]:
     """The Jacobian sets any job logged valley metrics for, `vanilla` and `chunked` first."""
-    found = {name for job in study.jobs for name, _ in _valley_ends(job)}
-    return sorted(found, key=lambda name: (SET_ORDER.index(name) if name in SET_ORDER else len(SET_ORDER), name))
+    return _in_set_order(name for job in study.jobs for name, _ in _valley_ends(job))
 
 
 def valley_changes(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
@@ -450,6 +467,107 @@ def valley_changes(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]
                     "start_steps": sorted({f[0] for f in found}), "end_steps": sorted({f[2] for f in found}),
                     "seeds": len(found),
                 }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- tracking
+
+
+@dataclass
+class RankCorrelation:
+    """Spearman ρ of points pooled over jobs, and its percentile interval from resampling whole jobs."""
+
+    rho: float
+    low: float
+    high: float
+    n_points: int
+    n_jobs: int
+    undefined: int  # resamples whose ρ is undefined (every drawn x, or every drawn y, equal): left out
+    reason: str | None  # why there is no ρ (n/a), None when there is one
+
+    @property
+    def resolved(self) -> bool:
+        """The interval excludes 0."""
+        return self.low > 0 or self.high < 0
+
+
+def rank_correlation(
+    x: Sequence[float], y: Sequence[float], jobs: Sequence[str], n_boot: int = 2000, alpha: float = 0.05,
+    seed: int = 0,
+) -> RankCorrelation:
+    """Spearman ρ of the points (x_i, y_i), `jobs` naming the job of each, with its percentile interval.
+
+    Each of the `n_boot` resamples (fixed `seed`) draws the jobs with replacement and keeps every point of a
+    drawn job together: the points of one run (its steps) are not independent, the job is the unit. No ρ
+    (nan, with the reason) with fewer than MIN_JOBS jobs, or with every x or every y equal.
+    """
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    names, job_of = np.unique(np.asarray(jobs, dtype=str), return_inverse=True)
+    reason = None
+    if len(names) < MIN_JOBS:
+        reason = f"{len(names)} job{'' if len(names) == 1 else 's'} with points, fewer than {MIN_JOBS}"
+    elif np.ptp(x) == 0:
+        reason = "Δ metric equal at every point"
+    elif np.ptp(y) == 0:
+        reason = "Δ(middle − ends) equal at every point"
+    if reason is not None:
+        return RankCorrelation(math.nan, math.nan, math.nan, x.size, len(names), 0, reason)
+    members = [np.flatnonzero(job_of == j) for j in range(len(names))]
+    draws = np.random.default_rng(seed).integers(0, len(names), size=(n_boot, len(names)))  # job indices
+    samples = np.empty(n_boot)
+    for b, drawn in enumerate(draws):
+        idx = np.concatenate([members[j] for j in drawn])
+        samples[b] = spearman(x[idx], y[idx])
+    return RankCorrelation(spearman(x, y), *_interval(samples, alpha), x.size, len(names),
+                           int(np.isnan(samples).sum()), None)
+
+
+def _logged(job: Job, key: str) -> dict[int, float]:
+    """step -> the finite values of `key` in the job's metrics (null or "nan" is no measurement)."""
+    return {step: float(row[key]) for step, row in job.metrics.items()
+            if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])}
+
+
+def tracked_sets(study: Study) -> list[str]:
+    """The Jacobian sets any job logged a key of TRACKED for, `vanilla` and `chunked` first."""
+    keys = {key for job in study.jobs for row in job.metrics.values() for key in row}
+    found = {key.split("/")[1] for key in keys if key.count("/") >= 2}
+    return _in_set_order(name for name in found if any(t.replace("<set>", name) in keys for t in TRACKED))
+
+
+def _middle_minus_ends(study: Study, result: ProbeResult) -> float:
+    return fairness(_correct_vector(result, study.ids), study.bins, study.depths)["middle_minus_ends"]
+
+
+def tracking_points(study: Study, key: str) -> list[dict[str, Any]]:
+    """One point per job and step s that has both an IN2 eval and a finite `key`, after the job's first such
+    step s0: x = `key` at s minus at s0, y = middle minus ends accuracy at s minus at s0."""
+    points = []
+    for job in study.jobs:
+        logged = _logged(job, key)
+        steps = [step for step in job.evals if step in logged]  # ascending
+        for step in steps[1:]:
+            y = _middle_minus_ends(study, job.evals[step]) - _middle_minus_ends(study, job.evals[steps[0]])
+            points.append({"arm": job.arm, "seed": job.seed, "job": str(job.path), "base_step": steps[0],
+                           "step": step, "x": logged[step] - logged[steps[0]], "y": y})
+    return points
+
+
+def tracking(
+    study: Study, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """{set: {predictor of TRACKED: {key, rho, low, high, n_points, n_jobs, undefined, reason, resolved,
+    points}}}: how the change in each per-step Jacobian metric ranks with the change in middle minus ends
+    accuracy (`tracking_points`, `rank_correlation`)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in tracked_sets(study):
+        out[name] = {}
+        for predictor in TRACKED:
+            key = predictor.replace("<set>", name)
+            points = tracking_points(study, key)
+            r = rank_correlation([p["x"] for p in points], [p["y"] for p in points], [p["job"] for p in points],
+                                 n_boot, alpha, seed)
+            out[name][predictor] = {"key": key, **vars(r), "resolved": r.resolved, "points": points}
     return out
 
 
@@ -520,6 +638,7 @@ def analyse(
             "worst_bin_mde": worst_mde,
         },
         "valley": valley_changes(study),
+        "tracking": tracking(study, n_boot, alpha, seed),
     }
 
 
@@ -535,6 +654,24 @@ def plot_accuracy_by_depth(stats: Mapping[str, Any], out_png: str | Path) -> Pat
                                 out_png)
 
 
+def plot_tracking(stats: Mapping[str, Any], out_png: str | Path) -> Path:
+    """Δ of every TRACKED metric against Δ(middle − ends) (`stats["tracking"]`): a row of panels per set, points
+    coloured by arm as in `plot_accuracy_by_depth`, each panel titled with its ρ and interval."""
+    arms, rows = list(stats["arms"]), []
+    for predictors in stats["tracking"].values():
+        row = []
+        for predictor, e in predictors.items():
+            by_arm = {arm: [p for p in e["points"] if p["arm"] == arm] for arm in arms}
+            value = f"n/a: {e['reason']}" if e["reason"] else f"ρ {_rho(e)}, {e['n_jobs']} jobs"
+            row.append(ScatterPanel(f"{e['key']}\n{value}", f"Δ {predictor.split('/', 2)[2]}",
+                                    {arm: ([p["x"] for p in ps], [p["y"] for p in ps]) for arm, ps in by_arm.items()
+                                     if ps}))
+        rows.append(row)
+    return plot_valley_accuracy_scatter(rows, arms, "Δ(middle − ends accuracy)",
+                                        "Change from each job's first evaluated step: one point per (job, step)",
+                                        out_png)
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -542,6 +679,7 @@ FAIRNESS_HEADER = ("metric", "arm", "seeds", "value [95% CI]", "per seed", "flat
                    "Δ vs {ref} [95% CI]")
 VALLEY_HEADER = ("arm", "set", "steps", "peak_to_trough_log10 start", "end", "change",
                  "middle_mass start", "end", "change")
+TRACKING_HEADER = ("predictor", "set", "points", "jobs", "Spearman ρ [{pct}% CI]", "reading")
 
 
 def _flat(e: Mapping[str, Any]) -> str:
@@ -585,6 +723,42 @@ def valley_table(stats: Mapping[str, Any]) -> list[str]:
                 cells += [num(m["start"]), num(m["end"]), num(m["change"], signed=True)]
             rows.append(cells)
     return markdown_table(VALLEY_HEADER, rows)
+
+
+def _rho(e: Mapping[str, Any]) -> str:
+    return with_ci(e["rho"], e["low"], e["high"], signed=True)
+
+
+def _reading(e: Mapping[str, Any]) -> str:
+    """What a rank correlation's interval says: "tracks" only where it excludes 0."""
+    if e["reason"]:
+        return f"n/a: {e['reason']}"
+    if e["low"] > 0:
+        return "tracks: ρ > 0"
+    if e["high"] < 0:
+        return "tracks: ρ < 0"
+    return "no rank correlation resolved"
+
+
+def tracking_table(stats: Mapping[str, Any]) -> list[str]:
+    """Markdown rows predictor x set: points, jobs, Spearman ρ [interval] and what the interval says."""
+    rows = [[f"`{predictor}`", name, str(e["n_points"]), str(e["n_jobs"]), "n/a" if e["reason"] else _rho(e),
+             _reading(e)] for name, predictors in stats["tracking"].items() for predictor, e in predictors.items()]
+    return markdown_table([h.format(pct=round(100 * (1 - stats["alpha"]))) for h in TRACKING_HEADER], rows)
+
+
+def tracking_summary(stats: Mapping[str, Any]) -> str:
+    """One sentence from the intervals only: the predictors whose interval excludes 0, with ρ's sign."""
+    entries = [e for predictors in stats["tracking"].values() for e in predictors.values() if not e["reason"]]
+    tracks = [f"`{e['key']}` (ρ {'>' if e['low'] > 0 else '<'} 0)" for e in entries if e["resolved"]]
+    pct = round(100 * (1 - stats["alpha"]))
+    if not entries:
+        return "No predictor has a rank correlation (every one n/a)."
+    if not tracks:
+        return (f"No rank correlation resolved: the {pct}% interval of each of the {len(entries)} predictors "
+                "with a value includes 0.")
+    return (f"{len(tracks)} of {len(entries)} predictors with a value track Δ(middle − ends) (their {pct}% "
+            f"interval excludes 0): {', '.join(tracks)}; no rank correlation resolved for the others.")
 
 
 def _levels(stats: Mapping[str, Any], arm: str) -> str:
@@ -698,6 +872,23 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
                   *valley_table(stats), ""]
     else:
         lines += ["No job logged valley metrics (Jacobian measurement off in every job).", ""]
+    lines += ["## Does the Jacobian track the curve?", ""]
+    if stats["tracking"]:
+        lines += ["Do the metrics a run logs at every measured step (at a fraction of an evaluation's cost) "
+                  "follow position accuracy without labels? One point per job (arm × seed) and evaluated "
+                  "step s after the job's first step s0 that has both an `eval/in2_step<N>.json` and the metric "
+                  "(saved checkpoints scored into the run add points): x = the metric at s minus at s0, y = "
+                  f"middle − ends accuracy (gold depth in [{MIDDLE[0]}, {MIDDLE[1]}) against the rest) at s minus "
+                  "at s0. `rollout/<set>/measured/*`: the fit of the measured-λ rollout to the measured profile "
+                  "(W1: lower is closer; Spearman: higher is closer). ρ: Spearman rank correlation over every "
+                  f"point; interval: {pct}% percentile bootstrap ({stats['n_boot']} resamples) that draws jobs "
+                  "with replacement and keeps all steps of a drawn job together, since the points of one run "
+                  "are not independent; resamples whose ρ is undefined (all drawn x or y equal) are left out "
+                  f"(`undefined` in study.json). n/a: fewer than {MIN_JOBS} jobs with points, or a change equal at "
+                  "every point. A predictor tracks the curve only where its interval excludes 0.", "",
+                  *tracking_table(stats), "", tracking_summary(stats), ""]
+    else:
+        lines += ["No job logged valley or rollout metrics.", ""]
     return lines
 
 
@@ -705,7 +896,8 @@ def write_report(
     study: Study, out_dir: str | Path, reference: str = REFERENCE_ARM, n_boot: int = 2000, alpha: float = 0.05,
     seed: int = 0,
 ) -> Path:
-    """`<out_dir>/report.md`, `<out_dir>/study.json` and `<out_dir>/accuracy_by_depth.png`; the report's path."""
+    """`<out_dir>/report.md`, `<out_dir>/study.json`, `<out_dir>/accuracy_by_depth.png` and (when a job logged
+    valley or rollout metrics) `<out_dir>/valley_accuracy_scatter.png`; the report's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stats = analyse(study, reference, n_boot, alpha, seed)
@@ -715,6 +907,11 @@ def write_report(
               f"Final step, every arm, error bars: {round(100 * (1 - alpha))}% bootstrap intervals over the bin's "
               f"questions (seeds averaged: no seed level); dashed grey: `{reference}` at step 0 (the start).", "",
               f"![]({png.name})", ""]
+    if stats["tracking"]:
+        scatter = plot_tracking(stats, out / "valley_accuracy_scatter.png")
+        lines += ["## Δ Jacobian metric against Δ(middle − ends)", "",
+                  "The points of \"Does the Jacobian track the curve?\", coloured by arm; panel titles: Spearman ρ "
+                  f"[{round(100 * (1 - alpha))}% interval, jobs resampled].", "", f"![]({scatter.name})", ""]
     atomic_write_text(out / "study.json", json.dumps(json_safe(stats), indent=1))
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines))
@@ -728,8 +925,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m analysis.study",
         description="Compare the arms of a debias sweep (Hydra -m: one job per debias arm and seed) on position "
-                    "fairness (paired bootstrap against the reference arm) and on the Jacobian valley. Writes "
-                    "OUT/report.md, OUT/study.json and OUT/accuracy_by_depth.png.",
+                    "fairness (paired bootstrap against the reference arm), on the Jacobian valley and on whether "
+                    "it tracks the curve. Writes OUT/report.md, OUT/study.json, OUT/accuracy_by_depth.png and "
+                    "OUT/valley_accuracy_scatter.png.",
     )
     parser.add_argument("sweep_dir", metavar="SWEEP_DIR", help="the sweep directory (its job subdirectories)")
     parser.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/study)")

@@ -5,6 +5,7 @@ The figures are read back from the `*_figure` builders that the `plot_*` functio
 
 import numpy as np
 import pytest
+from matplotlib.colors import to_rgba
 from PIL import Image
 
 from analysis.evaluation.result import ProbeResult
@@ -12,6 +13,7 @@ from analysis.measure.jacobian import JacobianRecorder, ProfileResult
 from analysis.measure.prior import fit_alpha, prior_profile
 from analysis.report.figures import (
     MAX_LINES,
+    ScatterPanel,
     depth_accuracy_figure,
     depth_intervals_figure,
     evolution_figure,
@@ -26,10 +28,12 @@ from analysis.report.figures import (
     plot_position_accuracy,
     plot_predicted_profiles,
     plot_profile_vs_prior,
+    plot_valley_accuracy_scatter,
     position_accuracy_figure,
     predicted_profiles_figure,
     prior_figure,
     profile_vs_prior_figure,
+    valley_accuracy_scatter_figure,
 )
 
 H, L = 6, 64
@@ -314,6 +318,26 @@ def test_depth_intervals_sets_the_arms_apart_around_the_bin_centres(tmp_path):
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["none, step 0 (start)", "none", "group_dro"]
     assert ax.get_title() == "by depth" and ax.get_xlim() == (0.0, 1.0)
     assert_png(plot_depth_intervals(arms, start, "start", "by depth", tmp_path / "depth.png"))
+
+
+def test_valley_accuracy_scatter_a_panel_per_predictor_points_coloured_by_arm(tmp_path):
+    arms = ["none", "group_dro", "needle_mix"]
+    first = ScatterPanel("valley/vanilla/middle_mass\nρ +0.500 [-0.100, +0.800], 4 jobs", "Δ middle_mass",
+                         {"none": ([0.1, 0.2], [0.0, 0.05]), "needle_mix": ([-0.3], [0.2])})
+    second = ScatterPanel("rollout/vanilla/measured/w1\nn/a: 2 jobs with points, fewer than 3", "Δ measured/w1",
+                          {"group_dro": ([0.4], [-0.1]), "none": ([0.0], [0.1])})
+    fig = valley_accuracy_scatter_figure([[first, second]], arms, "Δ(middle − ends accuracy)", "title")
+    assert [ax.get_title() for ax in fig.axes] == [first.title, second.title]
+    assert [ax.get_xlabel() for ax in fig.axes] == ["Δ middle_mass", "Δ measured/w1"]
+    for ax, panel in zip(fig.axes, (first, second)):
+        assert len(ax.collections) == len(panel.points)
+        for dots, (arm, (x, y)) in zip(ax.collections, panel.points.items()):
+            np.testing.assert_array_equal(dots.get_offsets(), np.column_stack([x, y]))
+            np.testing.assert_allclose(dots.get_facecolor()[0], to_rgba(f"C{arms.index(arm)}"))  # by arm, not panel
+        horizontal, vertical = ax.lines
+        assert list(horizontal.get_ydata()) == [0, 0] and list(vertical.get_xdata()) == [0, 0]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["none", "needle_mix", "group_dro"]  # each once
+    assert_png(plot_valley_accuracy_scatter([[first], [second]], arms, "y", "title", tmp_path / "scatter.png"))
 
 
 def test_predicted_profiles_one_panel_per_model_and_set_each_curve_summing_to_one(tmp_path):

@@ -1,5 +1,5 @@
 """analysis.study on a synthetic sweep: fairness metrics, two-level bootstrap, flat-curve floor, detectable
-effects, job loading, report and CLI."""
+effects, job loading, whether the Jacobian tracks the curve, report and CLI."""
 from __future__ import annotations
 
 import copy
@@ -21,6 +21,7 @@ from analysis.study import (
     main,
     min_detectable_effect,
     paired_bootstrap,
+    rank_correlation,
     seed_of,
     verdict_lines,
     write_report,
@@ -42,13 +43,14 @@ def _questions(n: int = N_QUESTIONS, seed: int = 11) -> list[dict]:
     return [{"id": f"q{i:04d}", "depth": float(d), "position": min(int(d * 10), 9)} for i, d in enumerate(depths)]
 
 
+def _outcome(q: dict, correct: float) -> dict:
+    return {"id": q["id"], "query": f"question {q['id']}", "position": q["position"],
+            "label": str(round(q["position"] / 10, 4)), "prediction": "a" if correct else "b", "answers": ["a"],
+            "correct": correct, "extra": {"depth": q["depth"]}}
+
+
 def _result(questions: list[dict], probs: list[float], rng: np.random.Generator) -> ProbeResult:
-    outcomes = []
-    for q in questions:
-        correct = float(rng.random() < probs[q["position"]])
-        outcomes.append({"id": q["id"], "query": f"question {q['id']}", "position": q["position"],
-                         "label": str(round(q["position"] / 10, 4)), "prediction": "a" if correct else "b",
-                         "answers": ["a"], "correct": correct, "extra": {"depth": q["depth"]}})
+    outcomes = [_outcome(q, float(rng.random() < probs[q["position"]])) for q in questions]
     return ProbeResult(probe="in2", outcomes=outcomes, settings={})
 
 
@@ -228,6 +230,8 @@ def test_single_seed_study_excludes_training_randomness(tmp_path: Path):
     assert "seed and question resampling" not in text
     data = json.loads((tmp_path / "out" / "study.json").read_text())
     assert all(info["resampled"] == ["question"] for info in data["arms"].values())
+    assert "No job logged valley or rollout metrics." in text and data["tracking"] == {}
+    assert not (tmp_path / "out" / "valley_accuracy_scatter.png").exists()
 
 
 def test_load_study_groups_arms_and_seeds(sweep: Path):
@@ -264,6 +268,117 @@ def test_valley_start_end_and_missing(stats: dict):
     assert none["chunked"]["middle_mass"]["start_steps"] == [FINAL_STEP]
     assert np.isnan(stats["valley"]["depth_weight"]["vanilla"]["middle_mass"]["start"])
     assert stats["valley"]["group_dro"]["vanilla"]["peak_to_trough_log10"]["change"] == -0.5
+
+
+MIDDLE_START = 60  # middle questions every job answers at step 0 (the shared start)
+TRACKING_QUESTIONS = 300
+
+
+def _middle_result(questions: list[dict], middle_correct: int) -> ProbeResult:
+    """Every other end question correct; of the middle ones (depth in [0.25, 0.75)) the first `middle_correct`."""
+    outcomes, k = [], 0
+    for i, q in enumerate(questions):
+        middle = 0.25 <= q["depth"] < 0.75
+        outcomes.append(_outcome(q, float(k < middle_correct if middle else i % 2 == 0)))
+        k += middle
+    return ProbeResult(probe="in2", outcomes=outcomes, settings={})
+
+
+def _tracking_sweep(root: Path, jobs: int) -> Path:
+    """`jobs` jobs (arms x seeds), evaluated at steps 0, 50, 100 and FINAL_STEP and logging metrics at 0, 100, 150
+    and FINAL_STEP. At 100 and FINAL_STEP each job's middle answers move by a count of its own (all distinct);
+    peak_to_trough_log10 is 0.01 x the middle count (vanilla) or minus that (chunked), middle_mass and the vanilla
+    rollout's w1 are drawn independently of it, its spearman is constant, the chunked rollout is not logged."""
+    questions, rng = _questions(TRACKING_QUESTIONS), np.random.default_rng(3)
+    moves = rng.choice(np.arange(-40, 60), size=(jobs, 2), replace=False)  # (jobs, steps 100 and FINAL_STEP)
+    arms = list(ARM_PROBS)
+    for n in range(jobs):
+        arm, seed = arms[n % len(arms)], n // len(arms)
+        counts = {0: MIDDLE_START, 50: MIDDLE_START, 100: MIDDLE_START + int(moves[n, 0]),
+                  FINAL_STEP: MIDDLE_START + int(moves[n, 1])}
+        rows = [{"step": step, "valley/vanilla/peak_to_trough_log10": 0.01 * counts.get(step, 1000),
+                 "valley/chunked/peak_to_trough_log10": -0.01 * counts.get(step, 1000),
+                 "valley/vanilla/middle_mass": rng.uniform(), "valley/chunked/middle_mass": rng.uniform(),
+                 "rollout/vanilla/measured/w1": rng.uniform(), "rollout/vanilla/measured/spearman": 0.5}
+                for step in (0, 100, 150, FINAL_STEP)]
+        job = root / str(n)
+        _write_job(job, ([] if arm == "none" else [f"debias={arm}"]) + [f"seed={seed}"],
+                   _middle_result(questions, counts[0]), _middle_result(questions, counts[FINAL_STEP]), rows)
+        for step in (50, 100):
+            _middle_result(questions, counts[step]).save_json(job / "eval" / f"in2_step{step}.json")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tracking_stats(tmp_path_factory) -> dict:
+    """6 jobs: 3 arms x 2 seeds."""
+    return analyse(load_study(_tracking_sweep(tmp_path_factory.mktemp("tracking"), 6)), n_boot=400)
+
+
+def test_valley_change_monotone_in_accuracy_change_has_rank_correlation_one(tracking_stats: dict):
+    vanilla, chunked = (tracking_stats["tracking"][name] for name in ("vanilla", "chunked"))
+    rises, falls = vanilla["valley/<set>/peak_to_trough_log10"], chunked["valley/<set>/peak_to_trough_log10"]
+    assert (rises["rho"], rises["low"], rises["high"]) == pytest.approx((1.0, 1.0, 1.0))
+    assert (falls["rho"], falls["low"], falls["high"]) == pytest.approx((-1.0, -1.0, -1.0))
+    assert rises["resolved"] and falls["resolved"] and rises["undefined"] == 0 and rises["reason"] is None
+    # steps with both an eval and the metric: 0 (the base), 100 (a saved checkpoint) and the end; 50 logged no
+    # metric and 150 has no eval
+    assert (rises["n_jobs"], rises["n_points"]) == (6, 12)
+    assert sorted((p["base_step"], p["step"]) for p in rises["points"]) == [(0, 100)] * 6 + [(0, FINAL_STEP)] * 6
+    n_middle = sum(0.25 <= q["depth"] < 0.75 for q in _questions(TRACKING_QUESTIONS))
+    for p in rises["points"]:  # x: 0.01 x the middle count's change; y: that change over the middle questions
+        assert p["y"] == pytest.approx(p["x"] / 0.01 / n_middle)
+
+
+def test_independent_change_is_not_resolved_and_constant_or_missing_is_na(tracking_stats: dict):
+    vanilla, chunked = (tracking_stats["tracking"][name] for name in ("vanilla", "chunked"))
+    for e in (vanilla["valley/<set>/middle_mass"], chunked["valley/<set>/middle_mass"]):
+        assert e["low"] < 0 < e["high"] and not e["resolved"] and e["n_points"] == 12
+    constant = vanilla["rollout/<set>/measured/spearman"]
+    assert constant["reason"] == "Δ metric equal at every point" and np.isnan(constant["rho"])
+    assert constant["n_points"] == 12 and not constant["resolved"]
+    missing = chunked["rollout/<set>/measured/w1"]
+    assert missing["reason"] == "0 jobs with points, fewer than 3" and missing["points"] == []
+
+
+def test_fewer_than_three_jobs_is_na(tmp_path: Path):
+    got = analyse(load_study(_tracking_sweep(tmp_path, 2)), n_boot=100)["tracking"]["vanilla"]
+    e = got["valley/<set>/peak_to_trough_log10"]
+    assert e["reason"] == "2 jobs with points, fewer than 3" and np.isnan([e["rho"], e["low"], e["high"]]).all()
+    assert (e["n_jobs"], e["n_points"]) == (2, 4)
+
+
+def test_rank_correlation_resamples_jobs_not_points():
+    """Every step of a job repeated 4 times leaves the interval as it is (the job is the unit); points resampled
+    one by one would give the 4x as many points a narrower interval."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=6)
+    y = x + rng.normal(size=6)
+    jobs = [f"job{j}" for j in range(6)]
+    once = rank_correlation(x, y, jobs, n_boot=500, seed=1)
+    repeated = rank_correlation(np.repeat(x, 4), np.repeat(y, 4), np.repeat(jobs, 4), n_boot=500, seed=1)
+    assert (repeated.n_points, repeated.n_jobs) == (24, 6) and once.high - once.low > 0.3
+    assert (repeated.rho, repeated.low, repeated.high) == pytest.approx((once.rho, once.low, once.high), abs=1e-12)
+
+
+def test_tracking_report_and_json(tmp_path: Path):
+    out = tmp_path / "out"
+    text = write_report(load_study(_tracking_sweep(tmp_path / "sweep", 6)), out, n_boot=200).read_text()
+    assert "## Does the Jacobian track the curve?" in text and "![](valley_accuracy_scatter.png)" in text
+    table = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| `")]  # tracking's
+    rows = {(cells[0], cells[1]): cells[2:] for cells in table}
+    ptt, rho = "`valley/<set>/peak_to_trough_log10`", "`rollout/<set>/measured/spearman`"
+    assert rows[ptt, "vanilla"] == ["12", "6", "+1.000 [+1.000, +1.000]", "tracks: ρ > 0"]
+    assert rows[ptt, "chunked"] == ["12", "6", "-1.000 [-1.000, -1.000]", "tracks: ρ < 0"]
+    assert rows[rho, "vanilla"] == ["12", "6", "n/a", "n/a: Δ metric equal at every point"]
+    assert rows["`valley/<set>/middle_mass`", "vanilla"][3] == "no rank correlation resolved"
+    assert len(rows) == 8  # 4 predictors x 2 sets
+    assert "`valley/vanilla/peak_to_trough_log10` (ρ > 0), `valley/chunked/peak_to_trough_log10` (ρ < 0)" in text
+    assert "keeps all steps of a drawn job together" in text
+    assert (out / "valley_accuracy_scatter.png").stat().st_size > 0
+    data = json.loads((out / "study.json").read_text())
+    assert data["tracking"]["vanilla"]["valley/<set>/middle_mass"]["key"] == "valley/vanilla/middle_mass"
+    assert len(data["tracking"]["chunked"]["valley/<set>/peak_to_trough_log10"]["points"]) == 12
 
 
 def test_report_files(sweep: Path, tmp_path: Path):

@@ -458,6 +458,47 @@ def plot_depth_intervals(
     return _save(depth_intervals_figure(arms, start, start_label, title), out_png)
 
 
+@dataclass(frozen=True)
+class ScatterPanel:
+    """One panel of `valley_accuracy_scatter_figure`: its title, x label and points by arm."""
+
+    title: str
+    xlabel: str
+    points: Mapping[str, tuple[Sequence[float], Sequence[float]]]  # arm -> (x (k,), y (k,))
+
+
+def valley_accuracy_scatter_figure(
+    panels: Sequence[Sequence[ScatterPanel]], arms: Sequence[str], ylabel: str, title: str
+) -> Figure:
+    """A grid of scatter panels (rows of equal length), points coloured by arm: arm i of `arms` is C<i> in every
+    panel (as in `depth_intervals_figure`), named once in the figure's legend; grey lines at x = 0 and y = 0."""
+    colours = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
+    fig = Figure(figsize=(3.8 * len(panels[0]) + 1.5, 3.4 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), len(panels[0]), squeeze=False)
+    named: set[str] = set()
+    for ax, panel in zip(axes.flat, [panel for row in panels for panel in row]):
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.axvline(0.0, color="grey", lw=0.8)
+        for arm, (x, y) in panel.points.items():
+            ax.scatter(x, y, s=20, color=colours[arm], label=None if arm in named else arm)
+            named.add(arm)
+        ax.set(xlabel=panel.xlabel, ylabel=ylabel)
+        ax.set_title(panel.title, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    if named:
+        fig.legend(loc="outside right upper", fontsize=8)
+    fig.suptitle(title)
+    return fig
+
+
+def plot_valley_accuracy_scatter(
+    panels: Sequence[Sequence[ScatterPanel]], arms: Sequence[str], ylabel: str, title: str,
+    out_png: str | os.PathLike,
+) -> Path:
+    """`valley_accuracy_scatter_figure` as a PNG."""
+    return _save(valley_accuracy_scatter_figure(panels, arms, ylabel, title), out_png)
+
+
 def predicted_profiles_figure(
     curves: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], measured: str, priors: Collection[str]
 ) -> Figure:
