@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
@@ -301,3 +302,22 @@ def test_prompt_segments_map_to_the_tokens_of_each_document(tokenizer, nq_file):
             for (a, b), (start, end) in zip(spans, item.segments):
                 text = tokenizer.decode(ids[a:b])
                 assert text.replace(" ", "") == item.prompt[start:end].replace(" ", "")
+
+
+def test_reference_agreement_of_the_shared_and_per_segment_references(tokenizer):
+    """scripts.calibration_reference: identical references agree exactly; on a model, both are measured over the
+    same layers, heads and segments, and the one-pass reference is not the per-segment one."""
+    from scripts.calibration_reference import agreement, compare_references
+
+    refs = np.random.default_rng(0).random((2, 3, 4, 5))
+    same = agreement(refs, refs.copy())
+    assert same["mean_abs_diff_relative"] == 0.0 and same["per_head_spearman_median"] == pytest.approx(1.0)
+    reversed_order = agreement(refs, refs[..., ::-1])
+    assert reversed_order["per_head_spearman_median"] < 1.0 and reversed_order["heads"] == 24
+    items = kv_probe(None, n_pairs=4, n_examples=1)
+    model = tiny("llama", "eager")
+    model.resize_token_embeddings(len(tokenizer))  # the tiny model's 97 ids are fewer than the tokenizer's
+    stats = compare_references(model, tokenizer, items, AttnCalibrationConfig(layers=[1, 2]))
+    assert stats["prompts"] == len([i for i in items if i.segments]) and stats["heads"] == stats["prompts"] * 2 * 4
+    assert len(stats["mean_by_position"]["dummy"]) == len(stats["mean_by_position"]["dummy_shared"]) == 4
+    assert stats["mean_abs_diff_relative"] > 0 and set(stats["seconds"]) == {"dummy", "dummy_shared"}
