@@ -150,7 +150,8 @@ def run_study(checkpoint: str | None, out: Path, steps: int, seq_lens: Sequence[
     source = checkpoint or str(train_default_run(out, steps))
     target = resolve_target(source)
     tokenizer = load_checkpoint_tokenizer(target)
-    models = {f"trained (step {target.step})": load_model(target, "cpu", "float32")}
+    name = f"trained (step {target.step})" if target.step is not None else f"{target.label} (step unknown)"
+    models = {name: load_model(target, "cpu", "float32")}
     config = models[next(iter(models))].config
     if random_init:
         torch.manual_seed(seed)
