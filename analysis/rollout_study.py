@@ -152,10 +152,9 @@ def run_study(checkpoint: str | None, out: Path, steps: int, seq_lens: Sequence[
     tokenizer = load_checkpoint_tokenizer(target)
     name = f"trained (step {target.step})" if target.step is not None else f"{target.label} (step unknown)"
     models = {name: load_model(target, "cpu", "float32")}
-    config = models[next(iter(models))].config
-    if random_init:
+    config = checkpoint_config(target.checkpoint, target.run_dir) if random_init else None  # the init's architecture
+    if config is not None:
         torch.manual_seed(seed)
-        config = checkpoint_config(target.checkpoint, target.run_dir)
         models["random init"] = AutoModelForCausalLM.from_config(config).eval()
         if is_nope(config):  # the same architecture: a NoPE run's random init has no RoPE either
             disable_rope(models["random init"])
@@ -169,7 +168,7 @@ def run_study(checkpoint: str | None, out: Path, steps: int, seq_lens: Sequence[
             print(f"measuring {label}: {how} profile and rollouts", file=sys.stderr, flush=True)
             model_rows, curves[label] = study_model(label, model, seqs, cfg)
             rows += model_rows
-        if random_init and not is_nope(config):
+        if config is not None and not is_nope(config):
             rope_rows += [(seq_len, *row) for row in rope_invariance(config, seqs, cfg, (seed, seed + 1, seed + 2))]
     png = plot_predicted_profiles(curves, out / "rollout_study.png", JACOBIAN, PRIOR_ROWS)
     rope_lines = []

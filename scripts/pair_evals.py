@@ -34,13 +34,12 @@ def _named(text: str) -> tuple[str, Path]:
 
 def load_results(baseline: Path, others: Sequence[tuple[str, Path]]) -> dict[str, ProbeResult]:
     """name -> result, the baseline first (named `plain`); ValueError naming a file that does not pair."""
-    results = {"plain": ProbeResult.load_json(baseline)}
+    first = ProbeResult.load_json(baseline)
+    results = {"plain": first}
     for name, path in others:
         if name in results:
             raise ValueError(f"{name}={path}: the name {name!r} is given twice")
-        results[name] = ProbeResult.load_json(path)
-    first = results["plain"]
-    for (name, result), path in zip(list(results.items())[1:], [p for _, p in others]):
+        result = results[name] = ProbeResult.load_json(path)
         if result.probe != first.probe or result.settings.get("metric") != first.settings.get("metric"):
             raise ValueError(f"{path}: probe {result.probe!r} with metric {result.settings.get('metric')!r}, but "
                              f"{baseline} is {first.probe!r} with {first.settings.get('metric')!r}")

@@ -120,15 +120,23 @@ def resolve_target(path: str | Path, label: str | None = None) -> Target:
         raise CompareError(f"{path}: unreadable: {err}") from err
 
 
+def run_config(target: Target) -> DictConfig | None:
+    """The resolved Hydra config of the PATH's run, None without one; CompareError when it cannot be read."""
+    config = RunDir(target.run_dir).config if target.run_dir is not None else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        return OmegaConf.load(config)
+    except (OSError, OmegaConfBaseException) as err:
+        raise CompareError(f"{target.path}: unreadable {config}: {err}") from err
+
+
 def reference_run(targets: Sequence[Target]) -> tuple[Target, DictConfig] | None:
     """The first PATH whose run has a resolved Hydra config, and that config."""
     for target in targets:
-        config = RunDir(target.run_dir).config if target.run_dir is not None else None
-        if config is not None and config.is_file():
-            try:
-                return target, OmegaConf.load(config)
-            except (OSError, OmegaConfBaseException) as err:
-                raise CompareError(f"{target.path}: unreadable {config}: {err}") from err
+        config = run_config(target)
+        if config is not None:
+            return target, config
     return None
 
 
@@ -136,12 +144,11 @@ def check_unseen_mdqa(targets: Sequence[Target], mdqa: MDQAProbeConfig, mdqa_key
     """CompareError naming the PATH whose run trained on NQ questions the mdqa probe would ask
     (`check_mdqa_questions` against the data settings in its run config); PATHs without a run config pass."""
     for target in targets:
-        config = RunDir(target.run_dir).config if target.run_dir is not None else None
-        if config is None or not config.is_file():
+        config = run_config(target)
+        if config is None:
             continue
         try:
-            check_mdqa_questions(mdqa, built_with(as_data_config(OmegaConf.load(config).data)), mdqa_key,
-                                 "the run's data")
+            check_mdqa_questions(mdqa, built_with(as_data_config(config.data)), mdqa_key, "the run's data")
         except (ValueError, OmegaConfBaseException) as err:
             raise CompareError(f"{target.path}: {err}") from err
 
