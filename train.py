@@ -365,8 +365,9 @@ class Run:
 
     @property
     def has_questions(self) -> bool:
-        """Accuracy by gold depth needs questions; language-model windows (micro100) have none."""
-        return self.cfg.data.format == DataFormat.in2
+        """Accuracy by gold depth needs questions: language-model windows (micro100) have none, and
+        eval.num_examples=0 asks none."""
+        return self.cfg.data.format == DataFormat.in2 and len(self.eval_records) > 0
 
 
 def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[dict[str, Any]], pad_id: int = 0,
@@ -652,7 +653,7 @@ def heldout_loss(run: Run) -> float:
 
 
 def depth_accuracy(run: Run, step: int) -> dict[str, float]:
-    """Exact match by gold depth on the held-out IN2 records (nothing for language-model windows)."""
+    """Exact match by gold depth on the held-out IN2 records (nothing without questions)."""
     if not run.has_questions:
         return {}
     metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval)

@@ -278,6 +278,9 @@ class CompareConfig:
     needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)
     max_new_tokens: int | None = None  # one greedy budget for every probe (not comparable); None = each probe's own
     batch_size: int = 16  # prompts per generate call
+    # wrap text prompts (kv, mdqa, needle) in each tokenizer's chat template; None = as the reference run's
+    # eval.chat_template (no run among the PATHs: plain prompts)
+    chat_template: bool | None = None
     seq_len: int | None = None  # L of measured Jacobian profiles; None = the reference run's jacobian.seq_len (256)
     device: str = "auto"
     dtype: DType = DType.float32
@@ -314,8 +317,18 @@ def compare_plan(targets: Sequence[Target], tokenizers: Sequence[PreTrainedToken
         check_shared_vocab(targets, tokenizers)
         in2, in2_source = in2_items(targets, reference, tokenizers[0], cfg.examples)
         notes.append(f"in2 items: {in2_source}")
+    chat_template = cfg.chat_template
+    if chat_template is None:
+        chat_template = reference is not None and bool(reference[1].get("eval", {}).get("chat_template", False))
+    if chat_template:
+        for target, tokenizer in zip(targets, tokenizers):
+            if not getattr(tokenizer, "chat_template", None):
+                raise CompareError(f"{target.path}: chat templates asked for, but its tokenizer has none (a base "
+                                   "model's usually has none: use --no-chat-template)")
+    notes.append(f"prompts: {'in the chat template' if chat_template else 'plain text'}")
     eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=None if cfg.data_dir is None else str(cfg.data_dir),
-                          batch_size=cfg.batch_size, kv=cfg.kv, mdqa=cfg.mdqa, needle=cfg.needle)
+                          batch_size=cfg.batch_size, chat_template=chat_template, kv=cfg.kv, mdqa=cfg.mdqa,
+                          needle=cfg.needle)
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
     try:
@@ -766,6 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one greedy answer budget for every probe, for a quick look (not comparable; "
                              "default per probe: kv 100, mdqa 100, needle 16, in2 8)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)")
+    parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                        help="wrap kv, mdqa and needle prompts in each tokenizer's chat template (instruct models); "
+                             "default: as the first run among the PATHs was evaluated (eval.chat_template)")
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="L of measured Jacobian profiles (default: the first run's jacobian.seq_len, "
                              "else 256)")
@@ -799,7 +815,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         mdqa=MDQAProbeConfig(path=args.mdqa_path, n_docs=args.mdqa_docs, distractors=args.distractors,
                              questions=MDQAQuestions(args.mdqa_questions)),
         needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seq_len=args.seq_len,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chat_template=args.chat_template,
+        seq_len=args.seq_len,
         device=args.device, dtype=DType(args.dtype), use_wandb=args.wandb, log_wandb=args.wandb_log,
         interventions=args.interventions, ms_poe=MsPoEConfig(layers=args.ms_poe_layers),
         calibration=AttnCalibrationConfig(layers=args.calibration_layers),

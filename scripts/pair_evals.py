@@ -8,7 +8,8 @@ side, as `analysis.compare`'s interventions section does for the runs it answers
 baseline; each further one is NAME=PATH. Per row: accuracy at each gold position with its 95% bootstrap
 interval (closed-book too, when asked), the mean over gold positions, and the mean difference against the
 baseline on the items both answered (paired by item id, closed-book left out) with its paired 95% bootstrap
-interval (`*`: excludes 0). `--figure` also draws every row's accuracy by position. Results of different
+interval (`*`: excludes 0); a second table gives that Δ at each position (closed-book too). `--figure` also
+draws every row's accuracy by position. Results of different
 probes or metrics fail, naming the file.
 """
 from __future__ import annotations
@@ -65,6 +66,22 @@ def paired_table(results: dict[str, ProbeResult], n_boot: int = 1000) -> list[st
     return markdown_table(header, rows)
 
 
+def delta_by_position_table(results: dict[str, ProbeResult], n_boot: int = 1000) -> list[str]:
+    """The markdown table of each result's paired Δ against the baseline at every position of the baseline (the
+    same items, by id), with its paired 95% bootstrap interval (`*`: excludes 0)."""
+    plain = results["plain"]
+    labels = plain.labels()
+    header = ["arm", *("closed-book" if p < 0 else f"gold {label}" for p, label in labels.items())]
+    rows = []
+    for name, result in list(results.items())[1:]:
+        cells = []
+        for position in labels:
+            value, (lo, hi), n = paired_delta(plain, result, n_boot, positions={position})
+            cells.append(with_ci(value, lo, hi, signed=True, missing=None) + (" *" if n and (lo > 0 or hi < 0) else ""))
+        rows.append([name, *cells])
+    return markdown_table(header, rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.pair_evals", description=__doc__.split("\n\n")[0])
     parser.add_argument("baseline", type=Path, help="the baseline's eval JSON (eval/<probe>_step<N>.json)")
@@ -78,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print("\n".join(paired_table(results, args.n_boot)))
+    print("\nΔ vs plain at each position, paired by item [95% CI]:\n")
+    print("\n".join(delta_by_position_table(results, args.n_boot)))
     if args.figure is not None:
         probe = results["plain"].probe
         png = plot_position_accuracy(results, args.figure, f"{probe}: accuracy by gold position",

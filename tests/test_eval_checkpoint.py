@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from analysis import compare
 from analysis.evaluation import generate as generation
 from analysis.evaluation.checkpoints import resolve_target
 from analysis.evaluation.result import ProbeResult
@@ -221,3 +222,27 @@ def test_attn_calibration_answers_kv_with_its_pairs_calibrated(model_dir, tmp_pa
     assert recorded["calibrated_rows"] >= 8 * 3
     assert eval_checkpoint.main([str(model_dir), *args[:-1], "attn_calibration.heads=[9]",
                                  f"out={tmp_path / 'x'}"]) == 1  # said before answering
+
+
+def test_compare_wraps_prompts_in_the_chat_template_when_asked(model_dir, tmp_path, generate_calls, capsys):
+    needle = ["--probes", "needle", "--examples", "2", "--needle-lens", "64", "--needle-depths", "0.0,0.5,1.0",
+              "--max-new-tokens", "4", "--device", "cpu"]
+    assert compare.main([str(model_dir), *needle, "--out", str(tmp_path / "chat"), "--chat-template"]) == 0
+    assert compare.main([str(model_dir), *needle, "--out", str(tmp_path / "plain")]) == 0  # no run: plain
+    (templated,), (plain,) = generate_calls[:1], generate_calls[1:]
+    user, assistant = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids([USER, ASSISTANT])
+    assert len(templated["prompts"]) == len(plain["prompts"]) == 6
+    for wrapped, bare in zip(templated["prompts"], plain["prompts"]):
+        assert user not in bare and wrapped == [user, *bare, assistant]
+    assert "prompts: in the chat template" in (tmp_path / "chat" / "report.md").read_text()
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    for f in folder.glob("chat_template*"):
+        f.unlink()
+    assert compare.main([str(folder), *needle, "--out", str(tmp_path / "none"), "--chat-template"]) == 1
+    assert f"{folder}: chat templates asked for, but its tokenizer has none" in capsys.readouterr().err
+    assert len(generate_calls) == 2

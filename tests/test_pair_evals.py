@@ -29,6 +29,11 @@ def test_rows_per_arm_and_the_paired_difference(tmp_path, capsys):
     assert arm_row[2].startswith("0.500 [") and arm_row[4] == "0.750"
     assert arm_row[5].startswith("+0.250 [") and arm_row[5].endswith("] *") and arm_row[6] == "20 |"
     assert (tmp_path / "fig.png").stat().st_size > 0
+    by_position = lines[lines.index("Δ vs plain at each position, paired by item [95% CI]:") + 2:]
+    assert by_position[0] == "| arm | closed-book | gold 0 | gold 9 |"
+    arm_cells = by_position[2].split(" | ")
+    assert arm_cells[1] == "+0.000 [+0.000, +0.000]" and arm_cells[3] == "+0.000 [+0.000, +0.000] |"
+    assert arm_cells[2].startswith("+0.500 [") and arm_cells[2].endswith("] *")  # 5 of 10 gained at gold 0
 
 
 def test_a_result_of_another_probe_or_metric_fails_naming_the_file(tmp_path, capsys):

@@ -130,7 +130,7 @@ class NeedleProbeConfig:
 @dataclass
 class EvalConfig:
     every: int = 50  # held-out loss every N steps (0 = off)
-    num_examples: int = 200  # held-out IN2 questions scored for accuracy by depth (at start and end)
+    num_examples: int = 200  # held-out IN2 questions scored for accuracy by depth (at start and end); 0 = none
     bins: int = 10  # equal-width gold-depth bins of the IN2 accuracy curve
     max_new_tokens: int = 8  # greedy answer length of IN2 questions, in tokens
     batch_size: int = 16  # prompts per generate call

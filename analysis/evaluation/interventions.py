@@ -27,7 +27,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any, ClassVar, Iterable, Iterator, Optional
+from typing import Any, ClassVar, Collection, Iterable, Iterator, Optional
 
 import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -270,12 +270,16 @@ def by_final_position(result: ProbeResult) -> ProbeResult:
     return ProbeResult(result.probe, outcomes, {**result.settings, "positions": "final"})
 
 
-def paired_delta(plain: ProbeResult, other: ProbeResult, n_boot: int = 1000, seed: int = 0
-                 ) -> tuple[float, tuple[float, float], int]:
-    """Mean accuracy of `other` minus `plain` over the items both asked (by id, closed-book left out), with its
-    paired 95% bootstrap interval, and the number of items."""
-    before = {o["id"]: o["correct"] for o in plain.outcomes if o["position"] >= 0}
-    after = {o["id"]: o["correct"] for o in other.outcomes if o["position"] >= 0}
+def paired_delta(plain: ProbeResult, other: ProbeResult, n_boot: int = 1000, seed: int = 0,
+                 positions: Optional[Collection[int]] = None) -> tuple[float, tuple[float, float], int]:
+    """Mean accuracy of `other` minus `plain` over the items both asked (by id) at `positions` (None: every gold
+    position, closed-book left out), with its paired 95% bootstrap interval, and the number of items."""
+
+    def asked(o: dict) -> bool:
+        return o["position"] >= 0 if positions is None else o["position"] in positions
+
+    before = {o["id"]: o["correct"] for o in plain.outcomes if asked(o)}
+    after = {o["id"]: o["correct"] for o in other.outcomes if asked(o)}
     shared = sorted(before.keys() & after.keys())
     if not shared:
         return math.nan, (math.nan, math.nan), 0
