@@ -608,6 +608,7 @@ def depth_curve(metrics: dict[str, float]) -> list[float]:
 def measure_jacobian(run: Run, step: int) -> dict[str, float]:
     """Profiles of every set and their topology metrics; recorded (and charted) by the main process."""
     # Every rank measures (ZeRO-3 gathers weights collectively); the main process records.
+    started = time.perf_counter()
     results = measure_sets(run.model, run.jacobian_seqs, run.cfg.jacobian)
     profiles = {name: res.profile.mean(axis=0) for name, res in results.items()}
     metrics: dict[str, float] = {}
@@ -615,6 +616,7 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
         metrics.update(prefixed(topology_metrics(profile, run.n_layers), name))
     rolls = measure_rollouts(run.model, run.jacobian_seqs) if run.cfg.jacobian.rollout else {}
     metrics.update(rollout_set_metrics(profiles, rolls))
+    metrics["jacobian/wall_s"] = time.perf_counter() - started  # profiles, fits and rollouts: what it costs a step
     if run.objective is not None:
         run.objective.observe(metrics)  # depth_weight follows the latest fitted alpha
     if run.recorder is None:

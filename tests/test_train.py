@@ -1,6 +1,7 @@
 """The training loop end to end at tiny scale: smoke run, save/reload, exact resume, config errors."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import shutil
@@ -32,8 +33,11 @@ FROM_CHECKPOINT = [o for o in TINY if not o.startswith("model.init.")] + [
 # +exp=mdqa_reader too, with its own mix kind (mdqa rows: two one-fact documents need ~120 tokens here)
 READER = [o for o in FROM_CHECKPOINT if not o.startswith("debias.")] + [
     "data.context_len=256", "debias.needle_mix.pool=16"]
+# +exp=in2_smol on the tiny model and a synthetic NQ-format file (`synthetic_nq`): no wheel, no ../shared
+SMOL = ["model=qwen2_tiny", *TINY, "data.in2.context_len_min=64", "data.in2.segment_len=32", "peft.r=4"]
 SMOKE = {
     "biased_start": TINY,
+    "in2_smol": SMOL,
     "debias_study": FROM_CHECKPOINT,
     "mdqa_reader": READER,
     "in2": TINY,
@@ -61,13 +65,24 @@ def tiny_checkpoint(tmp_path_factory):
 STARTS_FROM_CHECKPOINT = ("debias_study", "mdqa_reader")
 
 
+@pytest.fixture(scope="module")
+def synthetic_nq(tmp_path_factory):
+    """An NQ-format oracle file of invented persons, standing in for nq-open-oracle.jsonl.gz."""
+    from scripts.synthetic_oracle import oracle_records
+
+    path = tmp_path_factory.mktemp("nq") / "nq-open-oracle.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in oracle_records(160, seed=3)).encode()))
+    return path
+
+
 def _start_from(exp, checkpoint):
     return [f"model.pretrained={checkpoint}"] if exp in STARTS_FROM_CHECKPOINT else []
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
-def test_every_experiment_composes_converts_and_validates(compose_cfg, exp):
-    cfg = as_train_config(compose_cfg(f"+exp={exp}", *_start_from(exp, "/some/checkpoint")))
+def test_every_experiment_composes_converts_and_validates(compose_cfg, exp, request):
+    data = [f"data.path={request.getfixturevalue('synthetic_nq')}"] if exp == "in2_smol" else []  # no ../shared
+    cfg = as_train_config(compose_cfg(f"+exp={exp}", *_start_from(exp, "/some/checkpoint"), *data))
     assert isinstance(cfg, TrainConfig) and cfg.exp_name == exp
     validate(cfg, DistInfo())
 
@@ -75,6 +90,8 @@ def test_every_experiment_composes_converts_and_validates(compose_cfg, exp):
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_runs_two_steps(compose_cfg, tmp_path, exp, request):
     start = _start_from(exp, request.getfixturevalue("tiny_checkpoint")) if exp in STARTS_FROM_CHECKPOINT else []
+    if exp == "in2_smol":
+        start = [f"data.path={request.getfixturevalue('synthetic_nq')}"]
     cfg = compose_cfg(f"+exp={exp}", *SMOKE[exp], *start, "trainer.max_steps=2", "trainer.save_every=0")
     run(cfg, tmp_path)
     assert set(_losses(tmp_path)) == {1, 2}
