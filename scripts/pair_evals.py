@@ -9,8 +9,7 @@ baseline; each further one is NAME=PATH. Per row: accuracy at each gold position
 interval (closed-book too, when asked), the mean over gold positions, and the mean difference against the
 baseline on the items both answered (paired by item id, closed-book left out) with its paired 95% bootstrap
 interval (`*`: excludes 0); a second table gives that Δ at each position (closed-book too). `--figure` also
-draws every row's accuracy by position. Results of different
-probes or metrics fail, naming the file.
+draws every row's accuracy by position. Results of different probes or metrics fail, naming the file.
 """
 from __future__ import annotations
 
