@@ -1,7 +1,6 @@
 """The training loop end to end at tiny scale: smoke run, save/reload, exact resume, config errors."""
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import shutil
@@ -15,7 +14,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from data_builders.mdqa import write_jsonl_gz
 from models.training.distributed import DistInfo
+from scripts.synthetic_oracle import oracle_records
 from tests.conftest import CONF_DIR, ROOT, TINY
 from train import TrainConfig, as_train_config, compose_config, run, validate
 
@@ -68,21 +69,21 @@ STARTS_FROM_CHECKPOINT = ("debias_study", "mdqa_reader")
 @pytest.fixture(scope="module")
 def synthetic_nq(tmp_path_factory):
     """An NQ-format oracle file of invented persons, standing in for nq-open-oracle.jsonl.gz."""
-    from scripts.synthetic_oracle import oracle_records
-
-    path = tmp_path_factory.mktemp("nq") / "nq-open-oracle.jsonl.gz"
-    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in oracle_records(160, seed=3)).encode()))
-    return path
+    return write_jsonl_gz(tmp_path_factory.mktemp("nq") / "nq-open-oracle.jsonl.gz", oracle_records(160, seed=3))
 
 
 def _start_from(exp, checkpoint):
     return [f"model.pretrained={checkpoint}"] if exp in STARTS_FROM_CHECKPOINT else []
 
 
+def _data_for(exp, request):
+    """+exp=in2_smol reads NQ: the synthetic file, so that no ../shared is needed."""
+    return [f"data.path={request.getfixturevalue('synthetic_nq')}"] if exp == "in2_smol" else []
+
+
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_composes_converts_and_validates(compose_cfg, exp, request):
-    data = [f"data.path={request.getfixturevalue('synthetic_nq')}"] if exp == "in2_smol" else []  # no ../shared
-    cfg = as_train_config(compose_cfg(f"+exp={exp}", *_start_from(exp, "/some/checkpoint"), *data))
+    cfg = as_train_config(compose_cfg(f"+exp={exp}", *_start_from(exp, "/some/checkpoint"), *_data_for(exp, request)))
     assert isinstance(cfg, TrainConfig) and cfg.exp_name == exp
     validate(cfg, DistInfo())
 
@@ -90,9 +91,8 @@ def test_every_experiment_composes_converts_and_validates(compose_cfg, exp, requ
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_runs_two_steps(compose_cfg, tmp_path, exp, request):
     start = _start_from(exp, request.getfixturevalue("tiny_checkpoint")) if exp in STARTS_FROM_CHECKPOINT else []
-    if exp == "in2_smol":
-        start = [f"data.path={request.getfixturevalue('synthetic_nq')}"]
-    cfg = compose_cfg(f"+exp={exp}", *SMOKE[exp], *start, "trainer.max_steps=2", "trainer.save_every=0")
+    cfg = compose_cfg(f"+exp={exp}", *SMOKE[exp], *start, *_data_for(exp, request), "trainer.max_steps=2",
+                      "trainer.save_every=0")
     run(cfg, tmp_path)
     assert set(_losses(tmp_path)) == {1, 2}
     assert (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").is_file()
@@ -284,6 +284,14 @@ def test_position_probes_during_training(compose_cfg, tmp_path):
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_group_choice_on_the_command_line_wins_over_an_experiment(compose_cfg, exp):
     assert compose_cfg(f"+exp={exp}", "jacobian=off").jacobian.every == 0
+
+
+def test_no_held_out_questions_turn_the_depth_accuracy_off(compose_cfg, tmp_path):
+    """eval.num_examples=0: a run without the IN2 evaluation, not a crash after the model has loaded."""
+    metrics = run(compose_cfg(*TINY, "trainer.max_steps=2", "eval.num_examples=0"), tmp_path)
+    assert set(_losses(tmp_path)) == {1, 2} and not any(k.startswith("eval/in2/") for k in metrics)
+    assert not list((tmp_path / "eval").glob("in2_*.json")) and "Accuracy by gold depth" not in (
+        tmp_path / "summary.md").read_text()
 
 
 def test_resume_keeps_the_start_accuracy_curve(compose_cfg, tmp_path, monkeypatch):
