@@ -69,7 +69,7 @@ from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.files import atomic_write_text
 from data_builders.needle_mix import mixed_rows, training_mix, validate_needle_mix
-from data_builders.tokenizer import load_tokenizer
+from data_builders.tokenizer import default_cache_dir, load_tokenizer
 from models.attention.diff_attention import diff_lambda_stats, set_diff_step
 from models.attention.packed import SDPA_PACKED
 from models.build import (
@@ -245,6 +245,9 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     if info.world_size > 1 and not t.deepspeed:
         raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
     validate_sequence_parallel(cfg, info)
+    if cfg.eval.reuse_step0 and info.world_size > 1 and info.is_main_process:
+        # Sharded (ZeRO-3) weights cannot be hashed whole on one rank: every rank answers, as without it.
+        log.warning("eval.reuse_step0 is single-process only: the %d processes evaluate step 0", info.world_size)
     for key in ("plot_every", "chart_every"):  # cadences of measured steps
         if getattr(jac, key) < 1:
             raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
@@ -658,7 +661,9 @@ def depth_accuracy(run: Run, step: int) -> dict[str, float]:
     """Exact match by gold depth on the held-out IN2 records (nothing without questions)."""
     if not run.has_questions:
         return {}
-    metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval)
+    reuse = step == 0 and run.cfg.eval.reuse_step0 and run.info.world_size == 1
+    metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval,
+                                   reuse_dir=default_cache_dir() if reuse else None)
     if run.is_main:
         log.info("step %d: in2 exact match %.3f over %d held-out questions, by depth bin %s", step,
                  metrics["eval/in2/acc_mean"], len(result.outcomes),
@@ -754,11 +759,14 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict
 
 
 def start(run: Run) -> None:
-    """Step 0 of a fresh run: accuracy by depth and held-out loss of the initial model."""
+    """Step 0 of a fresh run: accuracy by depth and, when it is tracked (eval.every), held-out loss of the
+    initial model."""
     acc = depth_accuracy(run, 0)
     if run.has_questions:
         run.accuracy_curves["step 0"] = depth_curve(acc)
-    run.logger.log({**acc, "eval/loss": heldout_loss(run)}, step=0)
+    # A real model's pass over the held-out split takes minutes: not for a number no later step is compared to.
+    loss = {"eval/loss": heldout_loss(run)} if run.cfg.eval.every else {}
+    run.logger.log({**acc, **loss}, step=0)
 
 
 def train(run: Run) -> dict[str, float]:

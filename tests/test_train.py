@@ -36,9 +36,11 @@ READER = [o for o in FROM_CHECKPOINT if not o.startswith("debias.")] + [
     "data.context_len=256", "debias.needle_mix.pool=16"]
 # +exp=in2_smol on the tiny model and a synthetic NQ-format file (`synthetic_nq`): no wheel, no ../shared
 SMOL = ["model=qwen2_tiny", *TINY, "data.in2.context_len_min=64", "data.in2.segment_len=32", "peft.r=4"]
+READS_NQ = ("in2_smol", "debias_study_smol")
 SMOKE = {
     "biased_start": TINY,
     "in2_smol": SMOL,
+    "debias_study_smol": [*SMOL, "data.in2.prior_layers=2"],
     "debias_study": FROM_CHECKPOINT,
     "mdqa_reader": READER,
     "in2": TINY,
@@ -77,8 +79,8 @@ def _start_from(exp, checkpoint):
 
 
 def _data_for(exp, request):
-    """+exp=in2_smol reads NQ: the synthetic file, so that no ../shared is needed."""
-    return [f"data.path={request.getfixturevalue('synthetic_nq')}"] if exp == "in2_smol" else []
+    """+exp=in2_smol and its study read NQ: the synthetic file, so that no ../shared is needed."""
+    return [f"data.path={request.getfixturevalue('synthetic_nq')}"] if exp in READS_NQ else []
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)

@@ -142,6 +142,9 @@ class EvalConfig:
     probe_examples: int = 20  # queries per probe; each is asked once per gold position
     data_dir: Optional[str] = None  # folder of the kv / nq files; None = synthetic kv and filler, no mdqa
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
+    # Step 0's IN2 answers are read from the cache (<POSDEBIAS_CACHE>/evaluations) when another run already
+    # asked the same weights the same questions (analysis.evaluation.reuse); single process only.
+    reuse_step0: bool = False
     kv: KVProbeConfig = field(default_factory=KVProbeConfig)
     mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)
     needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)

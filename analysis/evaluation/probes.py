@@ -43,6 +43,7 @@ from analysis.evaluation.config import (
 )
 from analysis.evaluation.generate import GenerateFn, model_generate_fn
 from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.reuse import evaluation_key, reused_or_run
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +82,26 @@ def evaluate_in2(
     tokenizer: PreTrainedTokenizerBase,
     records: Iterable[Mapping[str, Any]],
     cfg: EvalConfig,
+    reuse_dir: Path | None = None,
 ) -> tuple[dict[str, float], ProbeResult]:
     """Exact-match accuracy on the first `cfg.num_examples` held-out IN2 records, by gold-depth bin.
 
     Metric keys: `eval/in2/acc_mean` and `eval/in2/acc@<lower bin edge>` (`acc@0.0` ... `acc@0.9` for
-    10 bins); a bin without records has no key.
+    10 bins); a bin without records has no key. With `reuse_dir`, the answers of another run that asked the
+    same weights the same questions are read from there instead (`analysis.evaluation.reuse`).
     """
     items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
     generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, batch_tokens=cfg.batch_tokens)
-    result = run_probe(items, generate, METRICS["exact_match"], probe_settings("in2", cfg, items))
+    settings = probe_settings("in2", cfg, items)
+
+    def answer() -> ProbeResult:
+        return run_probe(items, generate, METRICS["exact_match"], settings)
+
+    if reuse_dir is None:
+        result = answer()
+    else:
+        batching = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": "exact_match"}
+        result = reused_or_run(evaluation_key(model, items, {**settings, **batching}), reuse_dir, answer)
     return result.to_metrics("eval"), result
 
 

@@ -1,0 +1,80 @@
+"""Reusing an evaluation across runs that ask the same function the same questions.
+
+Every job of a study starts from the same checkpoint, and on a real model its step-0 IN2 evaluation costs
+minutes (SmolLM2: ~4 min for 50 questions at 1K tokens). The answers depend only on the function the weights
+compute and on the encoded prompts and generation settings, so the key hashes exactly those: every parameter
+and buffer (name, dtype, shape, bytes), the model config, each item's token ids, answers and position, the
+probe settings, the batching (left padding changes float rounding), the torch version and the device type.
+A LoRA adapter whose B is all zero adds exactly 0 (x A^T B^T with B = 0), so its A is left out: runs whose
+only difference is the adapters' random init share the key. Anything else that differs (a seed-drawn
+parameter, one changed weight) makes another key, so a hit is always the same answers, never stale ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from analysis.evaluation.result import ProbeResult
+from data_builders.probes import ProbeItem
+
+log = logging.getLogger(__name__)
+
+CACHE_SUBDIR = "evaluations"
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+
+def _inert_lora_a(model: torch.nn.Module) -> set[str]:
+    """Names of LoRA A weights whose B partner is all zero: they cannot change any output."""
+    params = dict(model.named_parameters())
+    inert = set()
+    for name in params:
+        if ".lora_A." in name:
+            partner = params.get(name.replace(".lora_A.", ".lora_B."))
+            if partner is not None and not torch.count_nonzero(partner):
+                inert.add(name)
+    return inert
+
+
+def function_digest(model: torch.nn.Module) -> str:
+    """sha256 of what the model computes: its config and every tensor but inert LoRA A weights."""
+    digest = hashlib.sha256()
+    config = getattr(model, "config", None)
+    digest.update((config.to_json_string() if config is not None else type(model).__name__).encode())
+    skip = _inert_lora_a(model)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name in skip:
+            continue
+        digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(_tensor_bytes(tensor))
+    return digest.hexdigest()
+
+
+def evaluation_key(model: torch.nn.Module, items: Sequence[ProbeItem], settings: dict) -> str:
+    """The cache key of asking `model` `items` under `settings` (generation, batching and scoring)."""
+    digest = hashlib.sha256(function_digest(model).encode())
+    device = next(model.parameters()).device.type
+    digest.update(json.dumps({"settings": settings, "torch": torch.__version__, "device": device},
+                             sort_keys=True, default=str).encode())
+    for it in items:
+        digest.update(json.dumps([it.id, it.prompt, it.answers, it.position, it.label, it.query],
+                                 default=str).encode())
+    return digest.hexdigest()[:32]
+
+
+def reused_or_run(key: str, cache_dir: Path, run: Callable[[], ProbeResult]) -> ProbeResult:
+    """The result stored under `key` in `cache_dir/evaluations/`, else `run()`'s, stored there for the next run."""
+    path = Path(cache_dir) / CACHE_SUBDIR / f"{key}.json"
+    if path.exists():
+        log.info("evaluation reused from %s: the same weights were asked the same questions", path)
+        return ProbeResult.load_json(path)
+    result = run()
+    result.save_json(path)  # atomic: two jobs finishing at once write the same answers
+    return result
