@@ -36,6 +36,7 @@ import json
 import math
 import re
 import sys
+from datetime import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,7 @@ POWER = 0.8  # the probability of detecting a true difference of the minimum det
 TRACKED = ("valley/<set>/peak_to_trough_log10", "valley/<set>/middle_mass", "rollout/<set>/measured/w1",
            "rollout/<set>/measured/spearman")
 MIN_JOBS = 3  # jobs a rank correlation needs before it is reported
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")  # a train.log line's timestamp
 
 
 class StudyError(ValueError):
@@ -88,6 +90,7 @@ class Job:
     final_step: int
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> every key logged at it
     evals: dict[int, ProbeResult] = field(default_factory=dict)  # step -> IN2 results of every evaluated step
+    wall_s: float | None = None  # first to last line of its train.log (set-up, evaluations, Jacobian included)
 
 
 @dataclass
@@ -194,6 +197,18 @@ def _merged_metrics(job_dir: Path) -> dict[int, dict[str, Any]]:
     return dict(sorted(merged.items()))
 
 
+def _log_wall_s(log_path: Path) -> float | None:
+    """Seconds from the first to the last timestamped line of a job's train.log (None without two)."""
+    if not log_path.is_file():
+        return None
+    stamps = [m.group(1) for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+              if (m := LOG_TIME.match(line))]
+    if len(stamps) < 2:
+        return None
+    first, last = (datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in (stamps[0], stamps[-1]))
+    return (last - first).total_seconds()
+
+
 def _load_job(job_dir: Path) -> Job:
     paths = RunDir(job_dir)
     overrides = _read_overrides(paths.overrides)
@@ -211,7 +226,7 @@ def _load_job(job_dir: Path) -> Job:
         except (OSError, ValueError, KeyError) as err:
             raise StudyError(f"{path}: unreadable eval JSON ({err})") from err
     return Job(job_dir, arm_name(overrides), seed_of(overrides), results[0], results[final_step], final_step,
-               _merged_metrics(job_dir), results)
+               _merged_metrics(job_dir), results, _log_wall_s(paths.log))
 
 
 def _outcomes_by_id(result: ProbeResult, path: Path) -> dict[str, Mapping[str, Any]]:
@@ -623,6 +638,7 @@ def analyse(
             "jobs": [str(job.path) for job in study.arm_jobs(arm)],
             "final_steps": [job.final_step for job in study.arm_jobs(arm)],
             "seed_means": [job.final.mean for job in study.arm_jobs(arm)],
+            "wall_s": [job.wall_s for job in study.arm_jobs(arm)],
             "resampled": ["seed", "question"] if len(rows[arm]) > 1 else ["question"],  # the bootstrap's levels
         } for arm in arms},
         "fairness": fairness,
@@ -811,12 +827,17 @@ def verdict_lines(stats: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _minutes(walls: Sequence[float | None]) -> str:
+    return ", ".join("–" if w is None else f"{w / 60:.1f}" for w in walls) or "–"
+
+
 def report_lines(stats: Mapping[str, Any]) -> list[str]:
     """The report's markdown lines (without the figure, which `write_report` adds)."""
     ref, res = stats["reference"], stats["resolution"]
     arms = stats["arms"]
     arm_rows = [[arm, ",".join(map(str, info["seeds"])), "/".join(map(str, sorted(set(info["final_steps"])))),
-                 ", ".join(num(m) for m in info["seed_means"])] for arm, info in arms.items()]
+                 ", ".join(num(m) for m in info["seed_means"]), _minutes(info.get("wall_s", []))]
+                for arm, info in arms.items()]
     pct = round(100 * (1 - stats["alpha"]))
     widths = ", ".join(f"{arm} ±{num(w)}" for arm, w in res["worst_bin_diff_halfwidth"].items()) or "no other arm"
     mdes = ", ".join(f"{arm} ±{num(m)}" for arm, m in res["worst_bin_mde"].items()) or "no other arm"
@@ -832,7 +853,10 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
         f"Sweep: `{stats['sweep_dir']}`", "",
         f"{len(arms)} arms, {sum(len(i['seeds']) for i in arms.values())} jobs, {stats['n_questions']} held-out "
         f"questions shared by every job (paired by id).", "",
-        *markdown_table(["arm", "seeds", "final step", "mean accuracy per seed"], arm_rows), "",
+        *markdown_table(["arm", "seeds", "final step", "mean accuracy per seed", "wall time per seed (min)"],
+                        arm_rows), "",
+        "Wall time: a job's train.log from its first line to its last (set-up, evaluations and the per-step "
+        "Jacobian included).", "",
         "## Position fairness", "",
         f"Final-step accuracy; a metric's value is taken on each question's mean correctness over the arm's "
         f"seeds, `per seed` on each seed alone. `worst_bin`: lowest of the {stats['bins']['n_bins']} gold-depth "

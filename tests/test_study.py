@@ -88,6 +88,9 @@ def sweep(tmp_path_factory) -> Path:
             _write_job(root / str(n), overrides, _result(questions, START_PROBS, rng), _result(questions, probs, rng),
                        metrics)
             n += 1
+    (root / "0" / "train.log").write_text(  # the first job's log: 7.5 min from its first line to its last
+        "[2026-12-02 03:20:44,748][train][INFO] - start\n  a continuation line\n"
+        "[2026-12-02 03:24:00,000][train][INFO] - step 0\n[2026-12-02 03:28:14,748][train][INFO] - run finished\n")
     (root / "multirun.yaml").write_text("hydra: {}\n")
     return root
 
@@ -245,6 +248,13 @@ def test_load_study_groups_arms_and_seeds(sweep: Path):
     assert {"train/loss", "valley/vanilla/middle_mass", "valley/chunked/middle_mass"} <= set(none0.metrics[0])
     scores = study.scores("group_dro")
     assert scores.shape == (N_QUESTIONS,) and set(np.unique(scores)) <= {0.0, 0.5, 1.0}
+
+
+def test_wall_time_per_job_from_its_log(sweep: Path, stats: dict, tmp_path: Path):
+    assert stats["arms"]["none"]["wall_s"] == [450.0, None]  # the second job has no train.log
+    assert stats["arms"]["group_dro"]["wall_s"] == [None, None]
+    text = write_report(load_study(sweep), tmp_path / "out", n_boot=50).read_text()
+    assert "| none | 0,1 | 200 |" in text and "| 7.5, – |" in text
 
 
 def test_better_arm_is_resolved(stats: dict):
