@@ -86,8 +86,11 @@ def test_a_second_evaluation_of_the_same_weights_reads_the_stored_answers(tmp_pa
     evaluate_in2(_model(0), tokenizer, _records(), EvalConfig(num_examples=6, bins=3, max_new_tokens=4),
                  reuse_dir=tmp_path / "cache")
     assert len(answered) == 4
-    evaluate_in2(_model(0), tokenizer, _records(), cfg)  # without reuse_dir: always asked
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the same weights in another precision
+        evaluate_in2(_model(0), tokenizer, _records(), cfg, reuse_dir=tmp_path / "cache")
     assert len(answered) == 5
+    evaluate_in2(_model(0), tokenizer, _records(), cfg)  # without reuse_dir: always asked
+    assert len(answered) == 6
 
 
 def test_a_run_reads_the_step0_answers_of_an_earlier_run_of_the_same_weights(tmp_path, monkeypatch, caplog):

@@ -4,7 +4,8 @@ Every job of a study starts from the same checkpoint, and on a real model its st
 minutes (SmolLM2: ~4 min for 50 questions at 1K tokens). The answers depend only on the function the weights
 compute and on the encoded prompts and generation settings, so the key hashes exactly those: every parameter
 and buffer (name, dtype, shape, bytes), the model config, each item's token ids, answers and position, the
-probe settings, the batching (left padding changes float rounding), the torch version and the device type.
+probe settings, the batching (left padding changes float rounding), the torch version, the device type, the
+autocast dtype and the attention implementation.
 A LoRA adapter whose B is all zero adds exactly 0 (x A^T B^T with B = 0), so its A is left out: runs whose
 only difference is the adapters' random init share the key. Anything else that differs (a seed-drawn
 parameter, one changed weight) makes another key, so a hit is always the same answers, never stale ones.
@@ -61,8 +62,11 @@ def evaluation_key(model: torch.nn.Module, items: Sequence[ProbeItem], settings:
     """The cache key of asking `model` `items` under `settings` (generation, batching and scoring)."""
     digest = hashlib.sha256(function_digest(model).encode())
     device = next(model.parameters()).device.type
-    digest.update(json.dumps({"settings": settings, "torch": torch.__version__, "device": device},
-                             sort_keys=True, default=str).encode())
+    # the kernels and precision the answers are computed with, which the weights do not say
+    autocast = str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    digest.update(json.dumps({"settings": settings, "torch": torch.__version__, "device": device,
+                              "autocast": autocast, "attention": attention}, sort_keys=True, default=str).encode())
     for it in items:
         digest.update(json.dumps([it.id, it.prompt, it.answers, it.position, it.label, it.query],
                                  default=str).encode())
