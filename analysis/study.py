@@ -36,9 +36,9 @@ import json
 import math
 import re
 import sys
-from datetime import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -828,7 +828,7 @@ def verdict_lines(stats: Mapping[str, Any]) -> list[str]:
 
 
 def _minutes(walls: Sequence[float | None]) -> str:
-    return ", ".join("–" if w is None else f"{w / 60:.1f}" for w in walls) or "–"
+    return ", ".join("–" if w is None else f"{w / 60:.1f}" for w in walls)
 
 
 def report_lines(stats: Mapping[str, Any]) -> list[str]:
@@ -836,7 +836,7 @@ def report_lines(stats: Mapping[str, Any]) -> list[str]:
     ref, res = stats["reference"], stats["resolution"]
     arms = stats["arms"]
     arm_rows = [[arm, ",".join(map(str, info["seeds"])), "/".join(map(str, sorted(set(info["final_steps"])))),
-                 ", ".join(num(m) for m in info["seed_means"]), _minutes(info.get("wall_s", []))]
+                 ", ".join(num(m) for m in info["seed_means"]), _minutes(info["wall_s"])]
                 for arm, info in arms.items()]
     pct = round(100 * (1 - stats["alpha"]))
     widths = ", ".join(f"{arm} ±{num(w)}" for arm, w in res["worst_bin_diff_halfwidth"].items()) or "no other arm"

@@ -12,9 +12,9 @@ import analysis.evaluation.probes as probes
 from analysis.evaluation.config import EvalConfig
 from analysis.evaluation.probes import evaluate_in2
 from analysis.evaluation.reuse import CACHE_SUBDIR, function_digest
-from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
+from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 from tests.conftest import TINY
 from train import compose_config, run
 
