@@ -5,6 +5,7 @@ the models it refuses."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from data_builders.tokenizer import train_bpe_tokenizer
 from models.attention.attn_calibration import (
     AttnCalibrationConfig,
     Reference,
+    ReferenceCache,
     Weighting,
     attn_calibration,
     check_attn_calibration,
@@ -187,24 +189,66 @@ def test_calibration_changes_only_the_rows_after_the_documents(arch):
     assert all(torch.equal(a, b) for a, b in zip(outside, plain))
 
 
-def test_reference_is_the_dummy_attention_of_the_last_token():
+@pytest.mark.parametrize("arch,attn", [("llama", "eager"), ("llama", "sdpa"), ("mistral", "sdpa")])
+@pytest.mark.parametrize("spans", [SEGMENTS[1], [(0, 4), (4, 9)], [(1, 5), (18, 22)]],
+                         ids=["inner", "from-token-0", "within-window"])
+def test_reference_is_the_dummy_attention_of_the_last_token(arch, attn, spans):
     """ref[layer][h, k] = the eager map's mean attention of the last prompt token over segment k's tokens, with
-    those tokens replaced by the dummy text's (repeated), every other token in place."""
-    model = tiny("llama", "eager")
+    those tokens replaced by the dummy text's (repeated), every other token in place: the passes that reuse the
+    prompt's keys and values before each segment give what a full pass of the swapped prompt gives (Mistral: its
+    sliding window too, which sees only the last segment)."""
+    model = tiny(arch, attn)
+    eager = tiny(arch, "eager")
+    eager.load_state_dict(model.state_dict())
     _, _, prompts = batch_inputs(pad=0)
-    ids, spans = prompts[1], SEGMENTS[1]
+    ids = prompts[1]
     cfg = AttnCalibrationConfig(layers=[1, 2], heads=[0, 3])
-    with attn_calibration(model, StubTokenizer(), cfg, batch_tokens=2 * len(ids)) as calibration:  # 2 copies a pass
+    with attn_calibration(model, StubTokenizer(), cfg) as calibration:
         reference = calibration.references(ids, spans)
     assert sorted(reference) == [1, 2] and reference[1].shape == (2, len(spans))
     for k, (a, b) in enumerate(spans):
         dummy = list(ids)
         dummy[a:b] = [[5, 6, 7][i % 3] for i in range(b - a)]
         with torch.no_grad():
-            maps = model(torch.tensor([dummy]), output_attentions=True).attentions
+            maps = eager(torch.tensor([dummy]), output_attentions=True).attentions
         for layer in (1, 2):
             expected = maps[layer][0, [0, 3], -1, a:b].mean(-1)
             torch.testing.assert_close(reference[layer][:, k], expected.float(), rtol=0, atol=1e-6)
+
+
+def test_references_are_reused_across_runs_of_the_same_model(tmp_path):
+    """reuse_reference: a second run (another temperature) reads the stored reference, measures nothing, and
+    calibrates as the first; another model key, prompt or segment layout is measured anew."""
+    model = tiny("llama", "eager")
+    ids, mask, prompts = batch_inputs(pad=0)
+    cfg = AttnCalibrationConfig(layers=[1, 2], heads=[0, 3])
+    cache = ReferenceCache(tmp_path, model_key="weights-a")
+    with attn_calibration(model, StubTokenizer(), cfg, cache) as calibration:
+        first = calibration.references(prompts[1], SEGMENTS[1])
+        assert calibration.references_reused == 0 and len(list(tmp_path.glob("*.pt"))) == 1
+    for temperature in (5e-5, 5e-3):
+        with attn_calibration(model, StubTokenizer(), replace(cfg, temperature=temperature), cache) as calibration:
+            calibration.state.measured.clear()
+            again = calibration.references(prompts[1], SEGMENTS[1])
+            assert calibration.references_reused == 1 and not calibration.state.measured  # no pass ran
+            assert all(torch.equal(first[layer], again[layer]) for layer in first)
+    for other_cache, other_ids, other_spans in [(ReferenceCache(tmp_path, "weights-b"), prompts[1], SEGMENTS[1]),
+                                                (cache, prompts[0], SEGMENTS[1]), (cache, prompts[1], SEGMENTS[0])]:
+        with attn_calibration(model, StubTokenizer(), cfg, other_cache) as calibration:
+            calibration.references(other_ids, other_spans)
+            assert calibration.references_reused == 0
+    assert not list(tmp_path.glob("*.partial"))  # every file written whole
+
+    fresh = ReferenceCache(tmp_path / "fresh", model_key="weights-a")  # calibrated logits: measured = reused
+    with attn_calibration(model, StubTokenizer(), cfg, fresh) as calibration:
+        with calibration.batch(prompts, SEGMENTS, WIDTH):
+            measured = prefill_and_decode(model, ids, mask)
+        assert calibration.references_reused == 0
+    with attn_calibration(model, StubTokenizer(), cfg, fresh) as calibration:
+        with calibration.batch(prompts, SEGMENTS, WIDTH):
+            reused = prefill_and_decode(model, ids, mask)
+        assert calibration.references_reused == 2
+    assert all(torch.equal(a, b) for a, b in zip(measured, reused))
 
 
 def test_shared_reference_is_the_dummy_attention_with_every_segment_swapped():

@@ -224,6 +224,27 @@ def test_attn_calibration_answers_kv_with_its_pairs_calibrated(model_dir, tmp_pa
                                  f"out={tmp_path / 'x'}"]) == 1  # said before answering
 
 
+def test_attn_calibration_temperature_sweep_measures_the_references_once(model_dir, tmp_path, monkeypatch):
+    """attn_calibration.reuse_reference=true: the second run (another t) reads every prompt's reference from
+    <POSDEBIAS_CACHE>/calibration_references and answers as a run that measured it would."""
+    monkeypatch.setenv("POSDEBIAS_CACHE", str(tmp_path / "cache"))
+    args = ["probes=[kv]", "examples=2", "kv.n_pairs=4", "max_new_tokens=3", "device=cpu",
+            "intervention=attn_calibration"]
+    stored = tmp_path / "cache" / "calibration_references"
+
+    def answers(name, *extra):
+        assert eval_checkpoint.main([str(model_dir), *args, *extra, f"out={tmp_path / name}"]) == 0
+        path = tmp_path / name / "interventions" / "attn_calibration" / "eval" / "kv_step0.json"
+        return [o["prediction"] for o in ProbeResult.load_json(path).outcomes]
+
+    first = answers("t1", "attn_calibration.reuse_reference=true")
+    assert len(list(stored.glob("*.pt"))) == 2 * 4  # one reference per prompt (2 questions x 4 positions)
+    written = {p: p.stat().st_mtime_ns for p in stored.glob("*.pt")}
+    answers("t2", "attn_calibration.reuse_reference=true", "attn_calibration.temperature=5e-3")
+    assert {p: p.stat().st_mtime_ns for p in stored.glob("*.pt")} == written  # read, not measured again
+    assert answers("t1-measured") == first  # no reuse: the same answers from freshly measured references
+
+
 def test_compare_wraps_prompts_in_the_chat_template_when_asked(model_dir, tmp_path, generate_calls, capsys):
     needle = ["--probes", "needle", "--examples", "2", "--needle-lens", "64", "--needle-depths", "0.0,0.5,1.0",
               "--max-new-tokens", "4", "--device", "cpu"]

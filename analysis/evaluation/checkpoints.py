@@ -259,7 +259,7 @@ def answer_checkpoint(
             raise CompareError(f"{label}: {err}") from err
     results: dict[str, ProbeResult] = {}
     seconds: dict[str, float] = {}
-    installed = nullcontext() if intervention is None else intervention.installed(model, tokenizer, cfg.batch_tokens)
+    installed = nullcontext() if intervention is None else intervention.installed(model, tokenizer)
     with installed as calibration:
         for probe, items in probes.items():
             started = time.perf_counter()

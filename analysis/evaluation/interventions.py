@@ -23,6 +23,7 @@ gold's rank, so their curves pair with the un-intervened ones; each outcome keep
 """
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -34,15 +35,22 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.config import EvalConfig, Probe
 from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.reuse import computation_key
 from analysis.evaluation.scoring import paired_bootstrap_ci
 from data_builders.probes import Order
+from data_builders.tokenizer import default_cache_dir
 from models.attention.attn_calibration import (
     AttnCalibration,
     AttnCalibrationConfig,
+    ReferenceCache,
     attn_calibration,
     check_attn_calibration,
 )
 from models.attention.ms_poe import MsPoEConfig, check_ms_poe, ms_poe
+
+log = logging.getLogger(__name__)
+
+REFERENCE_SUBDIR = "calibration_references"  # attn_calibration.reuse_reference: <POSDEBIAS_CACHE>/<this>
 
 
 class InterventionName(StrEnum):
@@ -136,7 +144,7 @@ class Intervention:
         """Raise ValueError naming why it cannot change `model` (before anything is answered)."""
 
     @contextmanager
-    def installed(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_tokens: int | None = None
+    def installed(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
                   ) -> Iterator[Optional[AttnCalibration]]:
         """The context in which the model answers: Ms-PoE installed, attention calibration installed (yielded:
         answer with it), or the model as it is (None). Each checks the model as it installs; call `check_model`
@@ -223,7 +231,7 @@ class MsPoE(Intervention):
         self.ms_poe.layer_indices(model.config.num_hidden_layers)
 
     @contextmanager
-    def installed(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_tokens: int | None = None
+    def installed(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
                   ) -> Iterator[Optional[AttnCalibration]]:
         with ms_poe(model, self.ms_poe):
             yield None
@@ -246,10 +254,16 @@ class AttentionCalibration(Intervention):
         check_attn_calibration(model, self.calibration)
 
     @contextmanager
-    def installed(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_tokens: int | None = None
+    def installed(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
                   ) -> Iterator[Optional[AttnCalibration]]:
-        with attn_calibration(model, tokenizer, self.calibration, batch_tokens) as calibration:
+        cache = None
+        if self.calibration.reuse_reference:
+            cache = ReferenceCache(default_cache_dir() / REFERENCE_SUBDIR, computation_key(model))
+        with attn_calibration(model, tokenizer, self.calibration, cache) as calibration:
             yield calibration
+            if cache is not None:
+                log.info("attn_calibration: %d prompts' references read from %s", calibration.references_reused,
+                         cache.root)
 
     def settings(self, model: PreTrainedModel, calibration: Optional[AttnCalibration] = None) -> dict[str, Any]:
         layers = self.calibration.layer_indices(model.config.num_hidden_layers)

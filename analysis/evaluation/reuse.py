@@ -58,15 +58,21 @@ def function_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def evaluation_key(model: torch.nn.Module, items: Sequence[ProbeItem], settings: dict) -> str:
-    """The cache key of asking `model` `items` under `settings` (generation, batching and scoring)."""
-    digest = hashlib.sha256(function_digest(model).encode())
+def computation_key(model: torch.nn.Module) -> str:
+    """sha256 of the function and of how it is computed: the weights (`function_digest`) and the kernels and
+    precision, which the weights do not say (torch version, device type, autocast dtype, attention kernel)."""
     device = next(model.parameters()).device.type
-    # the kernels and precision the answers are computed with, which the weights do not say
     autocast = str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    digest.update(json.dumps({"settings": settings, "torch": torch.__version__, "device": device,
-                              "autocast": autocast, "attention": attention}, sort_keys=True, default=str).encode())
+    how = json.dumps({"torch": torch.__version__, "device": device, "autocast": autocast, "attention": attention},
+                     sort_keys=True)
+    return hashlib.sha256(f"{function_digest(model)}|{how}".encode()).hexdigest()
+
+
+def evaluation_key(model: torch.nn.Module, items: Sequence[ProbeItem], settings: dict) -> str:
+    """The cache key of asking `model` `items` under `settings` (generation, batching and scoring)."""
+    digest = hashlib.sha256(computation_key(model).encode())
+    digest.update(json.dumps({"settings": settings}, sort_keys=True, default=str).encode())
     for it in items:
         digest.update(json.dumps([it.id, it.prompt, it.answers, it.position, it.label, it.query],
                                  default=str).encode())

@@ -12,8 +12,10 @@ calibrated layer and head:
    gives the N_k tokens of segment k.
 2. Reference (Eq. 3): the same prompt with segment k's tokens replaced by a dummy document of the same token
    length (`dummy_text`'s tokens, repeated), so every token keeps its position; one forward pass per
-   segment (the paper's O(K) extra passes, batched): ref_k = Attn(dummy, k) of the last prompt token
-   (the query that predicts the answer's first token). `reference=dummy_shared` swaps every segment for the
+   segment (the paper's O(K) extra passes): ref_k = Attn(dummy, k) of the last prompt token (the query that
+   predicts the answer's first token). The tokens before segment k are the prompt's own in pass k, so their
+   keys and values are computed once and each pass runs only from its segment on (K = 10 documents: about
+   half the tokens of K full passes). `reference=dummy_shared` swaps every segment for the
    dummy in one pass (1 extra pass instead of K, so it fits a real model on a CPU): ref_k is then the dummy's
    attention at position k beside other dummies rather than beside the real documents, an approximation.
 3. Calibrated relevance (Eq. 4): rel_k = Attn(x_k, k) - ref_k.
@@ -45,16 +47,21 @@ are bit-identical to the plain model's.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from models.attention.patching import (
@@ -92,6 +99,10 @@ class AttnCalibrationConfig:
     weighting: Weighting = Weighting.softmax
     reference: Reference = Reference.dummy
     dummy_text: str = "This passage is intentionally left blank."
+    # keep each prompt's reference on disk (<POSDEBIAS_CACHE>/calibration_references) and read it back in later
+    # runs of the same model and prompts: a temperature sweep measures the references once (read by the caller,
+    # which hashes the weights into the `ReferenceCache` it passes)
+    reuse_reference: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -281,17 +292,46 @@ def token_spans(offsets: Sequence[tuple[int, int]], char_spans: Sequence[tuple[i
     return [(f, l + 1) for f, l in zip(first, last)]
 
 
+@dataclass(frozen=True)
+class ReferenceCache:
+    """References kept on disk across runs (a temperature sweep, a rerun): the reference of a prompt depends on
+    the function the model computes, the calibrated layers and heads, the reference kind and dummy, and the
+    prompt's tokens and segments, never on the temperature or the weighting. `model_key` names the function
+    (the caller hashes the weights, kernels and precision); the rest is hashed here, so a hit is always the
+    same measurement."""
+
+    root: Path
+    model_key: str
+
+    def path(self, cfg: AttnCalibrationConfig, layers: Sequence[int], heads: Sequence[int],
+             dummy_ids: Sequence[int], ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> Path:
+        what = {"model": self.model_key, "layers": list(layers), "heads": list(heads),
+                "reference": str(cfg.reference), "dummy": list(dummy_ids), "ids": list(ids),
+                "spans": [list(span) for span in spans]}
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+        return Path(self.root) / f"{digest}.pt"
+
+    @staticmethod
+    def save(path: Path, reference: dict[int, torch.Tensor]) -> None:
+        """Atomically: a run killed while writing leaves no half file for the next one to read."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        torch.save(reference, partial)
+        os.replace(partial, path)
+
+
 class AttnCalibration:
     """Yielded by `attn_calibration`: encodes prompts with their segments' token spans, and wraps each generate
     batch in `batch(...)`, which measures the reference and switches the installed layers to calibrating."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: AttnCalibrationConfig,
-                 layers: list[int], heads: list[int], state: _State, batch_tokens: int | None) -> None:
+                 layers: list[int], heads: list[int], state: _State, cache: ReferenceCache | None) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
-        self.layers, self.heads, self.state, self.batch_tokens = layers, heads, state, batch_tokens
+        self.layers, self.heads, self.state, self.cache = layers, heads, state, cache
         self.dummy_ids = tokenizer(cfg.dummy_text, add_special_tokens=False)["input_ids"]
         if not self.dummy_ids:
             raise ValueError(f"attn_calibration.dummy_text={cfg.dummy_text!r} encodes to no token")
+        self.references_reused = 0  # prompts whose reference was read from `cache`
 
     @property
     def calibrated_rows(self) -> int:
@@ -317,45 +357,69 @@ class AttnCalibration:
                              "documents' tokens cannot be located; evaluate with chat_template=false")
         return ids, token_spans(encoded["offset_mapping"], [(a + shift, b + shift) for a, b in segments])
 
-    def _forward(self, ids: torch.Tensor) -> None:
+    def _forward(self, ids: torch.Tensor, cache: DynamicCache | None = None) -> None:
+        """One pass of a (1, L) id row after `cache`'s tokens (none: from the start), the last logit only."""
+        past = cache.get_seq_length() if cache is not None else 0
+        ids = ids.to(self.model.device)
         with torch.no_grad():
-            self.model(input_ids=ids.to(self.model.device), attention_mask=torch.ones_like(ids).to(self.model.device),
-                       use_cache=False, logits_to_keep=1)
+            self.model(input_ids=ids, attention_mask=torch.ones(1, past + ids.shape[1], dtype=torch.long,
+                                                                device=ids.device),
+                       cache=cache, use_cache=cache is not None, logits_to_keep=1)
 
-    def references(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> dict[int, torch.Tensor]:
-        """layer -> (Hc, K): each segment's dummy attention at its position, from the last prompt token."""
-        num_heads = len(self.heads)
-        if self.cfg.reference == Reference.zero or not spans:
-            return {layer: torch.zeros(num_heads, len(spans)) for layer in self.layers}
-        copies, labels = self._dummy_copies(ids, spans)
-        per_pass = max(1, (self.batch_tokens or len(ids) * len(copies)) // len(ids))
-        measured = {layer: torch.zeros(num_heads, len(spans)) for layer in self.layers}
-        self.state.mode, self.state.num_segments = "measure", len(spans)
+    def _measure(self, ids: torch.Tensor, labels: torch.Tensor, cache: DynamicCache | None = None
+                 ) -> dict[int, torch.Tensor]:
+        """layer -> (Hc, K): the last token's mean attention over each labelled segment, for `ids` after `cache`."""
+        self.state.mode, self.state.probe_segments = "measure", labels[None].to(self.model.device)
         try:
-            for i in range(0, len(copies), per_pass):
-                self.state.probe_segments = torch.stack(labels[i:i + per_pass]).to(self.model.device)
-                self._forward(torch.stack(copies[i:i + per_pass]))
-                for layer in self.layers:  # a copy measures only its own dummies: the others' columns are 0
-                    measured[layer] += self.state.measured[layer].float().cpu().sum(0)
+            self._forward(ids[None], cache)
         finally:
             self.state.mode, self.state.probe_segments = "off", None
+        return {layer: self.state.measured[layer][0].float().cpu() for layer in self.layers}
+
+    def references(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """layer -> (Hc, K): each segment's dummy attention at its position, from the last prompt token (read
+        from the reference cache when a run before measured the same prompt)."""
+        if self.cfg.reference == Reference.zero or not spans:
+            return {layer: torch.zeros(len(self.heads), len(spans)) for layer in self.layers}
+        path = self.cache.path(self.cfg, self.layers, self.heads, self.dummy_ids, ids, spans) if self.cache else None
+        if path is not None and path.exists():
+            self.references_reused += 1
+            return torch.load(path)
+        self.state.num_segments = len(spans)
+        if self.cfg.reference == Reference.dummy_shared:
+            measured = self._measure(*self._swapped(ids, list(enumerate(spans))))
+        else:
+            measured = self._per_segment(ids, spans)
+        if path is not None:
+            ReferenceCache.save(path, measured)
         return measured
 
-    def _dummy_copies(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The prompts of the reference passes and each one's dummy-segment labels: one copy per segment
-        (`dummy`), or one copy with every segment swapped (`dummy_shared`)."""
-        groups = [list(enumerate(spans))] if self.cfg.reference == Reference.dummy_shared else [
-            [(k, span)] for k, span in enumerate(spans)]
-        copies, labels = [], []
-        for group in groups:
-            copy, label = torch.tensor(list(ids)), torch.full((len(ids),), -1, dtype=torch.long)
-            for k, (a, b) in group:
-                copy[a:b] = torch.tensor([self.dummy_ids[i % len(self.dummy_ids)] for i in range(b - a)])
-                label[a:b] = k
-            copies.append(copy)
-            labels.append(label)
-        return copies, labels
+    def _per_segment(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """Eq. 3, one pass per segment, last segment first: the cache holds the prompt's own keys and values up
+        to the segment's start (cropped back after each pass), so pass k runs only the tokens from S_k on."""
+        measured = {layer: torch.zeros(len(self.heads), len(spans)) for layer in self.layers}
+        cache = DynamicCache()  # full layers even where the model slides a window: each pass's labels span every key
+        shared = spans[-1][0]  # the tokens before the last segment are every pass's own
+        if shared:
+            self._forward(torch.tensor([list(ids[:shared])]), cache)
+        for k in reversed(range(len(spans))):
+            start = spans[k][0]
+            if cache.get_seq_length() > start:  # back to the prompt's own tokens (a negative crop: tokens removed)
+                cache.crop(start - cache.get_seq_length())
+            copy, labels = self._swapped(ids, [(k, spans[k])])
+            for layer, ref in self._measure(copy[start:], labels, cache).items():
+                measured[layer][:, k] = ref[:, k]
+        return measured
+
+    def _swapped(self, ids: Sequence[int], segments: Sequence[tuple[int, tuple[int, int]]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ids` with each of `segments` ((k, span) pairs) replaced by the dummy's tokens (repeated to the span's
+        length), and every token's segment label: k on the swapped tokens, -1 elsewhere."""
+        copy, labels = torch.tensor(list(ids)), torch.full((len(ids),), -1, dtype=torch.long)
+        for k, (a, b) in segments:
+            copy[a:b] = torch.tensor([self.dummy_ids[i % len(self.dummy_ids)] for i in range(b - a)])
+            labels[a:b] = k
+        return copy, labels
 
     @contextmanager
     def batch(self, prompts: Sequence[Sequence[int]], spans: Sequence[Sequence[tuple[int, int]]], width: int
@@ -390,11 +454,11 @@ class AttnCalibration:
 
 @contextmanager
 def attn_calibration(model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: AttnCalibrationConfig | None = None,
-                     batch_tokens: int | None = None) -> Iterator[AttnCalibration]:
+                     cache: ReferenceCache | None = None) -> Iterator[AttnCalibration]:
     """Install the calibrated forward on `cfg.layers`; restore the model's forwards on exit (errors too).
 
-    Outside a `batch(...)` the layers compute what the plain model computes. `batch_tokens` caps the tokens of
-    one reference pass (the K dummy copies of a prompt go in as few passes as it allows).
+    Outside a `batch(...)` the layers compute what the plain model computes. `cache` keeps each prompt's
+    reference on disk for later runs of the same model (None: measured every time).
     """
     cfg = cfg if cfg is not None else AttnCalibrationConfig()
     check_attn_calibration(model, cfg)
@@ -407,4 +471,4 @@ def attn_calibration(model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: 
         return _make_forward(module, model.config.model_type, heads, cfg, state)
 
     with patched_forwards(modules, install, "attn_calibration"):
-        yield AttnCalibration(model, tokenizer, cfg, layers, heads, state, batch_tokens)
+        yield AttnCalibration(model, tokenizer, cfg, layers, heads, state, cache)
