@@ -9,7 +9,9 @@ baseline; each further one is NAME=PATH. Per row: accuracy at each gold position
 interval (closed-book too, when asked), the mean over gold positions, and the mean difference against the
 baseline on the items both answered (paired by item id, closed-book left out) with its paired 95% bootstrap
 interval (`*`: excludes 0); a second table gives that Δ at each position (closed-book too). `--figure` also
-draws every row's accuracy by position. Results of different probes or metrics fail, naming the file.
+draws every row's accuracy by position. `--shared-items` first restricts every result to the items all of them
+answered (runs that asked different numbers of questions of the same seeded sample: the rows then describe one
+item set). Results of different probes or metrics fail, naming the file.
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ def load_results(baseline: Path, others: Sequence[tuple[str, Path]]) -> dict[str
             raise ValueError(f"{path}: probe {result.probe!r} with metric {result.settings.get('metric')!r}, but "
                              f"{baseline} is {first.probe!r} with {first.settings.get('metric')!r}")
     return results
+
+
+def shared_items(results: dict[str, ProbeResult]) -> dict[str, ProbeResult]:
+    """Each result with only the outcomes whose item id every result has; ValueError if none is shared."""
+    ids = set.intersection(*({o["id"] for o in r.outcomes} for r in results.values()))
+    if not ids:
+        raise ValueError("--shared-items: no item id is in every result")
+    return {name: ProbeResult(r.probe, [o for o in r.outcomes if o["id"] in ids], r.settings)
+            for name, r in results.items()}
 
 
 def paired_table(results: dict[str, ProbeResult], n_boot: int = 1000) -> list[str]:
@@ -87,9 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("others", nargs="+", type=_named, help="NAME=PATH of each eval JSON compared with it")
     parser.add_argument("--figure", type=Path, help="also write accuracy by position of every row to this PNG")
     parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates (default 1000)")
+    parser.add_argument("--shared-items", action="store_true",
+                        help="compare every result on the items all of them answered (e.g. 10 of a run's 20 questions)")
     args = parser.parse_args(argv)
     try:
         results = load_results(args.baseline, args.others)
+        if args.shared_items:
+            results = shared_items(results)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -36,6 +36,24 @@ def test_rows_per_arm_and_the_paired_difference(tmp_path, capsys):
     assert arm_cells[2].startswith("+0.500 [") and arm_cells[2].endswith("] *")  # 5 of 10 gained at gold 0
 
 
+def test_shared_items_restricts_every_row_to_the_items_all_answered(tmp_path, capsys):
+    plain = {(q, p): float(q < 10) for q in range(20) for p in (0, 9)}  # 20 questions: the first 10 right
+    arm = {(q, p): 1.0 for q in range(10) for p in (0, 9)}  # the first 10 questions only
+    result("mdqa", plain).save_json(tmp_path / "plain.json")
+    result("mdqa", arm).save_json(tmp_path / "arm.json")
+    args = [str(tmp_path / "plain.json"), f"arm={tmp_path / 'arm.json'}"]
+    assert main(args) == 0
+    plain_row = capsys.readouterr().out.splitlines()[2].split(" | ")
+    assert plain_row[3] == "0.500" and plain_row[5] == "40 |"  # every plain item
+    assert main([*args, "--shared-items"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plain_row, arm_row = lines[2].split(" | "), lines[3].split(" | ")
+    assert plain_row[3] == "1.000" and plain_row[5] == "20 |" and arm_row[4].startswith("+0.000")
+    result("mdqa", {(99, 0): 1.0}).save_json(tmp_path / "other.json")
+    assert main([str(tmp_path / "plain.json"), f"x={tmp_path / 'other.json'}", "--shared-items"]) == 1
+    assert "no item id" in capsys.readouterr().err
+
+
 def test_a_result_of_another_probe_or_metric_fails_naming_the_file(tmp_path, capsys):
     cells = {(0, 0): 1.0}
     result("mdqa", cells).save_json(tmp_path / "plain.json")
