@@ -42,7 +42,8 @@ the metric and settings it was made with. `needle.lengths` x `needle.depths` is 
 the data too, the reference's prompts), `ms_poe` (per-head RoPE compression, `ms_poe.*`), `attn_calibration`
 (kv and mdqa: attention after the documents redistributed by their attention minus a dummy document's at the
 same position, `attn_calibration.*`: layers (last_half), heads, temperature (5e-5), weighting, reference,
-dummy_text). Reordered and truncated items keep the gold's rank as their position (each outcome's
+dummy_text, reuse_reference (keep each prompt's reference in the cache for later runs: a temperature sweep
+measures it once)). Reordered and truncated items keep the gold's rank as their position (each outcome's
 `extra.final_position` says where it went); an intervention that cannot apply (a probe it does not change, a
 model without RoPE for ms_poe, differential attention) fails before anything is answered. Its outputs go to
 `<out>/interventions/<name>/`, beside the plain ones; their settings record the intervention's.

@@ -190,8 +190,8 @@ def test_calibration_changes_only_the_rows_after_the_documents(arch):
 
 
 @pytest.mark.parametrize("arch,attn", [("llama", "eager"), ("llama", "sdpa"), ("mistral", "sdpa")])
-@pytest.mark.parametrize("spans", [SEGMENTS[1], [(0, 4), (4, 9)], [(1, 5), (18, 22)]],
-                         ids=["inner", "from-token-0", "within-window"])
+@pytest.mark.parametrize("spans", [SEGMENTS[1], [(0, 4), (4, 9)], [(1, 5), (18, 22)], [(12, 18), (1, 5)]],
+                         ids=["inner", "from-token-0", "within-window", "out-of-order"])
 def test_reference_is_the_dummy_attention_of_the_last_token(arch, attn, spans):
     """ref[layer][h, k] = the eager map's mean attention of the last prompt token over segment k's tokens, with
     those tokens replaced by the dummy text's (repeated), every other token in place: the passes that reuse the

@@ -395,14 +395,15 @@ class AttnCalibration:
         return measured
 
     def _per_segment(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> dict[int, torch.Tensor]:
-        """Eq. 3, one pass per segment, last segment first: the cache holds the prompt's own keys and values up
-        to the segment's start (cropped back after each pass), so pass k runs only the tokens from S_k on."""
+        """Eq. 3, one pass per segment, the last-starting first: the cache holds the prompt's own keys and values
+        up to the segment's start (cropped back after each pass), so pass k runs only the tokens from S_k on."""
         measured = {layer: torch.zeros(len(self.heads), len(spans)) for layer in self.layers}
         cache = DynamicCache()  # full layers even where the model slides a window: each pass's labels span every key
-        shared = spans[-1][0]  # the tokens before the last segment are every pass's own
+        last_first = sorted(range(len(spans)), key=lambda k: spans[k][0], reverse=True)
+        shared = spans[last_first[0]][0]  # the tokens before the last segment are every pass's own
         if shared:
             self._forward(torch.tensor([list(ids[:shared])]), cache)
-        for k in reversed(range(len(spans))):
+        for k in last_first:
             start = spans[k][0]
             if cache.get_seq_length() > start:  # back to the prompt's own tokens (a negative crop: tokens removed)
                 cache.crop(start - cache.get_seq_length())
