@@ -216,6 +216,35 @@ def test_reference_is_the_dummy_attention_of_the_last_token(arch, attn, spans):
             torch.testing.assert_close(reference[layer][:, k], expected.float(), rtol=0, atol=1e-6)
 
 
+def test_prompt_attention_is_the_last_tokens_mean_attention_over_each_segment():
+    """Attn(x_k, k) of the prompt as it is: the eager map's mean weight of the last token over segment k."""
+    model = tiny("llama", "eager")
+    _, _, prompts = batch_inputs(pad=0)
+    ids, spans = prompts[1], SEGMENTS[1]
+    with attn_calibration(model, StubTokenizer(), AttnCalibrationConfig(layers=[1, 2], heads=[0, 3])) as calibration:
+        own = calibration.prompt_attention(ids, spans)
+    with torch.no_grad():
+        maps = model(torch.tensor([ids]), output_attentions=True).attentions
+    for layer in (1, 2):
+        expected = torch.stack([maps[layer][0, [0, 3], -1, a:b].mean(-1) for a, b in spans], dim=-1)
+        torch.testing.assert_close(own[layer], expected.float(), rtol=0, atol=1e-6)
+
+
+def test_alpha_concentration_at_each_temperature():
+    """rel spreads of 1e-3: t = 5e-5 gives one document nearly all of α (e^-20 for the rest), t = 5e-3 nearly
+    uniform; written out in float64."""
+    from scripts.calibration_reference import alpha_concentration
+
+    own = np.array([[0.0, 1e-3, 0.0, 0.0], [2e-3, 0.0, 0.0, 0.0]])  # two heads, K = 4
+    stats = alpha_concentration(own, np.zeros_like(own), [5e-5, 5e-3])
+    assert stats["rel_spread_median"] == pytest.approx(1.5e-3) and stats["uniform_alpha"] == 0.25
+    sharp, flat = stats["by_temperature"]["5e-05"], stats["by_temperature"]["0.005"]
+    tops = [1 / (1 + 3 * math.exp(-d / 5e-5)) for d in (1e-3, 2e-3)]
+    assert sharp["mean_max_alpha"] == pytest.approx(np.mean(tops), abs=1e-12) and sharp["share_max_alpha_over_0.9"] == 1
+    tops = [math.exp(d / 5e-3) / (math.exp(d / 5e-3) + 3) for d in (1e-3, 2e-3)]
+    assert flat["mean_max_alpha"] == pytest.approx(np.mean(tops), abs=1e-12) and flat["share_max_alpha_over_0.9"] == 0
+
+
 def test_references_are_reused_across_runs_of_the_same_model(tmp_path):
     """reuse_reference: a second run (another temperature) reads the stored reference, measures nothing, and
     calibrates as the first; another model key, prompt or segment layout is measured anew."""
@@ -361,7 +390,9 @@ def test_reference_agreement_of_the_shared_and_per_segment_references(tokenizer)
     items = kv_probe(None, n_pairs=4, n_examples=1)
     model = tiny("llama", "eager")
     model.resize_token_embeddings(len(tokenizer))  # the tiny model's 97 ids are fewer than the tokenizer's
-    stats = compare_references(model, tokenizer, items, AttnCalibrationConfig(layers=[1, 2]))
+    stats = compare_references(model, tokenizer, items, AttnCalibrationConfig(layers=[1, 2]), temperatures=[5e-5, 1.0])
+    assert set(stats["alpha"]["by_temperature"]) == {"5e-05", "1"}
+    assert 0.25 <= stats["alpha"]["by_temperature"]["1"]["mean_max_alpha"] <= 1
     assert stats["prompts"] == len([i for i in items if i.segments]) and stats["heads"] == stats["prompts"] * 2 * 4
     assert len(stats["mean_by_position"]["dummy"]) == len(stats["mean_by_position"]["dummy_shared"]) == 4
     assert stats["mean_abs_diff_relative"] > 0 and set(stats["seconds"]) == {"dummy", "dummy_shared"}

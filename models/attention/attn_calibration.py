@@ -376,6 +376,15 @@ class AttnCalibration:
             self.state.mode, self.state.probe_segments = "off", None
         return {layer: self.state.measured[layer][0].float().cpu() for layer in self.layers}
 
+    def prompt_attention(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """layer -> (Hc, K): Attn(x_k, k) of the last prompt token over the prompt's own segments (no swap): with
+        the reference it gives that token's calibrated relevance, rel = Attn(x_k, k) - ref_k."""
+        labels = torch.full((len(ids),), -1, dtype=torch.long)
+        for k, (a, b) in enumerate(spans):
+            labels[a:b] = k
+        self.state.num_segments = len(spans)
+        return self._measure(torch.tensor(list(ids)), labels)
+
     def references(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> dict[int, torch.Tensor]:
         """layer -> (Hc, K): each segment's dummy attention at its position, from the last prompt token (read
         from the reference cache when a run before measured the same prompt)."""
