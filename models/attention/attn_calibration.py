@@ -14,8 +14,8 @@ calibrated layer and head:
    length (`dummy_text`'s tokens, repeated), so every token keeps its position; one forward pass per
    segment (the paper's O(K) extra passes): ref_k = Attn(dummy, k) of the last prompt token (the query that
    predicts the answer's first token). The tokens before segment k are the prompt's own in pass k, so their
-   keys and values are computed once and each pass runs only from its segment on (K = 10 documents: about
-   half the tokens of K full passes). `reference=dummy_shared` swaps every segment for the
+   keys and values are computed once and each pass runs only from its segment on (10 evenly long documents:
+   about 60% of the tokens of K full passes). `reference=dummy_shared` swaps every segment for the
    dummy in one pass (1 extra pass instead of K, so it fits a real model on a CPU): ref_k is then the dummy's
    attention at position k beside other dummies rather than beside the real documents, an approximation.
 3. Calibrated relevance (Eq. 4): rel_k = Attn(x_k, k) - ref_k.
