@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,16 +34,22 @@ from models.attention.attn_calibration import AttnCalibrationConfig, Reference, 
 NQ_FILE = "nq-open-oracle.jsonl.gz"
 
 
-def references(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: Sequence[ProbeItem],
-               cfg: AttnCalibrationConfig, chat_template: bool) -> tuple[np.ndarray, float]:
-    """(items, layers, heads, K) reference of every item with `cfg`'s reference kind, and the seconds taken."""
+def _per_item(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: Sequence[ProbeItem],
+              cfg: AttnCalibrationConfig, chat_template: bool, measure: Callable[..., dict[int, torch.Tensor]]
+              ) -> tuple[np.ndarray, float]:
+    """(items, layers, heads, K) of `measure(calibration)(ids, spans)` for every item, and the seconds taken."""
     start, out = time.perf_counter(), []
     with attn_calibration(model, tokenizer, cfg) as calibration:
         for item in items:
-            ids, spans = calibration.encode(item.prompt, item.segments or [], chat_template)
-            by_layer = calibration.references(ids, spans)
+            by_layer = measure(calibration)(*calibration.encode(item.prompt, item.segments or [], chat_template))
             out.append(torch.stack([by_layer[layer] for layer in sorted(by_layer)]).numpy())
     return np.stack(out), time.perf_counter() - start
+
+
+def references(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: Sequence[ProbeItem],
+               cfg: AttnCalibrationConfig, chat_template: bool) -> tuple[np.ndarray, float]:
+    """(items, layers, heads, K) reference of every item with `cfg`'s reference kind, and the seconds taken."""
+    return _per_item(model, tokenizer, items, cfg, chat_template, lambda calibration: calibration.references)
 
 
 def agreement(per_segment: np.ndarray, shared: np.ndarray) -> dict[str, Any]:
@@ -64,13 +70,7 @@ def agreement(per_segment: np.ndarray, shared: np.ndarray) -> dict[str, Any]:
 def prompt_attention(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: Sequence[ProbeItem],
                      cfg: AttnCalibrationConfig, chat_template: bool) -> np.ndarray:
     """(items, layers, heads, K) Attn(x_k, k) of each prompt's last token over its own documents."""
-    out = []
-    with attn_calibration(model, tokenizer, cfg) as calibration:
-        for item in items:
-            by_layer = calibration.prompt_attention(*calibration.encode(item.prompt, item.segments or [],
-                                                                        chat_template))
-            out.append(torch.stack([by_layer[layer] for layer in sorted(by_layer)]).numpy())
-    return np.stack(out)
+    return _per_item(model, tokenizer, items, cfg, chat_template, lambda calibration: calibration.prompt_attention)[0]
 
 
 def alpha_concentration(own: np.ndarray, reference: np.ndarray, temperatures: Sequence[float]) -> dict[str, Any]:

@@ -266,7 +266,7 @@ def test_references_are_reused_across_runs_of_the_same_model(tmp_path):
         with attn_calibration(model, StubTokenizer(), cfg, other_cache) as calibration:
             calibration.references(other_ids, other_spans)
             assert calibration.references_reused == 0
-    assert not list(tmp_path.glob("*.partial"))  # every file written whole
+    assert not list(tmp_path.glob(".*.tmp"))  # every file written whole
 
     fresh = ReferenceCache(tmp_path / "fresh", model_key="weights-a")  # calibrated logits: measured = reused
     with attn_calibration(model, StubTokenizer(), cfg, fresh) as calibration:

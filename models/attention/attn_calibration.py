@@ -49,7 +49,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -64,6 +63,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from data_builders.files import atomic_file
 from models.attention.patching import (
     LayerSet,
     attention_window,
@@ -311,14 +311,6 @@ class ReferenceCache:
         digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
         return Path(self.root) / f"{digest}.pt"
 
-    @staticmethod
-    def save(path: Path, reference: dict[int, torch.Tensor]) -> None:
-        """Atomically: a run killed while writing leaves no half file for the next one to read."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        torch.save(reference, partial)
-        os.replace(partial, path)
-
 
 class AttnCalibration:
     """Yielded by `attn_calibration`: encodes prompts with their segments' token spans, and wraps each generate
@@ -400,7 +392,8 @@ class AttnCalibration:
         else:
             measured = self._per_segment(ids, spans)
         if path is not None:
-            ReferenceCache.save(path, measured)
+            with atomic_file(path) as f:  # a run killed while writing leaves no half file for the next to read
+                torch.save(measured, f)
         return measured
 
     def _per_segment(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> dict[int, torch.Tensor]:
