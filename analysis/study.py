@@ -1,33 +1,33 @@
 """Debias study: compare the arms of a Hydra multirun on position fairness and on the Jacobian valley.
 
     python -m analysis.study outputs/in2/<sweep>                      # writes <sweep>/study/report.md
-    python -m analysis.study outputs/in2/<sweep> --out study --reference none --n-boot 2000
+    python -m analysis.study outputs/in2/<sweep> --out study --reference none --seeds shared --score correct
 
 A study is one `-m` sweep directory with one job directory per (arm, seed): `<sweep>/<n>/` holding
 `.hydra/overrides.yaml` (the arm is the `debias=` override, `a+b` for `debias=[a,b]`, `none` without one;
 the seed is `seed=`, 0 without one), `eval/in2_step0.json` and `eval/in2_step<N>.json` (the final step is
 the largest N; any other N is a saved checkpoint scored by `scripts.eval_checkpoint`), and `metrics.jsonl`.
-Every job asks the same held-out IN2 questions (same data seed), so arms are compared paired by question id:
+Every job asks the same held-out IN2 questions (same data seed), so arms are compared paired by question id,
+and seed k of every arm starts from the same initialisation and data order (`--seeds shared`, the default).
+Every statistic comes from `analysis.stats` (docs/STATISTICS.md):
 
-- fairness metrics of each arm's final answers (`fairness`): mean accuracy, worst depth bin, best minus
-  worst bin (gap), middle [0.25, 0.75) minus ends accuracy and their ratio; a question's score is the mean
-  of its correctness over the arm's seeds; each metric also per seed;
-- a two-level bootstrap (`paired_bootstrap`): each resample draws every arm's seeds with replacement
-  (training randomness; with 1 seed this level is empty), then one set of question indices for every arm,
-  so each arm's difference to the reference arm (default `none`) has the question-difficulty variance
-  shared by both arms removed; each value and difference with its percentile 95% interval, and the
-  worst bin's minimum detectable difference (`min_detectable_effect`);
-- the flat-curve floor of worst bin and gap (`flat_curve`): both are extremes over bins, so a perfectly flat
-  curve has a gap above 0; their values with the arm's scores shuffled across depth bins;
+- fairness metrics of each arm's final scores (`fairness_estimates`; `--score FIELD` compares another outcome
+  field than `correct`, e.g. a log-likelihood): mean, worst depth bin, best minus worst bin (gap), middle
+  [0.25, 0.75) minus ends and their ratio, on each question's mean over the arm's seeds, and per seed;
+- mean and middle minus ends, and each bin's mean: t intervals of the crossed design arms x seeds x questions,
+  the seed part pooled over the arms (`stats.crossed_interval`), for each arm and its difference to the
+  reference arm (default `none`);
+- worst bin and gap: the difference with a paired permutation test's p-value (an extreme has no interval that
+  covers), the flat-curve floor (`flat_curve`: both are extremes over bins, so a perfectly flat curve has a gap
+  above 0), and the worst bin's minimum detectable effect by simulation (`stats.worst_bin_mde`);
 - the Jacobian valley (`valley/<set>/peak_to_trough_log10`, `valley/<set>/middle_mass`) at the first and
   last logged step of each arm, mean over seeds;
-- whether the per-step Jacobian metrics track the curve (`tracking`): the Spearman rank correlation, over
-  every (job, evaluated step), of the change in each valley metric and in the measured-λ rollout's fit
-  (`rollout/<set>/measured/w1`, `.../spearman`) with the change in middle minus ends accuracy, with a
-  bootstrap interval that resamples whole jobs.
+- whether the per-step Jacobian metrics track the curve (`tracking`): Spearman's ρ over arms (the independent
+  units) of the change in each valley metric and in the measured-λ rollout's fit (`rollout/<set>/measured/w1`,
+  `.../spearman`) against the change in middle minus ends, with exact permutation p-values, Holm-adjusted.
 
-Writes `<out>/report.md`, `<out>/study.json` (every number), `<out>/accuracy_by_depth.png` and
-`<out>/valley_accuracy_scatter.png`.
+Writes `<out>/report.md`, `<out>/study.json` (every number), `<out>/accuracy_by_depth.png`,
+`<out>/valley_accuracy_scatter.png` and `<out>/answers/` (every job's per-question answers, for re-analysis).
 """
 from __future__ import annotations
 
@@ -40,18 +40,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import yaml
 
+from analysis import stats
 from analysis.compare import positive_int
 from analysis.evaluation.config import Probe
 from analysis.evaluation.fairness import FAIRNESS_METRICS, MIDDLE, fairness, middle_of, resampled_metrics
 from analysis.evaluation.result import ProbeResult
-from analysis.evaluation.scoring import bootstrap_ci
-from analysis.measure.prior import spearman
 from analysis.report.figures import ScatterPanel, plot_depth_intervals, plot_valley_accuracy_scatter
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num, with_ci
@@ -64,12 +62,11 @@ DEFAULT_BINS = 10  # depth bins when no outcome's label tells the bin width
 VALLEY_METRICS = ("peak_to_trough_log10", "middle_mass")
 VALLEY_KEY = re.compile(rf"^valley/([^/]+)/({'|'.join(VALLEY_METRICS)})$")
 SET_ORDER = ("vanilla", "chunked")  # known Jacobian sets first, any other after them
-CHUNK = 256  # bootstrap resamples processed at once: (arms, CHUNK, questions) floats stay small
-POWER = 0.8  # the probability of detecting a true difference of the minimum detectable effect
+MDE_SIMULATIONS = 1000  # simulated studies behind the worst-bin minimum detectable effect
 # per-step Jacobian metrics whose change is set against the change in middle minus ends accuracy (`tracking`)
 TRACKED = ("valley/<set>/peak_to_trough_log10", "valley/<set>/middle_mass", "rollout/<set>/measured/w1",
            "rollout/<set>/measured/spearman")
-MIN_JOBS = 3  # jobs a rank correlation needs before it is reported
+MIN_ARMS = 3  # arms a rank correlation needs before it is reported
 LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")  # a train.log line's timestamp
 
 
@@ -104,6 +101,7 @@ class Study:
     depths: np.ndarray  # (n,) gold depth in [0, 1] of each question
     n_bins: int
     labels: dict[int, str]  # bin -> its lower edge as written in the eval JSONs
+    score: stats.Score = stats.ACCURACY  # the outcome field compared, and which way is better
 
     @property
     def arms(self) -> list[str]:
@@ -121,29 +119,9 @@ class Study:
         return [job.seed for job in self.arm_jobs(arm)]
 
     def seed_scores(self, arm: str, start: bool = False) -> np.ndarray:
-        """(seeds, n) per-question correctness of each seed of `arm` at its final step (or step 0)."""
-        return np.stack([_correct_vector(job.start if start else job.final, self.ids) for job in self.arm_jobs(arm)])
-
-    def scores(self, arm: str, start: bool = False) -> np.ndarray:
-        """(n,) per-question correctness of `arm` at its final step (or step 0), mean over its seeds."""
-        return self.seed_scores(arm, start).mean(axis=0)
-
-
-@dataclass
-class Estimate:
-    """One metric of one arm: its value and 95% interval, and its paired difference to the reference arm."""
-
-    value: float
-    low: float
-    high: float
-    diff: float
-    diff_low: float
-    diff_high: float
-
-    @property
-    def resolved(self) -> bool:
-        """The difference interval excludes 0."""
-        return self.diff_low > 0 or self.diff_high < 0
+        """(seeds, n) per-question score of each seed of `arm` at its final step (or step 0)."""
+        return np.stack([_score_vector(job.start if start else job.final, self.ids, self.score)
+                         for job in self.arm_jobs(arm)])
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -241,9 +219,9 @@ def _outcomes_by_id(result: ProbeResult, path: Path) -> dict[str, Mapping[str, A
     return by_id
 
 
-def _correct_vector(result: ProbeResult, ids: Sequence[str]) -> np.ndarray:
-    correct = {str(o["id"]): float(o["correct"]) for o in result.outcomes if o["position"] >= 0}
-    return np.array([correct[i] for i in ids], dtype=np.float64)
+def _score_vector(result: ProbeResult, ids: Sequence[str], score: stats.Score = stats.ACCURACY) -> np.ndarray:
+    found = {str(o["id"]): float(o[score.field]) for o in result.outcomes if o["position"] >= 0}
+    return np.array([found[i] for i in ids], dtype=np.float64)
 
 
 def _n_bins(outcomes: Sequence[Mapping[str, Any]]) -> int:
@@ -258,12 +236,12 @@ def _job_order(path: Path) -> tuple[int, str]:
     return (int(path.name), "") if path.name.isdigit() else (sys.maxsize, path.name)
 
 
-def load_study(sweep_dir: str | Path) -> Study:
-    """Read every job of a sweep (subdirectories with `.hydra/overrides.yaml`).
+def load_study(sweep_dir: str | Path, score: stats.Score = stats.ACCURACY) -> Study:
+    """Read every job of a sweep (subdirectories with `.hydra/overrides.yaml`), comparing `score`.
 
     Raises StudyError naming the path when a job has no step-0 or final eval JSON, when two jobs share an
-    (arm, seed), or when an eval JSON of any step asked other questions than the first job's final one (ids, or
-    a question's depth).
+    (arm, seed), when an eval JSON of any step asked other questions than the first job's final one (ids, or
+    a question's depth), or when its outcomes lack the score's field.
     """
     sweep = Path(sweep_dir)
     if not sweep.is_dir():
@@ -285,6 +263,10 @@ def load_study(sweep_dir: str | Path) -> Study:
         for step, result in job.evals.items():
             path = RunDir(job.path).eval_json(Probe.in2, step)
             outcomes = _outcomes_by_id(result, path)
+            unscored = [i for i, o in outcomes.items() if score.field not in o]
+            if unscored:
+                raise StudyError(f"{path}: question {unscored[0]!r} (and {len(unscored) - 1} more) has no "
+                                 f"{score.field!r} score")
             missing, extra = first.keys() - outcomes.keys(), outcomes.keys() - first.keys()
             if missing or extra:
                 raise StudyError(f"{path}: its question ids differ from {first_path} ({len(missing)} missing, "
@@ -302,109 +284,79 @@ def load_study(sweep_dir: str | Path) -> Study:
         raise StudyError(f"{first_path}: outcomes without extra['depth'] (the middle/ends split needs it)")
     labels = dict(sorted({int(o["position"]): str(o["label"]) for o in first.values()}.items()))
     n_bins = max(_n_bins(list(first.values())), int(bins.max()) + 1)
-    return Study(sweep, jobs, ids, bins, depths, n_bins, labels)
+    return Study(sweep, jobs, ids, bins, depths, n_bins, labels, score)
 
 
 # ---------------------------------------------------------------------------------------------- fairness
 
 
-def _interval(samples: np.ndarray, alpha: float) -> tuple[float, float]:
-    """Percentile interval of the finite samples (nan, nan) when none is finite."""
-    finite = samples[np.isfinite(samples)]
-    if finite.size == 0:
-        return float("nan"), float("nan")
-    low, high = np.quantile(finite, [alpha / 2, 1 - alpha / 2])
-    return float(low), float(high)
+LINEAR_METRICS = ("mean", "middle_minus_ends")  # linear in the scores: crossed-design t intervals
+EXTREME_METRICS = ("worst_bin", "gap")  # extremes over bins: a paired permutation test, no interval
 
 
-def _seed_rows(scores: np.ndarray) -> np.ndarray:
-    """(seeds, n) rows of per-question scores; a 1-D vector is one seed."""
-    rows = np.asarray(scores, dtype=np.float64)
-    return rows[None] if rows.ndim == 1 else rows
+def _stacked(rows: Mapping[str, np.ndarray], arms: Sequence[str]) -> np.ndarray:
+    """(A, S, Q) scores of `arms`, each (S, Q) or (Q,) for one seed; StudyError if their seed counts differ."""
+    tables = [np.asarray(rows[a], dtype=np.float64).reshape(-1, np.shape(rows[a])[-1]) for a in arms]
+    counts = {a: t.shape[0] for a, t in zip(arms, tables)}
+    if len(set(counts.values())) > 1:
+        raise StudyError(f"arms have different numbers of seeds ({counts}); a crossed analysis needs every arm "
+                         "trained at the same seeds")
+    return np.stack(tables)
 
 
-def _resample_seeds(rows: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
-    """(count, n) per-question means over the seeds of `rows` (seeds, n) drawn with replacement."""
-    n_seeds = rows.shape[0]
-    if n_seeds == 1:  # nothing to draw: the seed level is empty
-        return np.broadcast_to(rows, (count, rows.shape[1]))
-    weights = rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=count) / n_seeds  # (count, seeds)
-    return weights @ rows
+def _statistic(name: str, n: int, middle: np.ndarray) -> stats.Linear:
+    return stats.mean_of(n) if name == "mean" else stats.contrast(middle)
 
 
-def paired_bootstrap(
-    scores: Mapping[str, np.ndarray],
-    bins: np.ndarray,
-    depths: np.ndarray,
-    reference: str = REFERENCE_ARM,
-    n_boot: int = 2000,
-    alpha: float = 0.05,
-    seed: int = 0,
-) -> tuple[dict[str, dict[str, Estimate]], dict[str, np.ndarray]]:
-    """Each arm's fairness metrics with their intervals, and their differences to `reference`, paired.
+def _estimate(y: np.ndarray, stat: stats.Linear, arm: int, reference: int, seeds: stats.Seeds,
+              alpha: float) -> dict[str, Any]:
+    level = stats.crossed_interval(y, stat, arm, None, seeds, alpha)
+    out = {"value": level.value, "low": level.low, "high": level.high, "df": level.df, "method": level.method}
+    if arm == reference:
+        return out | {"diff": 0.0, "diff_low": 0.0, "diff_high": 0.0, "diff_df": None, "resolved": False}
+    diff = stats.crossed_interval(y, stat, arm, reference, seeds, alpha)
+    return out | {"diff": diff.value, "diff_low": diff.low, "diff_high": diff.high, "diff_df": diff.df,
+                  "diff_method": diff.method, "resolved": diff.resolved}
 
-    scores: {arm: (seeds, n) per-question scores of each seed, or (n,) for one seed}. A point value is the
-    metric of each question's mean over the arm's seeds. Each of the `n_boot` resamples (fixed `seed`) has
-    two levels: every arm's seeds drawn with replacement, then question indices with replacement, the same
-    for every arm, so a difference is taken question by question. Seeds are drawn independently for each
-    arm, not paired by their number: arms differ in their data or their losses, so seed k of two arms is no
-    shared unit (where their runs correlate, independent draws err wide). Seeds and questions are crossed
-    (every seed answers every question): drawing both (a pigeonhole bootstrap) counts the seed x question
-    noise more than once (wider), and k drawn seeds carry (k - 1) / k of their variance (narrower). An arm
-    of one seed has no seed level; with 1-D scores this is the question-only bootstrap. The seed level draws
-    from its own stream, so the question indices do not depend on the number of seeds. Returns ({arm:
-    {metric: Estimate}}, {arm: (n_boot,) worst_bin difference samples}): the samples give the interval
-    widths and the minimum detectable effects the report shows.
-    """
-    if reference not in scores:
-        raise StudyError(f"reference arm {reference!r} is not among the arms: {', '.join(scores)}")
-    arms = [reference, *(a for a in scores if a != reference)]
-    rows = [_seed_rows(scores[a]) for a in arms]  # A x (seeds, n)
-    means = np.stack([r.mean(axis=0) for r in rows])  # (A, n)
-    bins, depths = np.asarray(bins, dtype=np.int64), np.asarray(depths, dtype=np.float64)
-    n_bins, middle, n = int(bins.max()) + 1, middle_of(depths), means.shape[1]
 
-    rng, seed_rng = np.random.default_rng(seed), np.random.default_rng((seed, 1))
-    chunks: dict[str, list[np.ndarray]] = {name: [] for name in FAIRNESS_METRICS}
-    for start in range(0, n_boot, CHUNK):
-        count = min(CHUNK, n_boot - start)
-        idx = rng.integers(0, n, size=(count, n))  # (c, n), shared by every arm
-        drawn = np.stack([_resample_seeds(r, count, seed_rng) for r in rows])  # (A, c, n)
-        metrics, _ = resampled_metrics(drawn, bins, middle, idx, n_bins)
-        for name, values in metrics.items():
-            chunks[name].append(values)
-    samples = {name: np.concatenate(values, axis=1) for name, values in chunks.items()}  # {metric: (A, n_boot)}
-    point, _ = resampled_metrics(means, bins, middle, np.arange(n)[None], n_bins)
+def fairness_estimates(
+    rows: Mapping[str, np.ndarray], bins: np.ndarray, depths: np.ndarray, reference: str = REFERENCE_ARM,
+    seeds: stats.Seeds = stats.Seeds.shared, score: stats.Score = stats.ACCURACY, alpha: float = stats.ALPHA,
+    n_perm: int = stats.N_PERM, seed: int = stats.RNG_SEED,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """{arm: {metric: estimate}} of every arm in `rows` ({arm: (S, Q) per-seed scores}), differences to
+    `reference`.
 
-    estimates: dict[str, dict[str, Estimate]] = {}
-    worst_diffs: dict[str, np.ndarray] = {}
+    mean and middle_minus_ends: `stats.crossed_interval` (arms x seeds x questions, seed part pooled over the
+    arms), value and difference each with its t interval and df. worst_bin and gap: the value on the seed means
+    and the paired permutation test's p-value of the difference (`stats.extreme_permutation_test`): `resolved`
+    where p < alpha. middle_over_ends: the value only (a ratio)."""
+    arms = [reference, *(a for a in rows if a != reference)]
+    y = _stacked(rows, arms)  # (A, S, Q)
+    bins, middle = np.asarray(bins, dtype=np.int64), middle_of(np.asarray(depths, dtype=np.float64))
+    n_bins, means = int(bins.max()) + 1, y.mean(axis=1)  # (A, Q)
+    point, _ = resampled_metrics(means, bins, middle, np.arange(y.shape[2])[None], n_bins, score)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     for a, arm in enumerate(arms):
-        estimates[arm] = {}
+        out[arm] = {name: _estimate(y, _statistic(name, y.shape[2], middle), a, 0, seeds, alpha)
+                    for name in LINEAR_METRICS}
+        for name in EXTREME_METRICS:
+            value = float(point[name][a, 0])
+            if a == 0:
+                out[arm][name] = {"value": value, "diff": 0.0, "p_value": None, "resolved": False}
+                continue
+            diff, p = stats.extreme_permutation_test(means[a], means[0], bins, name, score, n_perm, seed)
+            out[arm][name] = {"value": value, "diff": float(diff), "p_value": float(p), "resolved": bool(p < alpha)}
+        out[arm]["middle_over_ends"] = {"value": float(point["middle_over_ends"][a, 0])}
+        per_seed, _ = resampled_metrics(y[a], bins, middle, np.arange(y.shape[2])[None], n_bins, score)
         for name in FAIRNESS_METRICS:
-            diff = samples[name][a] - samples[name][0]  # same resample, arm minus reference
-            estimates[arm][name] = Estimate(float(point[name][a, 0]), *_interval(samples[name][a], alpha),
-                                            float(point[name][a, 0] - point[name][0, 0]), *_interval(diff, alpha))
-            if name == "worst_bin":
-                worst_diffs[arm] = diff
-    return estimates, worst_diffs
-
-
-def min_detectable_effect(diff_samples: np.ndarray, alpha: float = 0.05, power: float = POWER) -> float:
-    """The smallest true difference a two-sided test at level `alpha` detects with probability `power`.
-
-    Normal approximation from the bootstrap standard error of the difference: (z_{1-alpha/2} + z_power) x SE,
-    2.80 x SE at alpha 0.05 and power 0.8; nan with fewer than 2 finite samples.
-    """
-    finite = np.asarray(diff_samples, dtype=np.float64)
-    finite = finite[np.isfinite(finite)]
-    if finite.size < 2:
-        return float("nan")
-    z = NormalDist().inv_cdf
-    return float((z(1 - alpha / 2) + z(power)) * finite.std(ddof=1))
+            out[arm][name]["per_seed"] = per_seed[name][:, 0].tolist()
+    return out
 
 
 def flat_curve(
-    scores: np.ndarray, bins: np.ndarray, depths: np.ndarray, n_perm: int = 2000, seed: int = 0
+    scores: np.ndarray, bins: np.ndarray, depths: np.ndarray, n_perm: int = stats.N_PERM,
+    seed: int = stats.RNG_SEED, score: stats.Score = stats.ACCURACY,
 ) -> dict[str, np.ndarray]:
     """{metric: (n_perm,)} fairness metrics of a perfectly flat curve at these bin sizes and this accuracy.
 
@@ -416,27 +368,29 @@ def flat_curve(
     n, n_bins, middle = scores.size, int(bins.max()) + 1, middle_of(np.asarray(depths, dtype=np.float64))
     rng = np.random.default_rng(seed)
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in FAIRNESS_METRICS}
-    for start in range(0, n_perm, CHUNK):
-        count = min(CHUNK, n_perm - start)
+    for start in range(0, n_perm, stats.CHUNK):
+        count = min(stats.CHUNK, n_perm - start)
         shuffled = rng.permuted(np.broadcast_to(scores, (count, n)), axis=1)  # (c, n)
         metrics, _ = resampled_metrics(shuffled[None], bins, middle, np.broadcast_to(np.arange(n), (count, n)),
-                                       n_bins)
+                                       n_bins, score)
         for name, values in metrics.items():
             chunks[name].append(values[0])
     return {name: np.concatenate(values) for name, values in chunks.items()}
 
 
-def bin_accuracy(
-    scores: np.ndarray, bins: np.ndarray, n_bins: int, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0
+def bin_intervals(
+    y: np.ndarray, bins: np.ndarray, n_bins: int, seeds: stats.Seeds = stats.Seeds.shared, alpha: float = stats.ALPHA
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Accuracy (B,) of each depth bin and its 95% bootstrap interval (B, 2), resampling within the bin
-    (as `ProbeResult.ci_by_position` does); nan for a bin without questions."""
-    acc, ci = np.full(n_bins, np.nan), np.full((n_bins, 2), np.nan)
+    """Mean score (B,) of each depth bin of one arm's (S, Q) scores and its crossed-design interval (B, 2)
+    (`stats.crossed_interval` over the bin's questions); nan for a bin with fewer than 2 questions."""
+    y = np.asarray(y, dtype=np.float64).reshape(1, -1, np.shape(y)[-1])  # (1, S, Q)
+    value, ci = np.full(n_bins, np.nan), np.full((n_bins, 2), np.nan)
     for b in range(n_bins):
-        inside = np.asarray(scores, dtype=np.float64)[np.asarray(bins) == b]
-        if inside.size:
-            acc[b], ci[b] = inside.mean(), bootstrap_ci(inside, n_boot, alpha, seed)
-    return acc, ci
+        inside = np.asarray(bins) == b
+        if inside.sum() >= 2:
+            iv = stats.crossed_interval(y, stats.Linear(np.where(inside, 0, -1), (1.0,)), 0, None, seeds, alpha)
+            value[b], ci[b] = iv.value, (iv.low, iv.high)
+    return value, ci
 
 
 # ---------------------------------------------------------------------------------------------- valley
@@ -488,55 +442,6 @@ def valley_changes(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]
 # ---------------------------------------------------------------------------------------------- tracking
 
 
-@dataclass
-class RankCorrelation:
-    """Spearman ρ of points pooled over jobs, and its percentile interval from resampling whole jobs."""
-
-    rho: float
-    low: float
-    high: float
-    n_points: int
-    n_jobs: int
-    undefined: int  # resamples whose ρ is undefined (every drawn x, or every drawn y, equal): left out
-    reason: str | None  # why there is no ρ (n/a), None when there is one
-
-    @property
-    def resolved(self) -> bool:
-        """The interval excludes 0."""
-        return self.low > 0 or self.high < 0
-
-
-def rank_correlation(
-    x: Sequence[float], y: Sequence[float], jobs: Sequence[str], n_boot: int = 2000, alpha: float = 0.05,
-    seed: int = 0,
-) -> RankCorrelation:
-    """Spearman ρ of the points (x_i, y_i), `jobs` naming the job of each, with its percentile interval.
-
-    Each of the `n_boot` resamples (fixed `seed`) draws the jobs with replacement and keeps every point of a
-    drawn job together: the points of one run (its steps) are not independent, the job is the unit. No ρ
-    (nan, with the reason) with fewer than MIN_JOBS jobs, or with every x or every y equal.
-    """
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    names, job_of = np.unique(np.asarray(jobs, dtype=str), return_inverse=True)
-    reason = None
-    if len(names) < MIN_JOBS:
-        reason = f"{len(names)} job{'' if len(names) == 1 else 's'} with points, fewer than {MIN_JOBS}"
-    elif np.ptp(x) == 0:
-        reason = "Δ metric equal at every point"
-    elif np.ptp(y) == 0:
-        reason = "Δ(middle − ends) equal at every point"
-    if reason is not None:
-        return RankCorrelation(math.nan, math.nan, math.nan, x.size, len(names), 0, reason)
-    members = [np.flatnonzero(job_of == j) for j in range(len(names))]
-    draws = np.random.default_rng(seed).integers(0, len(names), size=(n_boot, len(names)))  # job indices
-    samples = np.empty(n_boot)
-    for b, drawn in enumerate(draws):
-        idx = np.concatenate([members[j] for j in drawn])
-        samples[b] = spearman(x[idx], y[idx])
-    return RankCorrelation(spearman(x, y), *_interval(samples, alpha), x.size, len(names),
-                           int(np.isnan(samples).sum()), None)
-
-
 def _logged(job: Job, key: str) -> dict[int, float]:
     """step -> the finite values of `key` in the job's metrics (null or "nan" is no measurement)."""
     return {step: float(row[key]) for step, row in job.metrics.items()
@@ -551,7 +456,8 @@ def tracked_sets(study: Study) -> list[str]:
 
 
 def _middle_minus_ends(study: Study, result: ProbeResult) -> float:
-    return fairness(_correct_vector(result, study.ids), study.bins, study.depths)["middle_minus_ends"]
+    return fairness(_score_vector(result, study.ids, study.score), study.bins, study.depths,
+                    study.score)["middle_minus_ends"]
 
 
 def tracking_points(study: Study, key: str) -> list[dict[str, Any]]:
@@ -568,21 +474,43 @@ def tracking_points(study: Study, key: str) -> list[dict[str, Any]]:
     return points
 
 
+def arm_correlation(points: Sequence[Mapping[str, Any]], n_perm: int = stats.N_PERM,
+                    seed: int = stats.RNG_SEED) -> dict[str, Any]:
+    """Spearman ρ between Δ metric and Δ(middle − ends) over arms, each arm one point (the mean of its jobs'
+    points), with the exact permutation p-value (`stats.permutation_correlation`): the jobs of one arm share
+    its objective and its steps share a run, so neither is an independent unit; the arms are."""
+    by_arm: dict[str, list[Mapping[str, Any]]] = {}
+    for p in points:
+        by_arm.setdefault(p["arm"], []).append(p)
+    x = [float(np.mean([p["x"] for p in ps])) for ps in by_arm.values()]
+    y = [float(np.mean([p["y"] for p in ps])) for ps in by_arm.values()]
+    r = stats.permutation_correlation(x, y, n_perm, seed, min_units=MIN_ARMS)
+    reason = r.reason
+    if reason is not None and reason.startswith("x or y"):
+        reason = ("Δ metric equal at every arm" if len(set(np.round(x, stats.RANK_DECIMALS))) == 1
+                  else "Δ(middle − ends) equal at every arm")
+    return {**r.as_dict(), "reason": reason, "n_points": len(points), "n_jobs": len({p["job"] for p in points}),
+            "arm_points": {arm: {"x": xa, "y": ya} for arm, xa, ya in zip(by_arm, x, y)}}
+
+
 def tracking(
-    study: Study, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0
+    study: Study, n_perm: int = stats.N_PERM, alpha: float = stats.ALPHA, seed: int = stats.RNG_SEED
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """{set: {predictor of TRACKED: {key, rho, low, high, n_points, n_jobs, undefined, reason, resolved,
-    points}}}: how the change in each per-step Jacobian metric ranks with the change in middle minus ends
-    accuracy (`tracking_points`, `rank_correlation`)."""
+    """{set: {predictor of TRACKED: {key, rho, p_value, p_holm, resolved, n_units, n_points, n_jobs, reason,
+    points, arm_points}}}: how the change in each per-step Jacobian metric ranks with the change in middle minus
+    ends accuracy over arms (`tracking_points`, `arm_correlation`); p_holm: Holm-adjusted over every predictor
+    and set with a value, `resolved` where it is below alpha."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in tracked_sets(study):
         out[name] = {}
         for predictor in TRACKED:
             key = predictor.replace("<set>", name)
             points = tracking_points(study, key)
-            r = rank_correlation([p["x"] for p in points], [p["y"] for p in points], [p["job"] for p in points],
-                                 n_boot, alpha, seed)
-            out[name][predictor] = {"key": key, **vars(r), "resolved": r.resolved, "points": points}
+            out[name][predictor] = {"key": key, **arm_correlation(points, n_perm, seed), "points": points}
+    entries = [e for predictors in out.values() for e in predictors.values()]
+    for e, adjusted in zip(entries, stats.holm([e["p_value"] for e in entries])):
+        e["p_holm"] = adjusted
+        e["resolved"] = bool(np.isfinite(adjusted) and adjusted < alpha)
     return out
 
 
@@ -590,100 +518,109 @@ def tracking(
 
 
 def analyse(
-    study: Study, reference: str = REFERENCE_ARM, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0
+    study: Study, reference: str = REFERENCE_ARM, seeds: stats.Seeds = stats.Seeds.shared, n_perm: int = stats.N_PERM,
+    alpha: float = stats.ALPHA, seed: int = stats.RNG_SEED, n_sim: int = MDE_SIMULATIONS,
 ) -> dict[str, Any]:
-    """Every number of the report (what `study.json` holds), arms in report order (reference first)."""
+    """Every number of the report (what `study.json` holds), arms in report order (reference first).
+
+    Questions with a non-finite score in any job are left out of every arm (the pairing) and counted."""
     if reference not in study.arms:
         raise StudyError(f"{study.sweep_dir}: reference arm {reference!r} has no job; arms: {', '.join(study.arms)}")
     arms = [reference, *(a for a in study.arms if a != reference)]
     rows = {arm: study.seed_scores(arm) for arm in arms}
-    rows[START] = study.seed_scores(reference, start=True)  # what the arms start from, on the same questions
-    estimates, worst_diffs = paired_bootstrap(rows, study.bins, study.depths, reference, n_boot, alpha, seed)
-    fairness = {}
-    for name, seed_rows in rows.items():
-        per_seed, _ = resampled_metrics(seed_rows, study.bins, middle_of(study.depths), np.arange(len(study.ids))[None],
-                                        study.n_bins)
-        flat = flat_curve(seed_rows.mean(axis=0), study.bins, study.depths, n_boot, seed)
-        fairness[name] = {metric: vars(e) | {"resolved": e.resolved, "per_seed": per_seed[metric][:, 0].tolist()}
-                          for metric, e in estimates[name].items()}
-        for metric, tail in (("worst_bin", alpha), ("gap", 1 - alpha)):  # the side a flat curve errs to
+    start_rows = study.seed_scores(reference, start=True)  # what the arms start from, on the same questions
+    finite = np.all([np.isfinite(r).all(axis=0) for r in [*rows.values(), start_rows]], axis=0)  # (Q,)
+    if finite.sum() < 4:
+        raise StudyError(f"{study.sweep_dir}: {int(finite.sum())} questions with a finite {study.score.field} "
+                         "in every job; an interval needs more")
+    rows = {arm: r[:, finite] for arm, r in rows.items()}
+    start_rows, bins, depths = start_rows[:, finite], study.bins[finite], study.depths[finite]
+    fairness = fairness_estimates(rows, bins, depths, reference, seeds, study.score, alpha, n_perm, seed)
+    fairness[START] = fairness_estimates({reference: rows[reference], START: start_rows}, bins, depths, reference,
+                                         seeds, study.score, alpha, n_perm, seed)[START]
+    for name, seed_rows in [*rows.items(), (START, start_rows)]:
+        flat = flat_curve(seed_rows.mean(axis=0), bins, depths, n_perm, seed, study.score)
+        worst_tail = alpha if study.score.higher_is_better else 1 - alpha
+        for metric, tail in (("worst_bin", worst_tail), ("gap", 1 - alpha)):  # the side a flat curve errs to
             fairness[name][metric]["flat"] = {"expected": float(flat[metric].mean()), "quantile": tail,
                                               "bound": float(np.quantile(flat[metric], tail))}
 
     by_bin = {}
     for arm in arms:
-        acc, ci = bin_accuracy(rows[arm].mean(axis=0), study.bins, study.n_bins, n_boot, alpha, seed)
-        by_bin[arm] = {"accuracy": acc.tolist(), "ci": ci.tolist()}
-    start_acc, start_ci = bin_accuracy(study.scores(reference, start=True), study.bins, study.n_bins, n_boot,
-                                       alpha, seed)
+        value, ci = bin_intervals(rows[arm], bins, study.n_bins, seeds, alpha)
+        by_bin[arm] = {"accuracy": value.tolist(), "ci": ci.tolist()}
+    start_value, start_ci = bin_intervals(start_rows, bins, study.n_bins, seeds, alpha)
     ref_ci = np.asarray(by_bin[reference]["ci"])
     half_widths = (ref_ci[:, 1] - ref_ci[:, 0]) / 2  # (B,)
-    worst_half, worst_mde = {}, {}
-    for arm, diff in worst_diffs.items():
-        if arm != reference:
-            low, high = _interval(diff, alpha)
-            worst_half[arm] = (high - low) / 2
-            worst_mde[arm] = min_detectable_effect(diff, alpha)
+    n_seeds = rows[reference].shape[0]
+    rates = np.asarray(by_bin[reference]["accuracy"])
+    mde = (stats.worst_bin_mde(rates, bins, n_seeds, stats.POWER, n_sim, alpha=alpha, seed=seed)
+           if study.score.rate and np.isfinite(rates).all() else None)
 
     return {
         "sweep_dir": str(study.sweep_dir),
         "reference": reference,
-        "n_boot": n_boot,
+        "score": {"field": study.score.field, "higher_is_better": study.score.higher_is_better},
+        "seeds": seeds.value,
+        "n_perm": n_perm,
         "alpha": alpha,
         "seed": seed,
-        "n_questions": len(study.ids),
+        "n_questions": int(finite.sum()),
+        "nonfinite_questions": int((~finite).sum()),
         "middle": list(MIDDLE),
         "arms": {arm: {
             "seeds": study.seeds(arm),
             "jobs": [str(job.path) for job in study.arm_jobs(arm)],
             "final_steps": [job.final_step for job in study.arm_jobs(arm)],
-            "seed_means": [job.final.mean for job in study.arm_jobs(arm)],
+            "seed_means": rows[arm].mean(axis=1).tolist(),
             "wall_s": [job.wall_s for job in study.arm_jobs(arm)],
-            "resampled": ["seed", "question"] if len(rows[arm]) > 1 else ["question"],  # the bootstrap's levels
         } for arm in arms},
         "fairness": fairness,
         "bins": {"n_bins": study.n_bins, "labels": [study.labels.get(b, f"{b / study.n_bins:g}")
                                                     for b in range(study.n_bins)]},
         "by_bin": by_bin,
-        "start": {"arm": reference, "step": 0, "accuracy": start_acc.tolist(), "ci": start_ci.tolist()},
+        "start": {"arm": reference, "step": 0, "accuracy": start_value.tolist(), "ci": start_ci.tolist()},
         "resolution": {
             "median_bin_halfwidth": float(np.nanmedian(half_widths)) if np.isfinite(half_widths).any() else None,
             "bin_halfwidths": half_widths.tolist(),
-            "worst_bin_diff_halfwidth": worst_half,
-            "power": POWER,
-            "worst_bin_mde": worst_mde,
+            "mean_diff_halfwidth": {arm: (e["mean"]["diff_high"] - e["mean"]["diff_low"]) / 2
+                                    for arm, e in fairness.items() if arm not in (reference, START)},
+            "power": stats.POWER,
+            "worst_bin_mde": mde,
+            "mde_simulations": n_sim,
         },
         "valley": valley_changes(study),
-        "tracking": tracking(study, n_boot, alpha, seed),
+        "tracking": tracking(study, n_perm, alpha, seed),
     }
 
 
 # ---------------------------------------------------------------------------------------------- figure
 
 
-def plot_accuracy_by_depth(stats: Mapping[str, Any], out_png: str | Path) -> Path:
-    """Final accuracy by gold depth of every arm with 95% bootstrap intervals; dashed grey: step 0 of the
+def plot_accuracy_by_depth(numbers: Mapping[str, Any], out_png: str | Path) -> Path:
+    """Final score by gold depth of every arm with its crossed-design 95% intervals; dashed grey: step 0 of the
     reference arm (`analysis.report.figures.plot_depth_intervals` of the `analyse` numbers)."""
-    arms = {arm: (by_bin["accuracy"], by_bin["ci"]) for arm, by_bin in stats["by_bin"].items()}
-    return plot_depth_intervals(arms, stats["start"]["accuracy"], f"{stats['start']['arm']}, step 0 (start)",
-                                f"Final accuracy by gold depth: {stats['n_questions']} questions, mean over seeds",
-                                out_png)
+    arms = {arm: (by_bin["accuracy"], by_bin["ci"]) for arm, by_bin in numbers["by_bin"].items()}
+    field = numbers["score"]["field"]
+    return plot_depth_intervals(arms, numbers["start"]["accuracy"], f"{numbers['start']['arm']}, step 0 (start)",
+                                f"Final {'accuracy' if field == 'correct' else field} by gold depth: "
+                                f"{numbers['n_questions']} questions, mean over seeds", out_png)
 
 
-def plot_tracking(stats: Mapping[str, Any], out_png: str | Path) -> Path:
-    """Δ of every TRACKED metric against Δ(middle − ends) (`stats["tracking"]`): a row of panels per set, points
-    coloured by arm as in `plot_accuracy_by_depth`, each panel titled with its ρ and interval."""
-    arms, rows = list(stats["arms"]), []
-    for predictors in stats["tracking"].values():
+def plot_tracking(numbers: Mapping[str, Any], out_png: str | Path) -> Path:
+    """Δ of every TRACKED metric against Δ(middle − ends) (`numbers["tracking"]`): a row of panels per set,
+    points coloured by arm as in `plot_accuracy_by_depth`, each panel titled with its ρ over arms and p."""
+    arms, rows = list(numbers["arms"]), []
+    for predictors in numbers["tracking"].values():
         row = []
         for predictor, e in predictors.items():
             by_arm = {arm: [p for p in e["points"] if p["arm"] == arm] for arm in arms}
-            value = f"n/a: {e['reason']}" if e["reason"] else f"ρ {_rho(e)}, {e['n_jobs']} jobs"
+            value = f"n/a: {e['reason']}" if e["reason"] else f"ρ {_rho(e)} over {e['n_units']} arms"
             row.append(ScatterPanel(f"{e['key']}\n{value}", f"Δ {predictor.split('/', 2)[2]}",
                                     {arm: ([p["x"] for p in ps], [p["y"] for p in ps]) for arm, ps in by_arm.items()
                                      if ps}))
         rows.append(row)
-    return plot_valley_accuracy_scatter(rows, arms, "Δ(middle − ends accuracy)",
+    return plot_valley_accuracy_scatter(rows, arms, "Δ(middle − ends)",
                                         "Change from each job's first evaluated step: one point per (job, step)",
                                         out_png)
 
@@ -692,10 +629,10 @@ def plot_tracking(stats: Mapping[str, Any], out_png: str | Path) -> Path:
 
 
 FAIRNESS_HEADER = ("metric", "arm", "seeds", "value [95% CI]", "per seed", "flat curve: expected (bound)",
-                   "Δ vs {ref} [95% CI]")
+                   "Δ vs {ref} [95% CI] or (p)")
 VALLEY_HEADER = ("arm", "set", "steps", "peak_to_trough_log10 start", "end", "change",
                  "middle_mass start", "end", "change")
-TRACKING_HEADER = ("predictor", "set", "points", "jobs", "Spearman ρ [{pct}% CI]", "reading")
+TRACKING_HEADER = ("predictor", "set", "arms", "jobs", "Spearman ρ over arms", "p (exact)", "p (Holm)", "reading")
 
 
 def _flat(e: Mapping[str, Any]) -> str:
@@ -706,19 +643,31 @@ def _flat(e: Mapping[str, Any]) -> str:
     return f"{num(flat['expected'])} ({round(100 * flat['quantile'])}%: {num(flat['bound'])})"
 
 
-def fairness_table(stats: Mapping[str, Any]) -> list[str]:
+def _value(e: Mapping[str, Any]) -> str:
+    return with_ci(e["value"], e["low"], e["high"]) if "low" in e else num(e["value"])
+
+
+def _delta(e: Mapping[str, Any]) -> str:
+    """A difference to the reference: with its t interval (linear metrics) or its permutation p (extremes)."""
+    if "diff_low" in e:
+        text = with_ci(e["diff"], e["diff_low"], e["diff_high"], signed=True)
+    elif "p_value" in e:
+        text = f"{num(e['diff'], signed=True)} (p {num(e['p_value'])})"
+    else:
+        return "–"
+    return text + (" *" if e.get("resolved") else "")
+
+
+def fairness_table(numbers: Mapping[str, Any]) -> list[str]:
     """Markdown rows metric x arm: value [95% CI], each seed's value, the flat-curve floor (worst_bin, gap)
-    and the paired difference to the reference (`*`: excludes 0)."""
-    ref, rows = stats["reference"], []
+    and the difference to the reference (`*`: its interval excludes 0, or its p is below α)."""
+    ref, rows = numbers["reference"], []
     for name in FAIRNESS_METRICS:
-        for arm, metrics in stats["fairness"].items():
+        for arm, metrics in numbers["fairness"].items():
             e = metrics[name]
-            diff = "(reference)" if arm == ref else with_ci(e["diff"], e["diff_low"], e["diff_high"], signed=True)
-            if arm != ref and e["resolved"]:
-                diff += " *"
-            seeds = ",".join(map(str, stats["arms"][arm]["seeds"])) if arm in stats["arms"] else "step 0"
-            rows.append([name, arm, seeds, with_ci(e["value"], e["low"], e["high"]),
-                         ", ".join(num(v) for v in e["per_seed"]), _flat(e), diff])
+            seeds = ",".join(map(str, numbers["arms"][arm]["seeds"])) if arm in numbers["arms"] else "step 0"
+            rows.append([name, arm, seeds, _value(e), ", ".join(num(v) for v in e["per_seed"]), _flat(e),
+                         "(reference)" if arm == ref else _delta(e)])
     header = [h.format(ref=ref) for h in FAIRNESS_HEADER]
     return markdown_table(header, rows)
 
@@ -727,10 +676,10 @@ def _steps(steps: Sequence[int]) -> str:
     return "/".join(map(str, steps)) if steps else "–"
 
 
-def valley_table(stats: Mapping[str, Any]) -> list[str]:
+def valley_table(numbers: Mapping[str, Any]) -> list[str]:
     """Markdown rows arm x set: each valley metric at the first and last logged step, and its change."""
     rows = []
-    for arm, sets in stats["valley"].items():
+    for arm, sets in numbers["valley"].items():
         for name, metrics in sets.items():
             first = metrics[VALLEY_METRICS[0]]
             cells = [arm, name, f"{_steps(first['start_steps'])} → {_steps(first['end_steps'])}"]
@@ -742,58 +691,57 @@ def valley_table(stats: Mapping[str, Any]) -> list[str]:
 
 
 def _rho(e: Mapping[str, Any]) -> str:
-    return with_ci(e["rho"], e["low"], e["high"], signed=True)
+    return f"{num(e['rho'], signed=True)} (p {num(e['p_value'])})"
 
 
 def _reading(e: Mapping[str, Any]) -> str:
-    """What a rank correlation's interval says: "tracks" only where it excludes 0."""
+    """What a rank correlation says: "tracks" only where its Holm-adjusted p is below α."""
     if e["reason"]:
         return f"n/a: {e['reason']}"
-    if e["low"] > 0:
-        return "tracks: ρ > 0"
-    if e["high"] < 0:
-        return "tracks: ρ < 0"
+    if e["resolved"]:
+        return f"tracks: ρ {'>' if e['rho'] > 0 else '<'} 0"
     return "no rank correlation resolved"
 
 
-def tracking_table(stats: Mapping[str, Any]) -> list[str]:
-    """Markdown rows predictor x set: points, jobs, Spearman ρ [interval] and what the interval says."""
-    rows = [[f"`{predictor}`", name, str(e["n_points"]), str(e["n_jobs"]), "n/a" if e["reason"] else _rho(e),
-             _reading(e)] for name, predictors in stats["tracking"].items() for predictor, e in predictors.items()]
-    return markdown_table([h.format(pct=round(100 * (1 - stats["alpha"]))) for h in TRACKING_HEADER], rows)
+def tracking_table(numbers: Mapping[str, Any]) -> list[str]:
+    """Markdown rows predictor x set: arms, jobs, Spearman ρ over arms, its exact and Holm-adjusted p-values and
+    what they say."""
+    rows = [[f"`{predictor}`", name, str(e["n_units"]), str(e["n_jobs"]),
+             "n/a" if e["reason"] else num(e["rho"], signed=True),
+             "n/a" if e["reason"] else num(e["p_value"]), "n/a" if e["reason"] else num(e["p_holm"]), _reading(e)]
+            for name, predictors in numbers["tracking"].items() for predictor, e in predictors.items()]
+    return markdown_table(list(TRACKING_HEADER), rows)
 
 
-def tracking_summary(stats: Mapping[str, Any]) -> str:
-    """One sentence from the intervals only: the predictors whose interval excludes 0, with ρ's sign."""
-    entries = [e for predictors in stats["tracking"].values() for e in predictors.values() if not e["reason"]]
-    tracks = [f"`{e['key']}` (ρ {'>' if e['low'] > 0 else '<'} 0)" for e in entries if e["resolved"]]
-    pct = round(100 * (1 - stats["alpha"]))
+def tracking_summary(numbers: Mapping[str, Any]) -> str:
+    """One sentence from the tests only: the predictors whose Holm-adjusted p is below α, with ρ's sign."""
+    entries = [e for predictors in numbers["tracking"].values() for e in predictors.values() if not e["reason"]]
+    tracks = [f"`{e['key']}` (ρ {'>' if e['rho'] > 0 else '<'} 0)" for e in entries if e["resolved"]]
     if not entries:
         return "No predictor has a rank correlation (every one n/a)."
     if not tracks:
-        return (f"No rank correlation resolved: the {pct}% interval of each of the {len(entries)} predictors "
-                "with a value includes 0.")
-    return (f"{len(tracks)} of {len(entries)} predictors with a value track Δ(middle − ends) (their {pct}% "
-            f"interval excludes 0): {', '.join(tracks)}; no rank correlation resolved for the others.")
+        return (f"No rank correlation resolved: the Holm-adjusted p of each of the {len(entries)} predictors "
+                f"with a value is at or above α = {numbers['alpha']:g}.")
+    return (f"{len(tracks)} of {len(entries)} predictors with a value track Δ(middle − ends) over arms (Holm-"
+            f"adjusted p below α = {numbers['alpha']:g}): {', '.join(tracks)}; no rank correlation resolved for "
+            "the others.")
 
 
-def _levels(stats: Mapping[str, Any], arm: str) -> str:
-    """The bootstrap levels behind an arm's intervals against the reference, as the report says them."""
-    single = [a for a in dict.fromkeys((arm, stats["reference"])) if "seed" not in stats["arms"][a]["resampled"]]
-    if not single:
-        return "seed and question resampling"
-    return (f"question resampling only; 1 seed of {' and '.join(f'`{a}`' for a in single)}: training randomness "
-            "not included")
+def _seed_note(numbers: Mapping[str, Any]) -> str:
+    """What the intervals hold of training randomness, as the report says it."""
+    counts = sorted({len(info["seeds"]) for info in numbers["arms"].values()})
+    if counts == [1]:
+        return "1 seed an arm: training randomness not included (the intervals hold the questions only)"
+    return (f"{counts[0]} seeds an arm ({numbers['seeds']}): questions and seeds; the seed part pooled over the "
+            f"{len(numbers['arms'])} arms")
 
 
 def _difference(e: Mapping[str, Any], higher: str, lower: str, null: str) -> str:
-    """A difference to the reference as its interval allows: `higher` or `lower` only when it excludes 0."""
-    ci = with_ci(e["diff"], e["diff_low"], e["diff_high"], signed=True)
-    if e["diff_low"] > 0:
-        return f"{higher}: {ci}"
-    if e["diff_high"] < 0:
-        return f"{lower}: {ci}"
-    return f"{null}: {ci}"
+    """A difference to the reference as its test allows: `higher` or `lower` only when it is resolved."""
+    text = _delta(e).removesuffix(" *")
+    if e["resolved"]:
+        return f"{higher if e['diff'] > 0 else lower}: {text}"
+    return f"{null}: {text}"
 
 
 def _flat_gap(e: Mapping[str, Any]) -> str:
@@ -806,24 +754,32 @@ def _flat_gap(e: Mapping[str, Any]) -> str:
     return f"gap {num(e['value'])} above a flat curve's ({floor})"
 
 
-def verdict_lines(stats: Mapping[str, Any]) -> list[str]:
-    """One markdown bullet per arm that claims a difference to the reference only where its interval excludes
-    0 (a null with the worst bin's minimum detectable effect), and a flat curve where the gap is inside the
-    flat-curve floor."""
-    ref, fair, mde = stats["reference"], stats["fairness"], stats["resolution"]["worst_bin_mde"]
+def _mde(numbers: Mapping[str, Any]) -> str:
+    mde = numbers["resolution"]["worst_bin_mde"]
+    if mde is None:
+        return "MDE n/a: not a rate"
+    return "no lift of the dip bin is detectable" if not math.isfinite(mde) else f"MDE {num(mde)}"
+
+
+def verdict_lines(numbers: Mapping[str, Any]) -> list[str]:
+    """One markdown bullet per arm that claims a difference to the reference only where it is resolved (a null
+    with the worst bin's minimum detectable effect), and a flat curve where the gap is inside the flat-curve
+    floor."""
+    ref, fair = numbers["reference"], numbers["fairness"]
     lines = [f"- `{ref}` (reference): {_flat_gap(fair[ref]['gap'])}."]
-    for arm in stats["arms"]:
+    for arm in numbers["arms"]:
         if arm == ref:
             continue
         metrics = fair[arm]
-        worst = _difference(metrics["worst_bin"], f"beats `{ref}` on worst-bin accuracy",
-                            f"below `{ref}` on worst-bin accuracy",
-                            f"no worst-bin difference to `{ref}` resolved (MDE ±{num(mde[arm])})")
+        worst = _difference(metrics["worst_bin"], f"beats `{ref}` on its worst bin", f"below `{ref}` on its worst bin",
+                            f"no worst-bin difference to `{ref}` resolved ({_mde(numbers)})")
         gap = _difference(metrics["gap"], f"wider gap than `{ref}`", f"narrower gap than `{ref}`",
                           f"no gap difference to `{ref}` resolved")
-        mean = _difference(metrics["mean"], f"higher mean accuracy than `{ref}`",
-                           f"lower mean accuracy than `{ref}`", f"no mean difference to `{ref}` resolved")
-        lines.append(f"- `{arm}` ({_levels(stats, arm)}): {worst}; {_flat_gap(metrics['gap'])}; {gap}; {mean}.")
+        mean = _difference(metrics["mean"], f"higher mean than `{ref}`", f"lower mean than `{ref}`",
+                           f"no mean difference to `{ref}` resolved")
+        middle = _difference(metrics["middle_minus_ends"], f"higher middle − ends than `{ref}`",
+                             f"lower middle − ends than `{ref}`", f"no middle − ends difference to `{ref}` resolved")
+        lines.append(f"- `{arm}`: {worst}; {_flat_gap(metrics['gap'])}; {gap}; {mean}; {middle}.")
     return lines
 
 
@@ -831,112 +787,118 @@ def _minutes(walls: Sequence[float | None]) -> str:
     return ", ".join("–" if w is None else f"{w / 60:.1f}" for w in walls)
 
 
-def report_lines(stats: Mapping[str, Any]) -> list[str]:
+def report_lines(numbers: Mapping[str, Any]) -> list[str]:
     """The report's markdown lines (without the figure, which `write_report` adds)."""
-    ref, res = stats["reference"], stats["resolution"]
-    arms = stats["arms"]
+    ref, res, arms = numbers["reference"], numbers["resolution"], numbers["arms"]
+    score = numbers["score"]
     arm_rows = [[arm, ",".join(map(str, info["seeds"])), "/".join(map(str, sorted(set(info["final_steps"])))),
                  ", ".join(num(m) for m in info["seed_means"]), _minutes(info["wall_s"])]
                 for arm, info in arms.items()]
-    pct = round(100 * (1 - stats["alpha"]))
-    widths = ", ".join(f"{arm} ±{num(w)}" for arm, w in res["worst_bin_diff_halfwidth"].items()) or "no other arm"
-    mdes = ", ".join(f"{arm} ±{num(m)}" for arm, m in res["worst_bin_mde"].items()) or "no other arm"
-    single = [arm for arm, info in arms.items() if "seed" not in info["resampled"]]
-    counts = sorted({len(info["seeds"]) for info in arms.values() if "seed" in info["resampled"]})
-    seed_level = (f"{', '.join(f'`{arm}`' for arm in single)}: 1 seed: training randomness not included (the "
-                  "intervals and Δ of such an arm resample questions only). " if single else "")
-    if counts:  # a bootstrap of k values has (k - 1) / k of their variance
-        seed_level += (f"The seed level draws from {'/'.join(map(str, counts))} seeds per arm; with k seeds it "
-                       "carries (k - 1) / k of their variance (narrower intervals). ")
+    pct = round(100 * (1 - numbers["alpha"]))
+    widths = ", ".join(f"{arm} ±{num(w)}" for arm, w in res["mean_diff_halfwidth"].items()) or "no other arm"
+    dropped = (f" {numbers['nonfinite_questions']} questions with a non-finite score in some job are left out of "
+               "every arm." if numbers["nonfinite_questions"] else "")
     lines = [
         "# Debias study", "",
-        f"Sweep: `{stats['sweep_dir']}`", "",
-        f"{len(arms)} arms, {sum(len(i['seeds']) for i in arms.values())} jobs, {stats['n_questions']} held-out "
-        f"questions shared by every job (paired by id).", "",
-        *markdown_table(["arm", "seeds", "final step", "mean accuracy per seed", "wall time per seed (min)"],
+        f"Sweep: `{numbers['sweep_dir']}`", "",
+        f"{len(arms)} arms, {sum(len(i['seeds']) for i in arms.values())} jobs, {numbers['n_questions']} held-out "
+        f"questions shared by every job (paired by id); score `{score['field']}` "
+        f"({'higher' if score['higher_is_better'] else 'lower'} is better).{dropped}", "",
+        *markdown_table(["arm", "seeds", "final step", f"mean {score['field']} per seed", "wall time per seed (min)"],
                         arm_rows), "",
         "Wall time: a job's train.log from its first line to its last (set-up, evaluations and the per-step "
         "Jacobian included).", "",
         "## Position fairness", "",
-        f"Final-step accuracy; a metric's value is taken on each question's mean correctness over the arm's "
-        f"seeds, `per seed` on each seed alone. `worst_bin`: lowest of the {stats['bins']['n_bins']} gold-depth "
-        f"bins; `gap`: highest minus lowest bin; `middle_minus_ends` / `middle_over_ends`: gold depth in "
-        f"[{MIDDLE[0]}, {MIDDLE[1]}) against the rest. Intervals: {pct}% percentile bootstrap at two levels "
-        f"({stats['n_boot']} resamples, seed {stats['seed']}): each resample draws every arm's seeds with "
-        "replacement (training randomness), independently for each arm (not paired by seed number), then the "
-        f"questions with replacement, the same for every arm; Δ: arm minus `{ref}` on the same resampled "
-        "questions (paired by id). Seeds and questions are crossed, so drawing both counts their interaction "
-        f"noise more than once (wider intervals). {seed_level}`*`: the Δ interval excludes 0. `worst_bin` and "
-        "`gap` are "
-        "extremes over bins, biased even for a flat curve: `flat curve` is what a perfectly flat curve with the "
-        f"arm's accuracy shows at these bin sizes (its question scores shuffled across depth bins, "
-        f"{stats['n_boot']} times), expected value and one-sided {pct}% bound (worst_bin: "
-        f"{100 - pct}% of flat curves fall below it; gap: {pct}% of flat curves' gaps lie below it). A "
-        "resample's lowest bin is biased low as well, so their intervals sit below (worst_bin) or above (gap) "
-        f"the point value; in the paired Δ the bias partly cancels. `{START}`: the starting checkpoint (every "
-        "job's step-0 evaluation).", "",
-        *fairness_table(stats), "",
-        "### What the intervals say", "",
-        f"A difference to `{ref}` is claimed only where its {pct}% interval excludes 0; a gap at or below the "
-        "flat curve's bound is indistinguishable from a flat curve.", "",
-        *verdict_lines(stats), "",
+        f"Final-step scores; a metric's value is taken on each question's mean over the arm's seeds, `per seed` on "
+        f"each seed alone. `worst_bin`: the worst of the {numbers['bins']['n_bins']} gold-depth bins; `gap`: best "
+        f"minus worst bin; `middle_minus_ends` / `middle_over_ends`: gold depth in [{MIDDLE[0]}, {MIDDLE[1]}) "
+        f"against the rest. Statistics (analysis.stats, docs/STATISTICS.md), {_seed_note(numbers)}:", "",
+        f"- `mean`, `middle_minus_ends` and each bin's mean are linear in the scores: {pct}% t intervals of the "
+        "crossed design arms x seeds x questions (variance components; a difference pairs the questions and, "
+        "with shared seeds, the seeds; degrees of freedom in study.json, `df` / `diff_df`).",
+        f"- `worst_bin` and `gap` are extremes over bins, biased even for a flat curve, and no interval of them "
+        f"covers as it claims: Δ comes with the p-value of a paired permutation test ({numbers['n_perm']} swaps of "
+        "the two arms' scores question by question; exact level). `flat curve`: what a perfectly flat curve "
+        "with the arm's scores shows at these bin sizes (scores shuffled across bins), expected value and "
+        f"one-sided {pct}% bound.",
+        "- `middle_over_ends`: a ratio, value only.",
+        f"- `*`: the Δ interval excludes 0, or p < α = {numbers['alpha']:g}. `{START}`: the starting checkpoint "
+        "(every job's step-0 evaluation).", "",
+        *fairness_table(numbers), "",
+        "### What the tests say", "",
+        *verdict_lines(numbers), "",
         "### What difference is resolvable", "",
-        f"The accuracy of one depth bin of `{ref}` is known to ±{num(res['median_bin_halfwidth'])} (median over "
-        f"bins of the half-width of each bin's {pct}% bootstrap interval, resampling the bin's questions with "
-        f"seeds averaged: no seed level). The worst-bin difference to `{ref}` is known to: {widths} (half-width "
-        f"of its paired interval). Its minimum detectable effect (MDE: the true difference this study finds "
-        f"with {round(100 * res['power'])}% power, two-sided α = {stats['alpha']:g}; normal approximation, "
-        "(z(1 - α/2) + z(power)) × the bootstrap standard error of the paired Δ, at the intervals' levels): "
-        f"{mdes}; a smaller true change in the worst bin is found with less than that probability.", "",
+        f"One depth bin of `{ref}` is known to ±{num(res['median_bin_halfwidth'])} (median over bins of its "
+        f"{pct}% interval's half-width). The mean difference to `{ref}` is known to {widths}. The worst-bin "
+        f"minimum detectable effect (the lift of `{ref}`'s worst bin that the permutation test finds with "
+        f"{round(100 * res['power'])}% power at α = {numbers['alpha']:g}, by simulating {res['mde_simulations']} "
+        f"studies of these bins and seeds with 0/1 answers at `{ref}`'s bin rates): {_mde(numbers)}. A worst bin "
+        "can rise only to the second-worst bin; past that another bin is the worst, so a curve with two dips has "
+        "no detectable lift of one.", "",
         "## Jacobian valley", "",
     ]
-    if any(stats["valley"][arm] for arm in stats["valley"]):
+    if any(numbers["valley"][arm] for arm in numbers["valley"]):
         lines += ["`valley/<set>/*` at each job's first and last logged step, mean over the arm's seeds that "
                   "logged it (n/a: no job of the arm logged it, e.g. jacobian off); steps: first → last.", "",
-                  *valley_table(stats), ""]
+                  *valley_table(numbers), ""]
     else:
         lines += ["No job logged valley metrics (Jacobian measurement off in every job).", ""]
     lines += ["## Does the Jacobian track the curve?", ""]
-    if stats["tracking"]:
+    if numbers["tracking"]:
         lines += ["Do the metrics a run logs at every measured step (at a fraction of an evaluation's cost) "
-                  "follow position accuracy without labels? One point per job (arm × seed) and evaluated "
-                  "step s after the job's first step s0 that has both an `eval/in2_step<N>.json` and the metric "
-                  "(saved checkpoints scored into the run add points): x = the metric at s minus at s0, y = "
-                  f"middle − ends accuracy (gold depth in [{MIDDLE[0]}, {MIDDLE[1]}) against the rest) at s minus "
-                  "at s0. `rollout/<set>/measured/*`: the fit of the measured-λ rollout to the measured profile "
-                  "(W1: lower is closer; Spearman: higher is closer). ρ: Spearman rank correlation over every "
-                  f"point; interval: {pct}% percentile bootstrap ({stats['n_boot']} resamples) that draws jobs "
-                  "with replacement and keeps all steps of a drawn job together, since the points of one run "
-                  "are not independent; resamples whose ρ is undefined (all drawn x or y equal) are left out "
-                  f"(`undefined` in study.json). n/a: fewer than {MIN_JOBS} jobs with points, or a change equal at "
-                  "every point. A predictor tracks the curve only where its interval excludes 0.", "",
-                  *tracking_table(stats), "", tracking_summary(stats), ""]
+                  "follow position accuracy without labels? Per job (arm × seed) and evaluated step s after the "
+                  "job's first step s0 that has both an `eval/in2_step<N>.json` and the metric: x = the metric at "
+                  f"s minus at s0, y = middle − ends (gold depth in [{MIDDLE[0]}, {MIDDLE[1]}) against the rest) "
+                  "at s minus at s0. `rollout/<set>/measured/*`: the fit of the measured-λ rollout to the "
+                  "measured profile (W1: lower is closer; Spearman: higher is closer). The unit is the arm: the "
+                  "seeds of one arm share its objective and the steps of one job share a run, so an arm's point "
+                  "is the mean of its jobs' points, and ρ is Spearman's over arms (values rounded before ranking) "
+                  "with the exact permutation p-value over every reordering of the arms; p (Holm): adjusted over "
+                  f"every predictor and set with a value. n/a: fewer than {MIN_ARMS} arms with points, or a change "
+                  "equal at every arm. A predictor tracks the curve only where its Holm-adjusted p is below α.", "",
+                  *tracking_table(numbers), "", tracking_summary(numbers), ""]
     else:
         lines += ["No job logged valley or rollout metrics.", ""]
     return lines
 
 
+def keep_answers(study: Study, out: Path) -> Path:
+    """Copy every job's eval JSONs (the per-question answers) into `<out>/answers/<arm>/seed<k>/`, so that a later
+    method can re-analyse the study without its run directories; the folder."""
+    folder = out / "answers"
+    for job in study.jobs:
+        target = folder / job.arm / f"seed{job.seed}"
+        target.mkdir(parents=True, exist_ok=True)
+        for path in RunDir(job.path).eval_files(Probe.in2).values():
+            atomic_write_text(target / path.name, path.read_text(encoding="utf-8"))
+    return folder
+
+
 def write_report(
-    study: Study, out_dir: str | Path, reference: str = REFERENCE_ARM, n_boot: int = 2000, alpha: float = 0.05,
-    seed: int = 0,
+    study: Study, out_dir: str | Path, reference: str = REFERENCE_ARM, seeds: stats.Seeds = stats.Seeds.shared,
+    n_perm: int = stats.N_PERM, alpha: float = stats.ALPHA, seed: int = stats.RNG_SEED,
+    n_sim: int = MDE_SIMULATIONS,
 ) -> Path:
-    """`<out_dir>/report.md`, `<out_dir>/study.json`, `<out_dir>/accuracy_by_depth.png` and (when a job logged
-    valley or rollout metrics) `<out_dir>/valley_accuracy_scatter.png`; the report's path."""
+    """`<out_dir>/report.md`, `<out_dir>/study.json`, `<out_dir>/accuracy_by_depth.png`, (when a job logged
+    valley or rollout metrics) `<out_dir>/valley_accuracy_scatter.png` and every job's answers under
+    `<out_dir>/answers/`; the report's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stats = analyse(study, reference, n_boot, alpha, seed)
-    png = plot_accuracy_by_depth(stats, out / "accuracy_by_depth.png")
-    lines = report_lines(stats)
-    lines += ["## Accuracy by gold depth", "",
-              f"Final step, every arm, error bars: {round(100 * (1 - alpha))}% bootstrap intervals over the bin's "
-              f"questions (seeds averaged: no seed level); dashed grey: `{reference}` at step 0 (the start).", "",
+    numbers = analyse(study, reference, seeds, n_perm, alpha, seed, n_sim)
+    png = plot_accuracy_by_depth(numbers, out / "accuracy_by_depth.png")
+    lines = report_lines(numbers)
+    lines += ["## Score by gold depth", "",
+              f"Final step, every arm, error bars: {round(100 * (1 - alpha))}% crossed-design intervals over the "
+              f"bin's questions and the arm's seeds; dashed grey: `{reference}` at step 0 (the start).", "",
               f"![]({png.name})", ""]
-    if stats["tracking"]:
-        scatter = plot_tracking(stats, out / "valley_accuracy_scatter.png")
+    if numbers["tracking"]:
+        scatter = plot_tracking(numbers, out / "valley_accuracy_scatter.png")
         lines += ["## Δ Jacobian metric against Δ(middle − ends)", "",
                   "The points of \"Does the Jacobian track the curve?\", coloured by arm; panel titles: Spearman ρ "
-                  f"[{round(100 * (1 - alpha))}% interval, jobs resampled].", "", f"![]({scatter.name})", ""]
-    atomic_write_text(out / "study.json", json.dumps(json_safe(stats), indent=1))
+                  "over arms and its exact permutation p.", "", f"![]({scatter.name})", ""]
+    answers = keep_answers(study, out)
+    lines += ["## Answers", "", f"Every job's eval JSONs: `{answers.name}/<arm>/seed<k>/`.", ""]
+    atomic_write_text(out / "study.json", json.dumps(json_safe(numbers), indent=1))
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines))
     return report
@@ -949,16 +911,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m analysis.study",
         description="Compare the arms of a debias sweep (Hydra -m: one job per debias arm and seed) on position "
-                    "fairness (paired bootstrap against the reference arm), on the Jacobian valley and on whether "
-                    "it tracks the curve. Writes OUT/report.md, OUT/study.json, OUT/accuracy_by_depth.png and "
-                    "OUT/valley_accuracy_scatter.png.",
+                    "fairness (crossed-design intervals and paired permutation tests against the reference arm), on "
+                    "the Jacobian valley and on whether it tracks the curve. Writes OUT/report.md, OUT/study.json, "
+                    "OUT/accuracy_by_depth.png, OUT/valley_accuracy_scatter.png and OUT/answers/.",
     )
     parser.add_argument("sweep_dir", metavar="SWEEP_DIR", help="the sweep directory (its job subdirectories)")
     parser.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/study)")
     parser.add_argument("--reference", default=REFERENCE_ARM,
                         help=f"the arm differences are taken against (default: {REFERENCE_ARM})")
-    parser.add_argument("--n-boot", type=positive_int, default=2000, help="bootstrap resamples (default 2000)")
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    parser.add_argument("--score", default=stats.ACCURACY.field,
+                        help="the outcome field compared (default: correct)")
+    parser.add_argument("--lower-is-better", action="store_true", help="lower scores are better (e.g. a loss)")
+    parser.add_argument("--seeds", choices=[s.value for s in stats.Seeds], default=stats.Seeds.shared.value,
+                        help="shared: seed k is the same init and data order in every arm (train.py's seed); "
+                             "independent: each arm's seeds are its own draws (default: shared)")
+    parser.add_argument("--n-perm", type=positive_int, default=stats.N_PERM,
+                        help=f"permutations of the extremes' tests (default {stats.N_PERM})")
+    parser.add_argument("--seed", type=int, default=stats.RNG_SEED, help="random seed (default 0)")
     return parser
 
 
@@ -966,14 +935,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (1: the sweep cannot be read as a study)."""
     args = build_parser().parse_args(argv)
     out = Path(args.out) if args.out else Path(args.sweep_dir) / "study"
+    score = stats.Score(args.score, not args.lower_is_better, rate=args.score == stats.ACCURACY.field)
     try:
-        study = load_study(args.sweep_dir)
-        report = write_report(study, out, args.reference, args.n_boot, seed=args.seed)
+        study = load_study(args.sweep_dir, score)
+        report = write_report(study, out, args.reference, stats.Seeds(args.seeds), args.n_perm, seed=args.seed)
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    stats = json.loads((out / "study.json").read_text(encoding="utf-8"))
-    print("\n".join(fairness_table(stats)))
+    numbers = json.loads((out / "study.json").read_text(encoding="utf-8"))
+    print("\n".join(fairness_table(numbers)))
     print(f"wrote {report}")
     return 0
 

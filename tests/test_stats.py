@@ -65,22 +65,22 @@ def test_linear_statistics_by_hand():
 
 
 def test_crossed_interval_by_hand_one_arm_two_seeds():
-    """y (1 arm, 2 seeds, 3 questions): Vs = var(seed means)/S, Vq = var(question means)/Q, Ve = MS_E/(SQ)."""
-    y = np.array([[[1.0, 2.0, 6.0], [3.0, 2.0, 4.0]]])
-    seed_means, q_means = np.array([3.0, 3.0]), np.array([2.0, 2.0, 5.0])
-    resid = y[0] - seed_means[:, None] - q_means[None] + 3.0
+    """y (1 arm, 2 seeds, 3 questions): Vs = var(seed means)/S, Vq = var(question means)/Q, Ve = MS_E/(SQ);
+    an arm's own value adds the seed effect Vs - Ve (truncated at 0) to Vq."""
+    y = np.array([[[1.0, 2.0, 6.0], [6.0, 5.0, 9.0]]])
+    seed_means, q_means = np.array([3.0, 20 / 3]), np.array([3.5, 3.5, 7.5])
+    resid = y[0] - seed_means[:, None] - q_means[None] + y.mean()
     vs = seed_means.var(ddof=1) / 2  # one arm: within spread over S - 1 = 1 df
     vq = q_means.var(ddof=1) / 3
     ve = (resid ** 2).sum() / ((2 - 1) * (3 - 1)) / (2 * 3)
-    v = vs + vq - ve
-    if v <= 0:
-        v = max(vs, vq)
-    iv = stats.crossed_interval(y, stats.mean_of(3), arm=0, seeds=Seeds.independent)
-    df = 1  # an arm's own value takes the seed part's df: A(S - 1) with independent seeds
+    assert vs > ve
+    v = vs - ve + vq
+    df = v * v / (vs * vs / 1 + vq * vq / 2 + ve * ve / 2)
     half = scipy_stats.t.ppf(0.975, df) * math.sqrt(v)
-    assert iv.value == pytest.approx(3.0)
+    iv = stats.crossed_interval(y, stats.mean_of(3), arm=0, seeds=Seeds.independent)
+    assert iv.value == pytest.approx(y.mean())
     assert iv.df == pytest.approx(df)
-    assert (iv.low, iv.high) == pytest.approx((3.0 - half, 3.0 + half))
+    assert (iv.low, iv.high) == pytest.approx((y.mean() - half, y.mean() + half))
 
 
 def test_crossed_interval_with_one_seed_says_training_randomness_is_out():

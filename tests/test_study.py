@@ -1,27 +1,28 @@
-"""analysis.study on a synthetic sweep: fairness metrics, two-level bootstrap, flat-curve floor, detectable
-effects, job loading, whether the Jacobian tracks the curve, report and CLI."""
+"""analysis.study on a synthetic sweep: fairness metrics, crossed-design intervals, permutation tests of the
+extremes, flat-curve floor, detectable effects, job loading, whether the Jacobian tracks the curve, report and
+CLI."""
 from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from analysis.evaluation.fairness import FAIRNESS_METRICS, fairness
+from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import ProbeResult
-from analysis.evaluation.scoring import paired_bootstrap_ci
+from analysis.stats import Score, crossed_interval, mean_of
 from analysis.study import (
     StudyError,
     analyse,
+    arm_correlation,
     arm_name,
+    fairness_estimates,
     flat_curve,
     load_study,
     main,
-    min_detectable_effect,
-    paired_bootstrap,
-    rank_correlation,
     seed_of,
     verdict_lines,
     write_report,
@@ -97,7 +98,7 @@ def sweep(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stats(sweep: Path) -> dict:
-    return analyse(load_study(sweep), n_boot=500)
+    return analyse(load_study(sweep), n_perm=500, n_sim=100)
 
 
 def test_arm_and_seed_from_overrides():
@@ -130,25 +131,36 @@ def test_arm_against_itself_is_exactly_zero():
     rng = np.random.default_rng(0)
     depths = rng.uniform(0, 1, 300)
     bins = np.minimum((depths * 10).astype(int), 9)
-    scores = (rng.random(300) < 0.6).astype(float)
-    estimates, _ = paired_bootstrap({"none": scores, "copy": scores.copy()}, bins, depths, n_boot=300)
-    for name in FAIRNESS_METRICS:
+    scores = (rng.random((2, 300)) < 0.6).astype(float)
+    estimates = fairness_estimates({"none": scores, "copy": scores.copy(), "other": scores[::-1]}, bins, depths,
+                                   n_perm=200)
+    for name in ("mean", "middle_minus_ends"):
         e = estimates["copy"][name]
-        assert (e.diff, e.diff_low, e.diff_high) == (0.0, 0.0, 0.0), name
-        assert not e.resolved
-        assert e.low <= e.value <= e.high
+        assert e["diff"] == 0.0 and e["diff_low"] == pytest.approx(-e["diff_high"]), name
+        assert not e["resolved"] and e["low"] <= e["value"] <= e["high"]
+    for name in ("worst_bin", "gap"):
+        e = estimates["copy"][name]
+        assert e["diff"] == 0.0 and e["p_value"] == 1.0 and not e["resolved"]
 
 
-def test_mean_difference_matches_scoring_helper():
-    """The engine's paired mean difference is the existing paired_bootstrap_ci (same resamples, same seed)."""
+def test_mean_difference_is_the_crossed_interval():
+    """The study's mean difference is stats.crossed_interval of the stacked arms, paired by question and seed."""
     rng = np.random.default_rng(1)
     depths = rng.uniform(0, 1, 400)
     bins = np.minimum((depths * 10).astype(int), 9)
-    a, b = (rng.random(400) < 0.7).astype(float), (rng.random(400) < 0.5).astype(float)
-    estimates, _ = paired_bootstrap({"none": b, "arm": a}, bins, depths, n_boot=700, seed=3)
-    low, high = paired_bootstrap_ci(a, b, n_boot=700, seed=3)
-    assert estimates["arm"]["mean"].diff_low == pytest.approx(low, abs=1e-12)
-    assert estimates["arm"]["mean"].diff_high == pytest.approx(high, abs=1e-12)
+    rows = {"none": (rng.random((2, 400)) < 0.5).astype(float), "arm": (rng.random((2, 400)) < 0.7).astype(float),
+            "third": (rng.random((2, 400)) < 0.6).astype(float)}
+    got = fairness_estimates(rows, bins, depths, n_perm=100)["arm"]["mean"]
+    want = crossed_interval(np.stack(list(rows.values())), mean_of(400), arm=1, reference=0)
+    assert (got["diff"], got["diff_low"], got["diff_high"], got["diff_df"]) == (want.value, want.low, want.high,
+                                                                              want.df)
+    assert got["resolved"] and "3 arms" in got["diff_method"]
+
+
+def test_unequal_seed_counts_are_refused():
+    bins, depths = _binned(50)
+    with pytest.raises(StudyError, match="different numbers of seeds"):
+        fairness_estimates({"none": np.zeros((2, 50)), "arm": np.zeros((1, 50))}, bins, depths)
 
 
 def _binned(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -171,54 +183,41 @@ def test_flat_curve_floor_matches_binomial_bins():
     assert flat["worst_bin"].mean() == pytest.approx(draws.min(axis=1).mean(), abs=0.01)
 
 
-def test_seed_level_widens_intervals_of_differing_seeds():
-    """Seeds of systematically different accuracy widen the interval past the question-only one; identical
-    copies of one seed give the question-only bootstrap."""
+def test_seeds_that_differ_widen_the_interval():
+    """Seeds of systematically different accuracy widen the difference's interval past the questions'-only one
+    (each seed alone)."""
     rng = np.random.default_rng(4)
     bins, depths = _binned(600)
     none = (rng.random((2, 600)) < 0.5).astype(float)
     arm = (rng.random((2, 600)) < np.array([[0.3], [0.7]])).astype(float)  # seed 1 is better by 0.4
-    two_level, _ = paired_bootstrap({"none": none, "arm": arm}, bins, depths, n_boot=400)
-    question_only, _ = paired_bootstrap({"none": none.mean(axis=0), "arm": arm.mean(axis=0)}, bins, depths,
-                                        n_boot=400)
-    for attr in ("high", "diff_high"):
-        width = {name: getattr(e["arm"]["mean"], attr) - getattr(e["arm"]["mean"], attr.replace("high", "low"))
-                 for name, e in (("two", two_level), ("one", question_only))}
-        assert width["two"] > 2 * width["one"], attr
-    assert two_level["arm"]["mean"].value == question_only["arm"]["mean"].value
-
-    copies, _ = paired_bootstrap({"none": np.stack([none[0]] * 2), "arm": np.stack([arm[0]] * 3)}, bins, depths,
-                                 n_boot=400)
-    single, _ = paired_bootstrap({"none": none[0], "arm": arm[0]}, bins, depths, n_boot=400)
-    for name in FAIRNESS_METRICS:
-        assert vars(copies["arm"][name]) == pytest.approx(vars(single["arm"][name]), abs=1e-12, nan_ok=True), name
+    third = (rng.random((2, 600)) < 0.5).astype(float)
+    two = fairness_estimates({"none": none, "arm": arm, "third": third}, bins, depths, n_perm=50)["arm"]["mean"]
+    one = fairness_estimates({"none": none[:1], "arm": arm[:1], "third": third[:1]}, bins, depths,
+                             n_perm=50)["arm"]["mean"]
+    assert two["diff_high"] - two["diff_low"] > 2 * (one["diff_high"] - one["diff_low"])
+    assert "training randomness not included" in one["diff_method"] and "2 seeds" in two["diff_method"]
 
 
-def test_mde_shrinks_with_questions_per_bin():
-    assert min_detectable_effect(np.random.default_rng(5).normal(0, 0.01, 20000)) == pytest.approx(0.028, abs=5e-4)
-    mde = {}
-    for n in (300, 3000):  # 30 and 300 questions a bin
-        rng = np.random.default_rng(6)
-        bins, depths = _binned(n)
-        rows = {arm: (rng.random((2, n)) < 0.5).astype(float) for arm in ("none", "arm")}
-        _, worst_diffs = paired_bootstrap(rows, bins, depths, n_boot=300)
-        mde[n] = min_detectable_effect(worst_diffs["arm"])
-    assert 0 < mde[3000] < 0.5 * mde[300]  # ~1 / sqrt(10)
+def test_lower_is_better_takes_the_highest_bin_as_worst():
+    bins, depths = _binned(40)
+    loss = np.where(bins == 3, 5.0, 1.0)[None]  # bin 3 has the highest loss
+    e = fairness_estimates({"none": loss, "arm": loss}, bins, depths, score=Score("nll", False, rate=False), n_perm=20)
+    assert e["none"]["worst_bin"]["value"] == 5.0 and np.isnan(e["none"]["middle_over_ends"]["value"])
 
 
-def test_verdict_follows_the_interval(stats: dict):
+def test_verdict_follows_the_tests(stats: dict):
     lines = verdict_lines(stats)
     dro = next(line for line in lines if line.startswith("- `group_dro`"))
-    assert "beats `none` on worst-bin accuracy" in dro and "indistinguishable from a flat curve" in dro
+    assert "beats `none` on its worst bin" in dro and "indistinguishable from a flat curve" in dro
+    assert "higher middle − ends than `none`" in dro
     assert "above a flat curve's" in next(line for line in lines if line.startswith("- `none`"))
 
-    crossing = copy.deepcopy(stats)  # the same point difference, its interval now including 0
-    crossing["fairness"]["group_dro"]["worst_bin"].update(diff_low=-0.01, resolved=False)
+    crossing = copy.deepcopy(stats)  # the same point differences, no longer resolved
+    crossing["fairness"]["group_dro"]["worst_bin"].update(p_value=0.2, resolved=False)
     crossing["fairness"]["group_dro"]["mean"].update(diff_low=-0.01, diff_high=0.02, resolved=False)
     dro = next(line for line in verdict_lines(crossing) if line.startswith("- `group_dro`"))
-    mde = stats["resolution"]["worst_bin_mde"]["group_dro"]
-    assert "beats" not in dro and f"no worst-bin difference to `none` resolved (MDE ±{mde:.3f})" in dro
-    assert "mean accuracy than" not in dro and "no mean difference to `none` resolved" in dro
+    assert "beats" not in dro and "no worst-bin difference to `none` resolved (" in dro and "(p 0.200)" in dro
+    assert "mean than" not in dro and "no mean difference to `none` resolved" in dro
 
 
 def test_single_seed_study_excludes_training_randomness(tmp_path: Path):
@@ -226,13 +225,10 @@ def test_single_seed_study_excludes_training_randomness(tmp_path: Path):
     for n, arm in enumerate(ARM_PROBS):
         _write_job(tmp_path / str(n), [f"debias={arm}", "seed=3"], _result(questions, START_PROBS, rng),
                    _result(questions, ARM_PROBS[arm], rng), None)
-    text = write_report(load_study(tmp_path), tmp_path / "out", n_boot=100).read_text()
-    assert "1 seed: training randomness not included" in text
-    assert "`group_dro` (question resampling only; 1 seed of `group_dro` and `none`: training randomness not " \
-           "included)" in text
-    assert "seed and question resampling" not in text
+    text = write_report(load_study(tmp_path), tmp_path / "out", n_perm=100, n_sim=50).read_text()
+    assert "1 seed an arm: training randomness not included" in text
     data = json.loads((tmp_path / "out" / "study.json").read_text())
-    assert all(info["resampled"] == ["question"] for info in data["arms"].values())
+    assert "training randomness not included" in data["fairness"]["group_dro"]["mean"]["diff_method"]
     assert "No job logged valley or rollout metrics." in text and data["tracking"] == {}
     assert not (tmp_path / "out" / "valley_accuracy_scatter.png").exists()
 
@@ -246,27 +242,26 @@ def test_load_study_groups_arms_and_seeds(sweep: Path):
     # several metric lines of one step are merged
     none0 = next(job for job in study.jobs if job.arm == "none" and job.seed == 0)
     assert {"train/loss", "valley/vanilla/middle_mass", "valley/chunked/middle_mass"} <= set(none0.metrics[0])
-    scores = study.scores("group_dro")
-    assert scores.shape == (N_QUESTIONS,) and set(np.unique(scores)) <= {0.0, 0.5, 1.0}
+    scores = study.seed_scores("group_dro")
+    assert scores.shape == (2, N_QUESTIONS) and set(np.unique(scores)) <= {0.0, 1.0}
 
 
 def test_wall_time_per_job_from_its_log(sweep: Path, stats: dict, tmp_path: Path):
     assert stats["arms"]["none"]["wall_s"] == [450.0, None]  # the second job has no train.log
     assert stats["arms"]["group_dro"]["wall_s"] == [None, None]
-    text = write_report(load_study(sweep), tmp_path / "out", n_boot=50).read_text()
+    text = write_report(load_study(sweep), tmp_path / "out", n_perm=50, n_sim=50).read_text()
     assert "| none | 0,1 | 200 |" in text and "| 7.5, – |" in text
 
 
 def test_better_arm_is_resolved(stats: dict):
     dro = stats["fairness"]["group_dro"]
-    assert dro["worst_bin"]["diff_low"] > 0 and dro["worst_bin"]["resolved"]
-    assert dro["gap"]["diff_high"] < 0
+    assert dro["worst_bin"]["diff"] > 0 and dro["worst_bin"]["p_value"] < 0.01 and dro["worst_bin"]["resolved"]
+    assert dro["gap"]["diff"] < 0 and dro["gap"]["resolved"]
+    assert dro["mean"]["diff_low"] > 0 and dro["mean"]["diff_df"] >= 2.0  # never below (3 - 1)(2 - 1)
     assert stats["fairness"]["none"]["middle_minus_ends"]["high"] < 0  # the synthetic middle dip
-    half, mde = (stats["resolution"][key]["group_dro"] for key in ("worst_bin_diff_halfwidth", "worst_bin_mde"))
-    assert 0 < half < mde  # 2.80 standard errors against the interval's 1.96
+    assert math.isinf(stats["resolution"]["worst_bin_mde"])  # none has two equal dips: no lift of one is seen
     assert 0 < stats["resolution"]["median_bin_halfwidth"] < 0.2
     assert stats["fairness"]["none"]["mean"]["per_seed"] == pytest.approx(stats["arms"]["none"]["seed_means"])
-    assert all(stats["arms"][arm]["resampled"] == ["seed", "question"] for arm in ARM_PROBS)
 
 
 def test_valley_start_end_and_missing(stats: dict):
@@ -294,14 +289,14 @@ def _middle_result(questions: list[dict], middle_correct: int) -> ProbeResult:
     return ProbeResult(probe="in2", outcomes=outcomes, settings={})
 
 
-def _tracking_sweep(root: Path, jobs: int) -> Path:
-    """`jobs` jobs (arms x seeds), evaluated at steps 0, 50, 100 and FINAL_STEP and logging metrics at 0, 100, 150
+def _tracking_sweep(root: Path, jobs: int, seeds: int = 1) -> Path:
+    """`jobs` jobs (jobs / seeds arms: none, arm1, ...), evaluated at steps 0, 50, 100 and FINAL_STEP and logging metrics at 0, 100, 150
     and FINAL_STEP. At 100 and FINAL_STEP each job's middle answers move by a count of its own (all distinct);
     peak_to_trough_log10 is 0.01 x the middle count (vanilla) or minus that (chunked), middle_mass and the vanilla
     rollout's w1 are drawn independently of it, its spearman is constant, the chunked rollout is not logged."""
     questions, rng = _questions(TRACKING_QUESTIONS), np.random.default_rng(3)
     moves = rng.choice(np.arange(-40, 60), size=(jobs, 2), replace=False)  # (jobs, steps 100 and FINAL_STEP)
-    arms = list(ARM_PROBS)
+    arms = ["none", *(f"arm{k}" for k in range(1, jobs // seeds))]
     for n in range(jobs):
         arm, seed = arms[n % len(arms)], n // len(arms)
         counts = {0: MIDDLE_START, 50: MIDDLE_START, 100: MIDDLE_START + int(moves[n, 0]),
@@ -321,16 +316,18 @@ def _tracking_sweep(root: Path, jobs: int) -> Path:
 
 @pytest.fixture(scope="module")
 def tracking_stats(tmp_path_factory) -> dict:
-    """6 jobs: 3 arms x 2 seeds."""
-    return analyse(load_study(_tracking_sweep(tmp_path_factory.mktemp("tracking"), 6)), n_boot=400)
+    """6 jobs: 6 arms x 1 seed."""
+    return analyse(load_study(_tracking_sweep(tmp_path_factory.mktemp("tracking"), 6)), n_perm=200, n_sim=20)
 
 
 def test_valley_change_monotone_in_accuracy_change_has_rank_correlation_one(tracking_stats: dict):
     vanilla, chunked = (tracking_stats["tracking"][name] for name in ("vanilla", "chunked"))
     rises, falls = vanilla["valley/<set>/peak_to_trough_log10"], chunked["valley/<set>/peak_to_trough_log10"]
-    assert (rises["rho"], rises["low"], rises["high"]) == pytest.approx((1.0, 1.0, 1.0))
-    assert (falls["rho"], falls["low"], falls["high"]) == pytest.approx((-1.0, -1.0, -1.0))
-    assert rises["resolved"] and falls["resolved"] and rises["undefined"] == 0 and rises["reason"] is None
+    # 6 arms: the observed order and its reverse reach |ρ| = 1 among the 720 orders
+    assert (rises["rho"], rises["p_value"], rises["n_units"]) == pytest.approx((1.0, 2 / 720, 6))
+    assert (falls["rho"], falls["p_value"]) == pytest.approx((-1.0, 2 / 720))
+    assert rises["exact"] and rises["resolved"] and falls["resolved"] and rises["reason"] is None
+    assert rises["p_holm"] == pytest.approx(5 * 2 / 720)  # 5 predictors with a value
     # steps with both an eval and the metric: 0 (the base), 100 (a saved checkpoint) and the end; 50 logged no
     # metric and 150 has no eval
     assert (rises["n_jobs"], rises["n_points"]) == (6, 12)
@@ -343,48 +340,46 @@ def test_valley_change_monotone_in_accuracy_change_has_rank_correlation_one(trac
 def test_independent_change_is_not_resolved_and_constant_or_missing_is_na(tracking_stats: dict):
     vanilla, chunked = (tracking_stats["tracking"][name] for name in ("vanilla", "chunked"))
     for e in (vanilla["valley/<set>/middle_mass"], chunked["valley/<set>/middle_mass"]):
-        assert e["low"] < 0 < e["high"] and not e["resolved"] and e["n_points"] == 12
+        assert e["p_value"] > 0.05 and not e["resolved"] and e["n_points"] == 12
     constant = vanilla["rollout/<set>/measured/spearman"]
-    assert constant["reason"] == "Δ metric equal at every point" and np.isnan(constant["rho"])
+    assert constant["reason"] == "Δ metric equal at every arm" and np.isnan(constant["rho"])
     assert constant["n_points"] == 12 and not constant["resolved"]
     missing = chunked["rollout/<set>/measured/w1"]
-    assert missing["reason"] == "0 jobs with points, fewer than 3" and missing["points"] == []
+    assert missing["reason"] == "0 units, fewer than 3" and missing["points"] == []
 
 
-def test_fewer_than_three_jobs_is_na(tmp_path: Path):
-    got = analyse(load_study(_tracking_sweep(tmp_path, 2)), n_boot=100)["tracking"]["vanilla"]
+def test_fewer_than_three_arms_is_na(tmp_path: Path):
+    got = analyse(load_study(_tracking_sweep(tmp_path, 4, seeds=2)), n_perm=100, n_sim=20)["tracking"]["vanilla"]
     e = got["valley/<set>/peak_to_trough_log10"]
-    assert e["reason"] == "2 jobs with points, fewer than 3" and np.isnan([e["rho"], e["low"], e["high"]]).all()
-    assert (e["n_jobs"], e["n_points"]) == (2, 4)
+    assert e["reason"] == "2 units, fewer than 3" and np.isnan([e["rho"], e["p_value"]]).all()
+    assert (e["n_jobs"], e["n_points"]) == (4, 8)
 
 
-def test_rank_correlation_resamples_jobs_not_points():
-    """Every step of a job repeated 4 times leaves the interval as it is (the job is the unit); points resampled
-    one by one would give the 4x as many points a narrower interval."""
+def test_the_arm_is_the_unit_not_the_job_or_step():
+    """Points of one arm are averaged into one unit: repeating them (more seeds, more steps) leaves ρ and p."""
     rng = np.random.default_rng(8)
-    x = rng.normal(size=6)
-    y = x + rng.normal(size=6)
-    jobs = [f"job{j}" for j in range(6)]
-    once = rank_correlation(x, y, jobs, n_boot=500, seed=1)
-    repeated = rank_correlation(np.repeat(x, 4), np.repeat(y, 4), np.repeat(jobs, 4), n_boot=500, seed=1)
-    assert (repeated.n_points, repeated.n_jobs) == (24, 6) and once.high - once.low > 0.3
-    assert (repeated.rho, repeated.low, repeated.high) == pytest.approx((once.rho, once.low, once.high), abs=1e-12)
+    x, y = rng.normal(size=6), rng.normal(size=6)
+    points = [{"arm": f"a{k}", "job": f"a{k}", "x": x[k], "y": y[k]} for k in range(6)]
+    repeated = [{**p, "job": f"{p['job']}-{r}"} for p in points for r in range(4)]
+    once, many = arm_correlation(points), arm_correlation(repeated)
+    assert (many["n_points"], many["n_jobs"], many["n_units"]) == (24, 24, 6)
+    assert (many["rho"], many["p_value"]) == (once["rho"], once["p_value"])
 
 
 def test_tracking_report_and_json(tmp_path: Path):
     out = tmp_path / "out"
-    text = write_report(load_study(_tracking_sweep(tmp_path / "sweep", 6)), out, n_boot=200).read_text()
+    text = write_report(load_study(_tracking_sweep(tmp_path / "sweep", 6)), out, n_perm=200, n_sim=20).read_text()
     assert "## Does the Jacobian track the curve?" in text and "![](valley_accuracy_scatter.png)" in text
     table = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| `")]  # tracking's
     rows = {(cells[0], cells[1]): cells[2:] for cells in table}
     ptt, rho = "`valley/<set>/peak_to_trough_log10`", "`rollout/<set>/measured/spearman`"
-    assert rows[ptt, "vanilla"] == ["12", "6", "+1.000 [+1.000, +1.000]", "tracks: ρ > 0"]
-    assert rows[ptt, "chunked"] == ["12", "6", "-1.000 [-1.000, -1.000]", "tracks: ρ < 0"]
-    assert rows[rho, "vanilla"] == ["12", "6", "n/a", "n/a: Δ metric equal at every point"]
-    assert rows["`valley/<set>/middle_mass`", "vanilla"][3] == "no rank correlation resolved"
+    assert rows[ptt, "vanilla"] == ["6", "6", "+1.000", "0.003", "0.014", "tracks: ρ > 0"]
+    assert rows[ptt, "chunked"] == ["6", "6", "-1.000", "0.003", "0.014", "tracks: ρ < 0"]
+    assert rows[rho, "vanilla"] == ["6", "6", "n/a", "n/a", "n/a", "n/a: Δ metric equal at every arm"]
+    assert rows["`valley/<set>/middle_mass`", "vanilla"][5] == "no rank correlation resolved"
     assert len(rows) == 8  # 4 predictors x 2 sets
     assert "`valley/vanilla/peak_to_trough_log10` (ρ > 0), `valley/chunked/peak_to_trough_log10` (ρ < 0)" in text
-    assert "keeps all steps of a drawn job together" in text
+    assert "The unit is the arm" in text
     assert (out / "valley_accuracy_scatter.png").stat().st_size > 0
     data = json.loads((out / "study.json").read_text())
     assert data["tracking"]["vanilla"]["valley/<set>/middle_mass"]["key"] == "valley/vanilla/middle_mass"
@@ -392,7 +387,7 @@ def test_tracking_report_and_json(tmp_path: Path):
 
 
 def test_report_files(sweep: Path, tmp_path: Path):
-    report = write_report(load_study(sweep), tmp_path / "out", n_boot=300)
+    report = write_report(load_study(sweep), tmp_path / "out", n_perm=300, n_sim=50)
     text = report.read_text()
     assert report == tmp_path / "out" / "report.md"
     assert (tmp_path / "out" / "accuracy_by_depth.png").stat().st_size > 0
@@ -402,8 +397,10 @@ def test_report_files(sweep: Path, tmp_path: Path):
     dro = next(line for line in table if "| group_dro |" in line)
     assert dro.rstrip(" |").endswith("*")
     assert "(5%: " in dro and "(95%: " in next(line for line in text.splitlines() if line.startswith("| gap | none |"))
-    assert "`group_dro` (seed and question resampling): beats `none` on worst-bin accuracy" in text
-    assert "training randomness not included" not in text
+    assert "- `group_dro`: beats `none` on its worst bin" in text
+    assert "2 seeds an arm (shared): questions and seeds" in text and "training randomness not included" not in text
+    assert sorted(p.name for p in (tmp_path / "out" / "answers" / "none" / "seed1").iterdir()) == [
+        "in2_step0.json", f"in2_step{FINAL_STEP}.json"]
     assert "n/a" in text  # depth_weight has no valley metrics
     data = json.loads((tmp_path / "out" / "study.json").read_text(),
                       parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
@@ -411,10 +408,10 @@ def test_report_files(sweep: Path, tmp_path: Path):
 
 
 def test_cli(sweep: Path, tmp_path: Path, capsys):
-    assert main([str(sweep), "--out", str(tmp_path / "cli"), "--n-boot", "200"]) == 0
+    assert main([str(sweep), "--out", str(tmp_path / "cli"), "--n-perm", "200"]) == 0
     printed = capsys.readouterr().out
     assert all(f"| {arm} |" in printed for arm in ARM_PROBS) and "report.md" in printed
-    assert main([str(sweep), "--out", str(tmp_path / "bad"), "--reference", "nope", "--n-boot", "50"]) == 1
+    assert main([str(sweep), "--out", str(tmp_path / "bad"), "--reference", "nope", "--n-perm", "50"]) == 1
     assert "nope" in capsys.readouterr().err
 
 

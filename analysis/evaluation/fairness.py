@@ -1,7 +1,7 @@
 """Position fairness of per-question scores: mean, worst depth bin, best-minus-worst gap, middle against ends.
 
 `fairness` scores one vector of answers (a run's end-of-run summary); `resampled_metrics` scores many arms on
-the same bootstrap resamples at once (the debias study's paired intervals, `analysis.study`).
+many rearrangements of the questions at once (the debias study's flat-curve floor, `analysis.study`).
 """
 from __future__ import annotations
 
@@ -9,19 +9,23 @@ import warnings
 
 import numpy as np
 
+from analysis.stats import ACCURACY, Score, extreme
+
 MIDDLE = (0.25, 0.75)  # gold depths in [0.25, 0.75) are the middle, the rest the ends
 FAIRNESS_METRICS = ("mean", "worst_bin", "gap", "middle_minus_ends", "middle_over_ends")
 
 
 def resampled_metrics(
-    scores: np.ndarray, bins: np.ndarray, middle: np.ndarray, idx: np.ndarray, n_bins: int
+    scores: np.ndarray, bins: np.ndarray, middle: np.ndarray, idx: np.ndarray, n_bins: int,
+    score: Score = ACCURACY,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Fairness metrics of every arm on every resample: ({metric: (A, c)}, bin accuracy (A, c, n_bins)).
+    """Fairness metrics of every arm on every resample: ({metric: (A, c)}, bin means (A, c, n_bins)).
 
-    scores (A, n) per-question scores of A arms, or (A, c, n) one score vector per arm and resample (scores
-    that themselves vary between resamples: the study's resampled seeds); bins (n,) depth bins; middle (n,)
-    bool; idx (c, n) resampled question indices, the same for every arm (the pairing). A bin without
-    questions has accuracy nan and is left out of worst_bin and gap.
+    scores (A, n) per-question scores of A arms, or (A, c, n) one score vector per arm and resample; bins (n,)
+    depth bins; middle (n,) bool; idx (c, n) question indices (a permutation, or the sample itself), the same
+    for every arm. A bin without questions has mean nan and is left out of worst_bin and gap; the worst bin
+    is the lowest, or the highest where lower scores are better; middle_over_ends is nan for a score that is
+    not a rate (a ratio of log-likelihoods means nothing) and where the ends score 0.
     """
     c, n = idx.shape
     keys = (bins[idx] + n_bins * np.arange(c)[:, None]).ravel()  # (c * n,) one bincount for all resamples
@@ -38,12 +42,11 @@ def resampled_metrics(
             acc = np.where(counts > 0, sums / counts, np.nan)  # (c, B)
             mid_acc = np.where(mid, s, 0.0).sum(axis=1) / n_mid  # (c,)
             ends_acc = np.where(mid, 0.0, s).sum(axis=1) / n_ends  # (c,)
-            worst, best = np.nanmin(acc, axis=1), np.nanmax(acc, axis=1)
             out["mean"].append(s.mean(axis=1))
-            out["worst_bin"].append(worst)
-            out["gap"].append(best - worst)
+            out["worst_bin"].append(extreme(acc, "worst_bin", score))
+            out["gap"].append(extreme(acc, "gap", score))
             out["middle_minus_ends"].append(mid_acc - ends_acc)
-            out["middle_over_ends"].append(np.where(ends_acc > 0, mid_acc / ends_acc, np.nan))
+            out["middle_over_ends"].append(np.where((ends_acc > 0) & score.rate, mid_acc / ends_acc, np.nan))
             by_bin.append(acc)
     return {name: np.stack(values) for name, values in out.items()}, np.stack(by_bin)
 
@@ -53,7 +56,7 @@ def middle_of(depths: np.ndarray) -> np.ndarray:
     return (depths >= MIDDLE[0]) & (depths < MIDDLE[1])
 
 
-def fairness(scores: np.ndarray, bins: np.ndarray, depths: np.ndarray) -> dict[str, float]:
+def fairness(scores: np.ndarray, bins: np.ndarray, depths: np.ndarray, score: Score = ACCURACY) -> dict[str, float]:
     """Position-fairness metrics of one vector of per-question scores (n,), with their depth bins and depths.
 
     mean; worst_bin (lowest bin accuracy); gap (highest minus lowest bin accuracy, bins without questions
@@ -65,5 +68,6 @@ def fairness(scores: np.ndarray, bins: np.ndarray, depths: np.ndarray) -> dict[s
         raise ValueError(f"need equal non-empty 1-D scores, bins and depths, got shapes {scores.shape}, "
                          f"{bins.shape}, {np.shape(depths)}")
     idx = np.arange(scores.size)[None]  # the sample itself as the one "resample"
-    metrics, _ = resampled_metrics(scores[None], bins, middle_of(np.asarray(depths)), idx, int(bins.max()) + 1)
+    metrics, _ = resampled_metrics(scores[None], bins, middle_of(np.asarray(depths)), idx, int(bins.max()) + 1,
+                                   score)
     return {name: float(values[0, 0]) for name, values in metrics.items()}
