@@ -10,7 +10,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from analysis import stats
-from analysis.stats import Linear, Score, Seeds
+from analysis.stats import Score, Seeds
 
 REPLICATES = 400
 CROSSED_REPLICATES = 800  # three intervals a case, 15 checks in all: at 800 the ±3 points are ~4 standard errors
