@@ -21,8 +21,8 @@ runs' own `eval/in2_step<N>.json` when those agree, else are rebuilt from the fi
 section (`build_datasets`, cached). `--interventions` also answers the probes each inference-time intervention
 changes (analysis.evaluation.interventions) with every PATH, and reports them beside the plain curves: one figure per
 probe and a table with each intervention's accuracy minus the un-intervened checkpoint's on the same items
-(paired 95% bootstrap interval). Writes `<out>/report.md` and its PNGs; nothing reads wandb unless
---wandb is given, nothing is logged to wandb unless --wandb-log is (the report's PNGs and accuracy
+(paired 95% interval resampling whole questions, `analysis.stats`). Writes `<out>/report.md` and its PNGs;
+nothing reads wandb unless --wandb is given, nothing is logged to wandb unless --wandb-log is (the report's PNGs and accuracy
 tables as one wandb run of job type `report`, written under `<out>/wandb/`). Resolving PATHs, loading
 checkpoints and answering probes is `analysis.evaluation.checkpoints`; this module is the report and its CLI.
 """
@@ -42,6 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from analysis import stats
 from analysis.evaluation.checkpoints import (
     CompareError,
     ProbeBank,
@@ -69,8 +70,8 @@ from analysis.evaluation.config import (
     probe_metric,
     with_budget,
 )
-from analysis.evaluation.interventions import Intervention, by_final_position, paired_delta
-from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.interventions import Intervention, by_final_position
+from analysis.evaluation.result import ProbeResult, paired_delta
 from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.measure.rollout import (
@@ -84,7 +85,7 @@ from analysis.measure.rollout import (
 from analysis.measure.topology import METRIC_KEYS, topology_metrics
 from analysis.report.figures import PathProfile, plot_needle_grid, plot_position_accuracy, plot_profiles
 from analysis.report.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
-from analysis.report.tables import deltas_to_first, markdown_table, with_ci, with_delta
+from analysis.report.tables import deltas_to_first, markdown_table, paired_cell, with_delta
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
 from data_builders.probes import ProbeItem
@@ -526,7 +527,8 @@ def write_report(
              f"{REFERENCE} only where it says so).", "",
              *_settings_lines(entries, probes), "",
              "## Accuracy by gold position", "",
-             "Error bars: 95% bootstrap intervals over queries; dashed: closed-book accuracy (mdqa).", ""]
+             "Error bars: 95% bootstrap intervals over the questions asked at each position; dashed: closed-book "
+             "accuracy (mdqa).", ""]
     for probe in probes:
         results = {e.target.label: e.results[probe] for e in entries if probe in e.results}
         lines += [f"### {probe}", ""]
@@ -578,9 +580,10 @@ def _with_documents(result: ProbeResult) -> ProbeResult:
 def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
     """The interventions section: per probe a table (paired Δ against each PATH's plain answers) and a figure."""
     lines = ["## Interventions", "",
-             "Inference-time interventions (analysis.evaluation.interventions), each asked the items of the probes it changes. "
-             "Δ: its accuracy minus the same PATH's un-intervened accuracy on the same items, with a paired 95% "
-             "bootstrap interval (`*`: excludes 0). Reordered or truncated mdqa items stay at the gold's retriever "
+             "Inference-time interventions (analysis.evaluation.interventions), each asked the items of the probes "
+             "it changes. Δ: its accuracy minus the same PATH's un-intervened accuracy on the same items (paired by "
+             "id), with a paired 95% bootstrap interval that resamples whole questions, a question's positions "
+             "together (`*`: excludes 0). Reordered or truncated mdqa items stay at the gold's retriever "
              "rank; the `by final position` figure puts them where the gold ended. Wall time: answering the "
              "probe's items, this machine (`plain`: the un-intervened answers, when answered in this run).", ""]
     for probe in probes:
@@ -601,15 +604,13 @@ def _intervention_lines(out: Path, entries: Sequence[Entry], probes: Sequence[st
                 curves[f"{e.target.label} · {name}"] = _with_documents(result)  # closed-book: the plain line only
                 if any("final_position" in o["extra"] for o in result.outcomes):
                     final[f"{e.target.label} · {name}"] = by_final_position(result)
-                delta, (lo, hi), n = (paired_delta(e.results[probe], result) if probe in e.results
-                                      else (math.nan, (math.nan, math.nan), 0))
-                star = " *" if n and (lo > 0 or hi < 0) else ""
+                delta, n = (paired_delta(e.results[probe], result, where=(e.target.label, f"{e.target.label} · {name}"))
+                            if probe in e.results else (stats.NAN_INTERVAL, 0))
                 rows.append([e.target.label, name, with_delta(result.mean),
-                             with_ci(delta, lo, hi, signed=True, missing=None) + star,
-                             str(n), f"{e.intervention_seconds[name][probe]:.1f}"])
+                             paired_cell(delta), str(n), f"{e.intervention_seconds[name][probe]:.1f}"])
         if not rows:
             continue
-        header = ["PATH", "intervention", "accuracy", "Δ vs plain [95% CI]", "items", "wall s"]
+        header = ["PATH", "intervention", "accuracy", "Δ vs plain [95% CI, questions resampled]", "items", "wall s"]
         lines += [f"### {probe}", "", *markdown_table(header, rows), ""]
         png = plot_position_accuracy(curves, out / f"interventions_{probe}.png",
                                      f"{probe}: accuracy by gold position, plain and intervened (closed-book: plain)",

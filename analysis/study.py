@@ -904,6 +904,51 @@ def write_report(
     return report
 
 
+def reanalyse_per_seed(study_json: str | Path, alpha: float = stats.ALPHA) -> list[str]:
+    """Markdown lines re-analysing a study.json whose jobs' answers were not kept: the mean and middle − ends
+    differences to the reference from each arm's per-seed values alone (`stats.per_seed_interval`: shared seeds,
+    interaction pooled over the arms; given the questions asked, question sampling not included), and tracking
+    from its points over arms (`arm_correlation`, Holm over the predictors with a value)."""
+    path = Path(study_json)
+    try:
+        numbers = json.loads(path.read_text(encoding="utf-8"))
+        ref, fair = numbers["reference"], numbers["fairness"]
+        arms = [ref, *(a for a in numbers["arms"] if a != ref)]
+        # per-seed values of each metric where the file has them; an older one kept only each seed's mean
+        per_seed = {m: np.array([fair[a][m]["per_seed"] for a in arms], dtype=np.float64) for m in LINEAR_METRICS
+                    if all("per_seed" in fair[a][m] for a in arms)}
+        per_seed.setdefault("mean", np.array([numbers["arms"][a]["seed_means"] for a in arms], dtype=np.float64))
+    except (OSError, ValueError, KeyError) as err:
+        raise StudyError(f"{path}: not a study.json with per-seed values ({err!r})") from err
+    pct = round(100 * (1 - alpha))
+    rows = []
+    for a, arm in enumerate(arms[1:], start=1):
+        cells = [arm]
+        for m in LINEAR_METRICS:
+            if m not in per_seed:
+                cells.append("n/a (no per-seed values)")
+                continue
+            iv = stats.per_seed_interval(per_seed[m], a, 0, stats.Seeds.shared, alpha)
+            cells.append(with_ci(iv.value, iv.low, iv.high, signed=True) + (" *" if iv.resolved else ""))
+        rows.append(cells)
+    df = (len(arms) - 1) * (per_seed["mean"].shape[1] - 1)
+    lines = [f"Differences to `{ref}` from the per-seed values ({pct}% t({df}) intervals, seed part pooled over "
+             f"{len(arms)} arms, given the {numbers['n_questions']} questions; `*`: excludes 0):", "",
+             *markdown_table(["arm", f"Δ mean vs {ref}", f"Δ middle − ends vs {ref}"], rows), ""]
+    entries = [(name, predictor, arm_correlation(e["points"]))
+               for name, predictors in numbers.get("tracking", {}).items() for predictor, e in predictors.items()]
+    adjusted = stats.holm([r["p_value"] for _, _, r in entries])
+    if entries:
+        lines += ["Tracking over arms (Spearman ρ of the arms' mean Δ, exact permutation p, Holm over the predictors "
+                  "with a value):", "",
+                  *markdown_table(["predictor", "set", "arms", "ρ", "p", "p (Holm)"],
+                                  [[f"`{predictor}`", name, str(r["n_units"]),
+                                    "n/a" if r["reason"] else num(r["rho"], signed=True),
+                                    "n/a" if r["reason"] else num(r["p_value"]), "n/a" if r["reason"] else num(p)]
+                                   for (name, predictor, r), p in zip(entries, adjusted)]), ""]
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 
@@ -915,7 +960,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "the Jacobian valley and on whether it tracks the curve. Writes OUT/report.md, OUT/study.json, "
                     "OUT/accuracy_by_depth.png, OUT/valley_accuracy_scatter.png and OUT/answers/.",
     )
-    parser.add_argument("sweep_dir", metavar="SWEEP_DIR", help="the sweep directory (its job subdirectories)")
+    parser.add_argument("sweep_dir", metavar="SWEEP_DIR",
+                        help="the sweep directory (its job subdirectories); with --per-seed, a study.json")
+    parser.add_argument("--per-seed", action="store_true",
+                        help="re-analyse an older study.json that kept no answers, from its per-seed values and "
+                             "tracking points (prints markdown)")
     parser.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR/study)")
     parser.add_argument("--reference", default=REFERENCE_ARM,
                         help=f"the arm differences are taken against (default: {REFERENCE_ARM})")
@@ -934,6 +983,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (1: the sweep cannot be read as a study)."""
     args = build_parser().parse_args(argv)
+    if args.per_seed:
+        try:
+            print("\n".join(reanalyse_per_seed(args.sweep_dir)))
+        except StudyError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        return 0
     out = Path(args.out) if args.out else Path(args.sweep_dir) / "study"
     score = stats.Score(args.score, not args.lower_is_better, rate=args.score == stats.ACCURACY.field)
     try:

@@ -2,7 +2,8 @@
 
 Layers, lowest first: data_builders < models < analysis < scripts, train; inside models, the attention
 surgery < model loading (models/*.py) < training infrastructure; inside analysis, measurement < evaluation <
-reports < the command-line reports on top (analysis/*.py). Every import statement of the project's own
+reports < the command-line reports on top (analysis/*.py), except `analysis.stats` (numpy and scipy only),
+which sits below them all: every layer's intervals go through it. Every import statement of the project's own
 modules counts, also one inside a function (it is a dependency all the same).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ LAYER = {"data_builders": 0, "models": 1, "analysis": 2, "scripts": 3, "train": 
 # Sub-packages, lowest first; a module directly in the package sits at the rank named by "".
 SUBLAYER = {"models": {"attention": 0, "": 1, "training": 2},
             "analysis": {"measure": 0, "evaluation": 1, "report": 2, "": 3}}
+BELOW_SUB_PACKAGES = {"analysis.stats"}  # modules directly in a package that rank below its sub-packages
 
 
 def project_modules() -> dict[str, ast.Module]:
@@ -36,7 +38,9 @@ def imports_of(tree: ast.Module, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+            # `from pkg import mod` is the module; `from mod import name` the module it names
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [name if name in known else node.module for name in names]
         else:
             continue
         for name in names:
@@ -86,6 +90,8 @@ def sublayer(module: str) -> tuple[str, int] | None:
     ranks = SUBLAYER.get(package)
     if ranks is None or not rest:
         return None
+    if module in BELOW_SUB_PACKAGES:
+        return package, min(ranks.values()) - 1
     return package, ranks.get(rest[0] if len(rest) > 1 else "", ranks[""])
 
 
@@ -94,6 +100,8 @@ def test_the_walker_sees_a_cycle_and_an_upward_import():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     tree = ast.parse("def f():\n    from analysis.measure.prior import prior_profile\n")
     assert imports_of(tree, {"analysis", "analysis.measure.prior"}) == {"analysis.measure.prior"}
+    tree = ast.parse("from analysis import stats\nfrom analysis.stats import ALPHA\n")
+    assert imports_of(tree, {"analysis", "analysis.stats"}) == {"analysis.stats"}  # not the package itself
 
 
 def test_no_import_cycle():

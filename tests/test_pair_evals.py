@@ -22,14 +22,14 @@ def test_rows_per_arm_and_the_paired_difference(tmp_path, capsys):
     assert main([str(tmp_path / "plain.json"), f"arm={tmp_path / 'arm.json'}", "--figure",
                  str(tmp_path / "fig.png")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == ("| arm | closed-book | gold 0 | gold 9 | mean over gold positions | Δ vs plain [95% CI] "
-                        "| items |")
+    assert lines[0] == ("| arm | closed-book | gold 0 | gold 9 | mean over gold positions "
+                        "| Δ vs plain [95% CI, questions resampled] | items |")
     plain_row, arm_row = lines[2].split(" | "), lines[3].split(" | ")
     assert plain_row[2].startswith("0.000") and plain_row[3] == "1.000 [1.000, 1.000]" and plain_row[4] == "0.500"
     assert arm_row[2].startswith("0.500 [") and arm_row[4] == "0.750"
     assert arm_row[5].startswith("+0.250 [") and arm_row[5].endswith("] *") and arm_row[6] == "20 |"
     assert (tmp_path / "fig.png").stat().st_size > 0
-    by_position = lines[lines.index("Δ vs plain at each position, paired by item [95% CI]:") + 2:]
+    by_position = lines[lines.index("Δ vs plain at each position, paired by item [95% CI, questions resampled]:") + 2:]
     assert by_position[0] == "| arm | closed-book | gold 0 | gold 9 |"
     arm_cells = by_position[2].split(" | ")
     assert arm_cells[1] == "+0.000 [+0.000, +0.000]" and arm_cells[3] == "+0.000 [+0.000, +0.000] |"
@@ -64,3 +64,13 @@ def test_a_result_of_another_probe_or_metric_fails_naming_the_file(tmp_path, cap
         assert str(tmp_path / path) in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([str(tmp_path / "plain.json"), str(tmp_path / "kv.json")])  # no NAME=
+
+
+def test_an_item_id_twice_in_one_result_fails_naming_it(tmp_path, capsys):
+    result("mdqa", {(0, 0): 1.0, (1, 0): 0.0}).save_json(tmp_path / "plain.json")
+    twice = result("mdqa", {(0, 0): 1.0, (1, 0): 0.0})
+    twice.outcomes.append(dict(twice.outcomes[0]))  # q0@0 answered twice: pairing by id would pick one silently
+    twice.save_json(tmp_path / "twice.json")
+    assert main([str(tmp_path / "plain.json"), f"twice={tmp_path / 'twice.json'}"]) == 1
+    captured = capsys.readouterr()
+    assert "twice: item id 'q0@0' occurs more than once" in captured.err and captured.out == ""

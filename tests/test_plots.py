@@ -185,6 +185,7 @@ def test_position_accuracy_points_intervals_and_closed_book_line(tmp_path):
     ci = a.ci_by_position()
     np.testing.assert_allclose([seg[:, 1] for seg in bars.get_segments()], [ci[0], ci[4], ci[9]])
     np.testing.assert_array_equal(ax.lines[-1].get_ydata(), [0.25, 0.25])  # closed-book accuracy
+    assert ax.get_ylim() == (-0.02, 1.02)  # every value a share: the fixed 0-1 axis
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "4", "9"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["A, closed-book", "A"]
     assert_png(plot_position_accuracy({"A": a}, tmp_path / "mdqa.png", "mdqa"))
@@ -194,6 +195,14 @@ def test_position_accuracy_points_intervals_and_closed_book_line(tmp_path):
     assert len({tuple(c.lines[0].get_color()) for c in ax.containers}) == 12
     fig.canvas.draw()
     assert ax.get_legend().get_window_extent().x0 > ax.get_window_extent().x1
+
+
+def test_position_accuracy_axis_fits_a_score_outside_0_1():
+    nats = ProbeResult("mdqa", [{"id": f"q{q}@{pos}", "query": f"q{q}", "position": pos, "label": str(pos),
+                                 "prediction": "", "answers": ["x"], "correct": -3.0 - 0.5 * q - pos, "extra": {}}
+                                for pos in (0, 4) for q in range(5)])  # a log-likelihood in nats, not a share
+    low, high = position_accuracy_figure({"A": nats}).axes[0].get_ylim()
+    assert low < -8.0 and -4.0 < high < 0.0  # around the means -4 and -8, not -0.02 to 1.02
 
 
 def needle_result(cells: dict[tuple[int, float], list[float]]) -> ProbeResult:

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from analysis.evaluation.config import METRICS, EvalConfig, NeedleProbeConfig, Probe
 from analysis.evaluation.generate import FirstLineComplete, encode_prompt, greedy_generate, model_generate_fn
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes, run_probe
-from analysis.evaluation.result import ProbeResult, write_eval_json
+from analysis.evaluation.result import CI_METHOD, ProbeResult, write_eval_json
 from data_builders.probes import KV_FILE, NQ_FILE, ProbeItem, in2_probe, kv_probe, mdqa_probe
 from tests.conftest import SHARED_DATA, shared_data_file
 
@@ -103,7 +103,8 @@ def test_kv_run_gives_scripted_curve(source):
     assert result.accuracy_by_position() == {0: 1.0, 24: 0.0, 49: 0.0, 74: 1.0}
     assert result.mean == 0.5
     assert result.ci_by_position()[0] == (1.0, 1.0) and result.ci_by_position()[24] == (0.0, 0.0)
-    assert result.paired_difference(0, 24) == (1.0, (1.0, 1.0))
+    diff = result.paired_difference(0, 24)
+    assert (diff.value, diff.low, diff.high) == (1.0, 1.0, 1.0) and diff.n == len(items) // 4  # each question
     assert result.to_metrics() == {
         "eval/kv/acc@0": 1.0,
         "eval/kv/acc@24": 0.0,
@@ -147,6 +148,7 @@ def test_save_and_load_json(tmp_path):
     saved = json.loads(path.read_text())
     assert saved["accuracy"] == {"0": 0.0, "24": 1.0, "49": 0.0, "74": 0.0} and saved["mean"] == 0.25
     assert saved["n"] == {"0": 6, "24": 6, "49": 6, "74": 6} and saved["ci95"]["24"] == [1.0, 1.0]
+    assert saved["ci_method"] == CI_METHOD  # how ci95 was made, said once
     assert saved["metric"] == "substring_match" and saved["settings"]["metric"] == "substring_match"
     loaded = ProbeResult.load_json(path)
     assert loaded.outcomes == result.outcomes and loaded.to_metrics() == result.to_metrics()

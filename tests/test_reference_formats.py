@@ -385,7 +385,7 @@ def test_mdqa_gold_at_k_files_pair_by_query_across_a_glob(tmp_path):
         assert len(others) == 1  # the same distractors in the same order at every position
     result = run_probe(items, scripted({0}), METRICS["best_subspan_em"])
     assert result.accuracy_by_position() == {-1: 0.0, 0: 1.0, 9: 0.0, 19: 0.0}
-    assert result.paired_difference(0, 19)[0] == 1.0
+    assert result.paired_difference(0, 19).value == 1.0
 
 
 def test_mdqa_files_with_different_question_orders_are_not_paired(tmp_path):

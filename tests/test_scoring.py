@@ -1,23 +1,19 @@
 import gzip
 import itertools
 import json
-import math
 import re
 import string
 import unicodedata
 from pathlib import Path
 
-import numpy as np
 import pytest
 import regex
 
 from analysis.evaluation.scoring import (
     best_subspan_em,
-    bootstrap_ci,
     exact_match,
     first_line,
     normalize_answer,
-    paired_bootstrap_ci,
     substring_match,
     whole_word_subspan_em,
 )
@@ -376,32 +372,3 @@ def test_battery_is_not_trivial(battery):
     assert any("\n" in p.strip() for p, _ in battery)
     assert any(len(g) > 1 for _, g in battery)
     assert any(p == "" for p, _ in battery)
-
-
-def test_bootstrap_ci_basic():
-    assert bootstrap_ci(np.ones(50)) == (1.0, 1.0)
-    assert bootstrap_ci(np.zeros(50)) == (0.0, 0.0)
-    assert all(math.isnan(v) for v in bootstrap_ci(np.array([])))
-    x = np.random.default_rng(1).integers(0, 2, 400).astype(float)
-    low, high = bootstrap_ci(x)
-    assert low < x.mean() < high
-    assert bootstrap_ci(x) == (low, high)  # seeded
-    # The percentile interval of a Bernoulli mean is close to the normal approximation.
-    half = 1.96 * math.sqrt(x.mean() * (1 - x.mean()) / x.size)
-    assert abs((high - low) / 2 - half) < 0.2 * half
-    narrow = bootstrap_ci(x, alpha=0.5)
-    assert low <= narrow[0] <= narrow[1] <= high
-
-
-def test_paired_bootstrap_ci():
-    rng = np.random.default_rng(0)
-    easy = rng.integers(0, 2, 300).astype(float)
-    assert paired_bootstrap_ci(easy, easy) == (0.0, 0.0)
-    # b is a with a tenth of the correct answers lost: a real, small, consistent drop.
-    b = easy * (rng.random(300) > 0.1)
-    low, high = paired_bootstrap_ci(easy, b)
-    assert 0.0 < low <= (easy - b).mean() <= high
-    # Unpaired intervals of the two means overlap although the paired difference is clearly > 0.
-    assert bootstrap_ci(b)[1] > bootstrap_ci(easy)[0]
-    with pytest.raises(ValueError):
-        paired_bootstrap_ci(np.ones(3), np.ones(4))

@@ -13,7 +13,7 @@ import pytest
 
 from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import ProbeResult
-from analysis.stats import Score, crossed_interval, mean_of
+from analysis.stats import Score, crossed_interval, mean_of, per_seed_interval
 from analysis.study import (
     StudyError,
     analyse,
@@ -441,3 +441,23 @@ def test_missing_eval_names_the_path(tmp_path: Path):
         load_study(tmp_path)
     with pytest.raises(StudyError, match="no job directories"):
         load_study(tmp_path / "0" / "eval")
+
+
+def test_per_seed_reanalysis_of_an_old_study_json(stats: dict, tmp_path: Path, capsys):
+    """A study.json without answers: differences from the per-seed values, seed part pooled over the arms."""
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(stats))
+    assert main([str(path), "--per-seed"]) == 0
+    printed = capsys.readouterr().out
+    arms = list(stats["arms"])  # reference first
+    per_seed = np.array([stats["fairness"][a]["mean"]["per_seed"] for a in arms])
+    want = per_seed_interval(per_seed, arms.index("group_dro"), 0)
+    row = next(line for line in printed.splitlines() if line.startswith("| group_dro |"))
+    assert row.split(" | ")[1] == f"{want.value:+.3f} [{want.low:+.3f}, {want.high:+.3f}]" + (" *" * want.resolved)
+    assert "t(2) intervals, seed part pooled over 3 arms" in printed
+    old = {**stats, "fairness": {a: {m: {k: v for k, v in e.items() if k != "per_seed"} for m, e in f.items()}
+                                 for a, f in stats["fairness"].items()}}
+    path.write_text(json.dumps(old))
+    assert main([str(path), "--per-seed"]) == 0
+    assert "n/a (no per-seed values)" in capsys.readouterr().out  # middle − ends: only the seed means were kept
+    assert main([str(tmp_path / "missing.json"), "--per-seed"]) == 1

@@ -24,19 +24,16 @@ gold's rank, so their curves pair with the un-intervened ones; each outcome keep
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any, ClassVar, Collection, Iterable, Iterator, Optional
+from typing import Any, ClassVar, Iterable, Iterator, Optional
 
-import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.config import EvalConfig, Probe
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.reuse import computation_key
-from analysis.evaluation.scoring import paired_bootstrap_ci
 from data_builders.probes import Order
 from data_builders.tokenizer import default_cache_dir
 from models.attention.attn_calibration import (
@@ -282,20 +279,3 @@ def by_final_position(result: ProbeResult) -> ProbeResult:
     outcomes = [{**o, "position": o["extra"]["final_position"], "label": str(o["extra"]["final_position"])}
                 for o in result.outcomes if o["position"] >= 0 and o["extra"].get("final_position", -1) >= 0]
     return ProbeResult(result.probe, outcomes, {**result.settings, "positions": "final"})
-
-
-def paired_delta(plain: ProbeResult, other: ProbeResult, n_boot: int = 1000, seed: int = 0,
-                 positions: Optional[Collection[int]] = None) -> tuple[float, tuple[float, float], int]:
-    """Mean accuracy of `other` minus `plain` over the items both asked (by id) at `positions` (None: every gold
-    position, closed-book left out), with its paired 95% bootstrap interval, and the number of items."""
-
-    def asked(o: dict) -> bool:
-        return o["position"] >= 0 if positions is None else o["position"] in positions
-
-    before = {o["id"]: o["correct"] for o in plain.outcomes if asked(o)}
-    after = {o["id"]: o["correct"] for o in other.outcomes if asked(o)}
-    shared = sorted(before.keys() & after.keys())
-    if not shared:
-        return math.nan, (math.nan, math.nan), 0
-    x, y = np.array([after[i] for i in shared]), np.array([before[i] for i in shared])
-    return float((x - y).mean()), paired_bootstrap_ci(x, y, n_boot, 0.05, seed), len(shared)

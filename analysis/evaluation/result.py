@@ -1,17 +1,23 @@
-"""One probe run's outcome: per-query answers and correctness, accuracy and bootstrap intervals by gold
-position, its metric keys, and its JSON (`<run>/eval/<probe>_step<N>.json`, `models.training.run_dir`)."""
+"""One probe run's outcome: per-query answers and scores, their mean and interval by gold position (through
+`analysis.stats`), the paired difference of two runs on the same items (`paired_delta`), its metric keys, and
+its JSON (`<run>/eval/<probe>_step<N>.json`, `models.training.run_dir`)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection, Mapping
 
 import numpy as np
 
-from analysis.evaluation.scoring import bootstrap_ci, paired_bootstrap_ci
+from analysis import stats
 from data_builders.files import atomic_write_text, json_safe
 from models.training.run_dir import RunDir
+
+# How `save_json`'s `ci95` intervals are made; at one position each question is asked once, so resampling the
+# position's items resamples questions.
+CI_METHOD = (f"{1 - stats.ALPHA:.0%} percentile bootstrap over the questions asked at each position "
+             f"({stats.N_BOOT} resamples, seed {stats.RNG_SEED})")
 
 
 @dataclass
@@ -25,34 +31,42 @@ class ProbeResult:
     # positions... (`probe_settings`): what a reader needs to know which numbers are comparable.
     settings: dict[str, Any] = field(default_factory=dict)
 
-    def _correct(self, position: int) -> np.ndarray:
-        return np.array([o["correct"] for o in self.outcomes if o["position"] == position], dtype=float)
+    def _scores(self, position: int, score: stats.Score = stats.ACCURACY) -> np.ndarray:
+        """(n,) the `score` of every item at `position`."""
+        return np.array([o[score.field] for o in self.outcomes if o["position"] == position], dtype=float)
 
     def labels(self) -> dict[int, str]:
         """Metric-key label of each position present, in position order."""
         return dict(sorted({o["position"]: o["label"] for o in self.outcomes}.items()))
 
-    def accuracy_by_position(self) -> dict[int, float]:
-        """Mean correctness at each position present (-1 = closed-book baseline, if any)."""
-        return {p: float(self._correct(p).mean()) for p in self.labels()}
+    def accuracy_by_position(self, score: stats.Score = stats.ACCURACY) -> dict[int, float]:
+        """Mean score (by default correctness) at each position present (-1 = closed-book baseline, if any)."""
+        return {p: float(self._scores(p, score).mean()) for p in self.labels()}
 
     def ci_by_position(
-        self, n_boot: int = 1000, alpha: float = 0.05, seed: int = 0
+        self, n_boot: int = stats.N_BOOT, alpha: float = stats.ALPHA, seed: int = stats.RNG_SEED,
+        score: stats.Score = stats.ACCURACY,
     ) -> dict[int, tuple[float, float]]:
-        """Percentile bootstrap interval of the accuracy at each position."""
-        return {p: bootstrap_ci(self._correct(p), n_boot, alpha, seed) for p in self.labels()}
+        """(low, high) of `stats.mean_interval` of the mean score at each position (each question once there)."""
+        intervals = {p: stats.mean_interval(self._scores(p, score), None, n_boot, alpha, seed) for p in self.labels()}
+        return {p: (iv.low, iv.high) for p, iv in intervals.items()}
 
     def paired_difference(
-        self, a: int, b: int, n_boot: int = 1000, alpha: float = 0.05, seed: int = 0
-    ) -> tuple[float, tuple[float, float]]:
-        """acc(a) - acc(b) over the queries asked at both positions, with its paired bootstrap interval."""
-        at_a = {o["query"]: o["correct"] for o in self.outcomes if o["position"] == a}
-        at_b = {o["query"]: o["correct"] for o in self.outcomes if o["position"] == b}
-        shared = sorted(at_a.keys() & at_b.keys())
+        self, a: int, b: int, n_boot: int = stats.N_BOOT, alpha: float = stats.ALPHA, seed: int = stats.RNG_SEED,
+        score: stats.Score = stats.ACCURACY,
+    ) -> stats.Interval:
+        """Mean score at position `a` minus at `b` over the questions asked at both (paired by question,
+        `stats.cluster_of` of the item id, never by query text), with its `stats.paired_interval`.
+
+        ValueError if no question was asked at both, or if a question occurs twice at one of them."""
+        def by_question(position: int) -> list[dict[str, Any]]:
+            return [{**o, "id": stats.cluster_of(o["id"])} for o in self.outcomes if o["position"] == position]
+
+        shared, x, y = stats.pair_by_id(by_question(a), by_question(b), score, where=(
+            f"probe {self.probe!r}, questions at position {a}", f"probe {self.probe!r}, questions at position {b}"))
         if not shared:
-            raise ValueError(f"no query of probe {self.probe!r} was asked at both positions {a} and {b}")
-        x, y = np.array([at_a[q] for q in shared]), np.array([at_b[q] for q in shared])
-        return float((x - y).mean()), paired_bootstrap_ci(x, y, n_boot, alpha, seed)
+            raise ValueError(f"no question of probe {self.probe!r} was asked at both positions {a} and {b}")
+        return stats.paired_interval(x, y, None, n_boot, alpha, seed)
 
     @property
     def mean(self) -> float:
@@ -68,7 +82,8 @@ class ProbeResult:
         return metrics
 
     def save_json(self, path: str | Path) -> Path:
-        """Write the summary (accuracy, 95% interval and count per label) and every outcome."""
+        """Write the summary (accuracy, 95% interval and count per label, how the intervals were made) and every
+        outcome."""
         labels, cis = self.labels(), self.ci_by_position()
         summary = {
             "probe": self.probe,
@@ -77,7 +92,8 @@ class ProbeResult:
             "mean": self.mean,
             "accuracy": {labels[p]: acc for p, acc in self.accuracy_by_position().items()},
             "ci95": {labels[p]: list(ci) for p, ci in cis.items()},
-            "n": {labels[p]: int(self._correct(p).size) for p in labels},
+            "ci_method": CI_METHOD,
+            "n": {labels[p]: int(self._scores(p).size) for p in labels},
             "outcomes": self.outcomes,
         }
         # Atomic: compare and a resumed run read these back, and must never see half a file.
@@ -89,6 +105,25 @@ class ProbeResult:
         """Read back a file written by `save_json`."""
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         return cls(data["probe"], data["outcomes"], data.get("settings", {}))
+
+
+def paired_delta(
+    plain: ProbeResult, other: ProbeResult, positions: Collection[int] | None = None,
+    score: stats.Score = stats.ACCURACY, n_boot: int = stats.N_BOOT, alpha: float = stats.ALPHA,
+    seed: int = stats.RNG_SEED, where: tuple[str, str] = ("plain", "other"),
+) -> tuple[stats.Interval, int]:
+    """Mean score of `other` minus `plain` over the items both asked (paired by id) at `positions` (None: every
+    gold position, closed-book left out), and the number of those items.
+
+    The interval (`stats.paired_interval`) resamples whole questions: a question's items at several positions
+    share its difficulty and move together. An id that occurs twice in one result raises ValueError naming it
+    by `where` (plain's name, other's name). No item in common: nan interval, 0 items."""
+    def asked(o: Mapping[str, Any]) -> bool:
+        return o["position"] >= 0 if positions is None else o["position"] in positions
+
+    ids, before, after = stats.pair_by_id(plain.outcomes, other.outcomes, score, asked, where)
+    clusters = [stats.cluster_of(i) for i in ids]
+    return stats.paired_interval(after, before, clusters, n_boot, alpha, seed), len(ids)
 
 
 def write_eval_json(run_dir: str | Path, step: int, name: str, result: ProbeResult) -> Path:

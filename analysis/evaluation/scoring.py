@@ -1,4 +1,4 @@
-"""Answer scoring for the position-wise probes, and bootstrap confidence intervals.
+"""Answer scoring for the position-wise probes (intervals of the scores: `analysis.stats`).
 
 Which scorer goes with which probe:
 - key-value retrieval and needle: `substring_match` (the value / code appears in the output);
@@ -12,8 +12,6 @@ never match); it is kept for diagnostics and is not comparable with published nu
 from __future__ import annotations
 
 from typing import Sequence
-
-import numpy as np
 
 from data_builders.text import normalize_answer
 
@@ -75,33 +73,3 @@ def exact_match(prediction: str, answers: Sequence[str], stop: Sequence[str] = (
         prediction = prediction.split(s, 1)[0]
     pred = normalize_answer(prediction)
     return float(any(pred == gold for gold in map(normalize_answer, answers) if gold))
-
-
-def bootstrap_ci(
-    outcomes: np.ndarray, n_boot: int = 1000, alpha: float = 0.05, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of per-query outcomes, shape (n_queries,).
-
-    Returns (nan, nan) for no outcomes.
-    """
-    x = np.asarray(outcomes, dtype=float)
-    if x.size == 0:
-        return float("nan"), float("nan")
-    idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))  # (n_boot, n)
-    means = x[idx].mean(axis=1)  # (n_boot,)
-    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-    return float(low), float(high)
-
-
-def paired_bootstrap_ci(
-    a: np.ndarray, b: np.ndarray, n_boot: int = 1000, alpha: float = 0.05, seed: int = 0
-) -> tuple[float, float]:
-    """Bootstrap interval of mean(a - b), where a[i] and b[i] are the same query at two positions.
-
-    Resampling queries (not positions) keeps the pairing, so the query-difficulty variance shared
-    by both positions cancels and the interval is narrower than two unpaired ones suggest.
-    """
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if a.shape != b.shape:
-        raise ValueError(f"paired outcomes need equal shapes, got {a.shape} and {b.shape}")
-    return bootstrap_ci(a - b, n_boot=n_boot, alpha=alpha, seed=seed)

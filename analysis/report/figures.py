@@ -236,7 +236,8 @@ def position_accuracy_figure(
     """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed.
 
     Past ten curves the colours come from a 20-colour map (no two curves share one up to 20); past four, the
-    legend sits beside the axes, so it never hides a curve."""
+    legend sits beside the axes, so it never hides a curve. The y axis is 0-1 when every value drawn lies in
+    [0, 1] (accuracy), else automatic (a score such as log-likelihood in nats)."""
     labels: dict[int, str] = {}
     for result in results.values():
         labels.update(result.labels())
@@ -245,16 +246,22 @@ def position_accuracy_figure(
     fig = Figure(figsize=(11.5 if beside else 7.5, 4.5), layout="constrained")
     ax = fig.subplots()
     palette = colormaps["tab20"] if len(results) > 10 else None
+    drawn: list[float] = []
     for i, (name, result) in enumerate(results.items()):
         colour = palette(i % 20) if palette is not None else f"C{i % 10}"
         acc, ci = result.accuracy_by_position(), result.ci_by_position()
         shown = [p for p in positions if p in acc]
         _interval_series(ax, np.array([positions.index(p) for p in shown]), np.array([acc[p] for p in shown]),
                          np.array([ci[p] for p in shown]), i, len(results), 0.08, colour, name)
+        drawn += [acc[p] for p in shown] + [end for p in shown for end in ci[p]]
         if -1 in acc:
+            drawn.append(acc[-1])
             ax.axhline(acc[-1], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
     ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
-    ax.set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.02, 1.02), title=title or "Accuracy by gold position")
+    ax.set(xlabel=xlabel, ylabel="accuracy", title=title or "Accuracy by gold position")
+    values = np.array(drawn)  # (k,) every point, interval end and closed-book level; nan ones are not drawn
+    if np.all(~np.isfinite(values) | ((values >= 0) & (values <= 1))):
+        ax.set_ylim(-0.02, 1.02)
     ax.grid(True, alpha=0.3)
     if beside:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from analysis.stats import Interval
+
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     """A markdown table's lines: the header, the separator, one line per row of cells."""
@@ -31,6 +33,11 @@ def num(value: float | str | None, signed: bool = False, missing: str | None = "
 def with_ci(value: float, low: float, high: float, signed: bool = False, missing: str | None = "n/a") -> str:
     """`value [low, high]`, each written by `num`."""
     return f"{num(value, signed, missing)} [{num(low, signed, missing)}, {num(high, signed, missing)}]"
+
+
+def paired_cell(delta: Interval) -> str:
+    """A paired difference with its interval, signed, and ` *` when the interval excludes 0."""
+    return with_ci(delta.value, delta.low, delta.high, signed=True, missing=None) + (" *" if delta.resolved else "")
 
 
 def with_delta(value: float | None, base: float | None = None) -> str:
