@@ -262,6 +262,9 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
             t.device == Device.cpu or not torch.cuda.is_available()):
         raise ValueError(f"model.attn_implementation=flex_attention has no backward on the CPU (torch "
                          f"{torch.__version__}): train with sdpa here, or on a CUDA device")
+    if cfg.eval.loglik and cfg.eval.loglik_aliases < 1:
+        raise ValueError(f"eval.loglik_aliases={cfg.eval.loglik_aliases}: the log-likelihood needs at least 1 answer "
+                         "alias (or eval.loglik=false)")
     if cfg.eval.probes and cfg.eval.probe_every < 1:
         raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
     if cfg.eval.probes:

@@ -25,6 +25,7 @@ from data_builders.config import (
     DataConfig,
     DataFormat,
     In2Config,
+    In2Layout,
     as_data_config,
     config_dict,
     ignored_settings,
@@ -32,6 +33,7 @@ from data_builders.config import (
 )
 from data_builders.files import atomic_dir
 from data_builders.in2 import RECORD_FEATURES, build_in2, make_format
+from data_builders.in2_mdqa import build_in2_mdqa
 from data_builders.pools import tokenizer_digest
 from data_builders.sources import file_identity
 from data_builders.tokenizer import default_cache_dir
@@ -42,6 +44,8 @@ BUILD_FILE = "build.json"
 HELDOUT_FILE = "heldout_docs.json"
 # The code an IN2 build's bytes depend on: a change in any of these files gives a new fingerprint.
 _CODE = ("in2.py", "pools.py", "question_split.py", "sources.py", "synthetic.py", "text.py", "tokenizer.py")
+# ... and, for data.in2.layout=mdqa, the probe's renderer, retriever and template too
+_MDQA_CODE = ("in2_mdqa.py", "mdqa.py", "probes.py", "templates/mdqa.txt")
 
 
 @dataclass
@@ -109,8 +113,11 @@ def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> 
     """Fingerprint of an IN2 build: config, input files, tokenizer and the builder code itself."""
     skip = ("cache", "num_proc", "prebuilt", "format", "windows", "packing", "pack_len")  # no effect on the bytes
     settings = {k: v for k, v in config_dict(cfg).items() if k not in skip}
+    mdqa = cfg.in2.layout == In2Layout.mdqa
+    if not mdqa:  # the segment layout's bytes do not depend on them: its fingerprints stay those of before them
+        settings["in2"] = {k: v for k, v in settings["in2"].items() if k not in ("layout", "n_docs")}
     here = Path(__file__).resolve().parent
-    code = [(here / name).read_bytes() for name in _CODE]
+    code = [(here / name).read_bytes() for name in _CODE + (_MDQA_CODE if mdqa else ())]
     return Hasher.hash([
         settings, file_identity(cfg.path), file_identity(cfg.filler_path),
         tokenizer_digest(tokenizer) if tokenizer is not None else "bpe", code,
@@ -118,7 +125,8 @@ def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> 
 
 
 def _build_in2(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase], key: str) -> DataBundle:
-    tables, heldout, tokenizer, stats = build_in2(cfg, tokenizer)
+    build = build_in2_mdqa if cfg.in2.layout == In2Layout.mdqa else build_in2
+    tables, heldout, tokenizer, stats = build(cfg, tokenizer)
     splits = {
         name: Dataset(InMemoryTable(table), info=DatasetInfo(features=RECORD_FEATURES),
                       fingerprint=Hasher.hash([key, name]))

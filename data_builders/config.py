@@ -34,6 +34,16 @@ class DataFormat(StrEnum):
     lm_windows = "lm_windows"  # language-model windows of long documents (data_builders.windows)
 
 
+class In2Layout(StrEnum):
+    """How an IN2 sample lays out its context (`data.in2.layout`)."""
+
+    segments = "segments"  # IN2's: token-budget contexts of passage segments, the gold at any token offset
+    # the mdqa probe's own prompt (data_builders.in2_mdqa): data.in2.n_docs whole titled documents
+    # `Document [k](Title: T) text` with BM25 distractors, Liu et al.'s instruction, the question and `Answer:`;
+    # the gold in one of the n_docs slots (data.source=nq only)
+    mdqa = "mdqa"
+
+
 class DepthLaw(StrEnum):
     """Where a training gold may start among a context's F free tokens (offset p in {0..F}, depth p / F)."""
 
@@ -70,7 +80,8 @@ class In2Config:
     """`data.in2.*`: what only IN2 assembly (and the loss on its samples) reads."""
 
     segment_len: int = 64  # longest segment in tokens; longer passages are cut at sentence ends
-    # when set, budgets are uniform in [context_len_min, data.context_len]; a chat template's own tokens come on top of the minimum
+    # when set, budgets are uniform in [context_len_min, data.context_len]; a chat template's own tokens come on top
+    # of the minimum
     context_len_min: Optional[int] = None
     context_lens: list[int] = field(default_factory=list)  # when set, each budget is drawn from these lengths
     # Short contexts first: over the first `curriculum` share of the training split the largest budget
@@ -96,6 +107,11 @@ class In2Config:
     # it with probability min(1, i / (depth_ramp * num_train))); training then reads the split in that order.
     depth_ramp: float = 0.0
     heldout_doc_len: int = 2048  # held-out documents are concatenated up to this length for the Jacobian
+    # segments: IN2's contexts; mdqa: each sample is the mdqa probe's prompt over `n_docs` whole documents, the gold
+    # in a uniformly drawn slot (depth = slot / (n_docs - 1)), distractors the passages BM25 ranks highest among
+    # the split's own passages (none holding an answer), the target an answer alias the gold holds as whole words
+    layout: In2Layout = In2Layout.segments
+    n_docs: int = 10  # layout=mdqa: documents per sample (the evaluation's 10 by default)
 
 
 @dataclass
@@ -189,8 +205,40 @@ def _choice(key: str, value: Any, kind: type[StrEnum]) -> None:
         raise ValueError(f"{key}={value!r} is not known (known: {', '.join(m.value for m in kind)})")
 
 
+# data.in2 settings of the segment layout that data.in2.layout=mdqa has no use for (its samples are n_docs whole
+# documents in the mdqa probe's prompt, the gold slot uniform): set, they would be silently ignored. (answer_lead,
+# a model recipe's, is not among them: NQ questions have no answer lead in either layout.)
+SEGMENT_ONLY = ("context_len_min", "context_lens", "curriculum", "tasks", "instruction", "depth_law", "depth_ramp")
+
+
+def _validate_mdqa_layout(cfg: DataConfig) -> None:
+    c = cfg.in2
+    if c.n_docs < 2:
+        raise ValueError(f"data.in2.n_docs={c.n_docs} must be >= 2 (the gold and at least one distractor)")
+    if cfg.source != DataSource.nq:
+        raise ValueError(f"data.in2.layout=mdqa renders NQ's titled passages as the mdqa probe does: it needs "
+                         f"data.source=nq (got {cfg.source})")
+    if cfg.filler_path:
+        raise ValueError("data.in2.layout=mdqa draws its distractors from the source's titled passages: "
+                         f"data.filler_path={cfg.filler_path} has no titles; leave it unset")
+    default, unused = In2Config(), []
+    for name in SEGMENT_ONLY:
+        value, base = getattr(c, name), getattr(default, name)
+        if dataclasses.is_dataclass(value):
+            unused += _changed(value, base, f"data.in2.{name}")
+        elif value != base:
+            unused.append(f"data.in2.{name}={value}")
+    if unused:
+        raise ValueError(f"data.in2.layout=mdqa does not use {', '.join(unused)}: its samples are the mdqa "
+                         f"probe's prompt over data.in2.n_docs={c.n_docs} whole documents, the gold slot uniform; "
+                         "leave them at their defaults (as data=in2_nq_mdqa does)")
+
+
 def _validate_in2(cfg: DataConfig) -> None:
     c = cfg.in2
+    _choice("data.in2.layout", c.layout, In2Layout)
+    if c.layout == In2Layout.mdqa:
+        _validate_mdqa_layout(cfg)
     shares = vars(c.tasks)
     if any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
         raise ValueError(f"data.in2.tasks must be non-negative with a positive sum, got {shares}")

@@ -30,6 +30,9 @@ NQ_FILE = "nq-open-oracle.jsonl.gz"
 # Gold positions the reference evaluated for each pair / document count (its EXPERIMENTS.md).
 KV_REFERENCE_POSITIONS = {75: (0, 24, 49, 74), 140: (0, 34, 69, 104, 139), 300: (0, 49, 99, 149, 199, 249, 299)}
 MDQA_REFERENCE_POSITIONS = {10: (0, 4, 9), 20: (0, 4, 9, 14, 19), 30: (0, 4, 9, 14, 19, 24, 29)}
+# The mdqa probe's `pool` value that retrieves distractors from the evaluation questions' passages only
+# (`eval.mdqa.pool=heldout`, with `eval.mdqa.questions=heldout`): none of them reaches training on NQ.
+HELDOUT_POOL = "heldout"
 
 # Needle keys never occur in the synthetic filler, so the question has exactly one answer in context.
 NEEDLE_WORDS = (
@@ -93,6 +96,9 @@ class ProbeItem:
     # Character spans [start, end) of the documents (mdqa) or pairs (kv) in a text prompt, in order: what
     # attention calibration (models.attention.attn_calibration) treats as segments. Not saved with the outcomes.
     segments: list[tuple[int, int]] | None = None
+    # Token ids of the gold answer(s) as a continuation of the prompt, when the probe knows them (IN2: the answer
+    # tokens the record trains on); None = tokenize `answers` (analysis.evaluation.loglik). Not saved either.
+    targets: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.label is None:
@@ -261,6 +267,15 @@ def document_lines(docs: Sequence[Mapping[str, str]]) -> list[str]:
     return [f"Document [{k + 1}](Title: {d['title']}) {d['text']}" for k, d in enumerate(docs)]
 
 
+def mdqa_prompt(question: str, docs: Sequence[Mapping[str, str]], query_aware: bool = False
+                ) -> tuple[str, list[tuple[int, int]]]:
+    """The mdqa prompt over `docs` (in order) and the character span of each document line in it: the one renderer
+    of the probe's items and of IN2 training samples in its format (`data.in2.layout=mdqa`, data_builders.in2_mdqa).
+    Liu et al.'s instruction, `Document [k](Title: <title>) <text>` lines, the question, `Answer:`."""
+    template = "mdqa_query_aware" if query_aware else "mdqa"
+    return fill_template(load_template(template), "documents", document_lines(docs), "\n", question=question)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Prompt-level interventions of the kv and mdqa probes (analysis.evaluation.interventions): query-aware prompts
@@ -288,10 +303,8 @@ def _qa_item(
     extra = dict(extra)
     if ctxs and layout.moves_documents:
         ctxs, extra["final_position"] = arrange_documents(ctxs, position, layout.order, layout.keep)
-    template = "mdqa_query_aware" if layout.query_aware else "mdqa"
     if ctxs:
-        prompt, segments = fill_template(load_template(template), "documents", document_lines(ctxs), "\n",
-                                         question=rec["question"])
+        prompt, segments = mdqa_prompt(rec["question"], ctxs, layout.query_aware)
     else:
         prompt, segments = load_template("closedbook_qa").format(question=rec["question"]), []
     return ProbeItem(
@@ -318,18 +331,49 @@ def _check_qa_record(where: str, rec: Mapping[str, Any]) -> None:
             raise ValueError(f"{where}: ctxs[{k}] needs a `title` and a `text`")
 
 
+def heldout_passages(records: Iterable[Mapping[str, Any]], split: QuestionSplit) -> list[dict[str, str]]:
+    """The distinct passages (`passage_pool`) of the records whose question is an evaluation question of `split`:
+    an IN2 build from NQ with `data.nq_split` equal to `split` trains on none of them, as gold or distractor."""
+    return passage_pool(r for r in records if is_evaluation_question(r["question"], split))
+
+
+def check_mdqa_pool(pool: str | Path | None, distractors: Distractors | str, heldout: QuestionSplit | None,
+                    prefix: str = "eval.mdqa.") -> None:
+    """Fail naming the key (`<prefix>pool`) on a distractor pool the mdqa probe cannot use: a value that is neither
+    a passage file nor HELDOUT_POOL, or HELDOUT_POOL without retrieved distractors or without held-out questions
+    (`<prefix>questions=heldout`, whose split says which passages are held out)."""
+    if pool is None:
+        return
+    if str(pool) == HELDOUT_POOL:
+        if Distractors(distractors) != Distractors.retrieved:
+            raise ValueError(f"{prefix}pool={HELDOUT_POOL} is a pool to retrieve from, but {prefix}distractors="
+                             f"{distractors} draws other questions' passages: set {prefix}distractors=retrieved")
+        if heldout is None:
+            raise ValueError(f"{prefix}pool={HELDOUT_POOL} retrieves from the passages of the evaluation questions of "
+                             f"{prefix}split: set {prefix}questions=heldout")
+        return
+    if not Path(pool).expanduser().is_file():
+        raise ValueError(f"{prefix}pool={str(pool)!r} is neither a passage file (JSON lines of title/text, or of "
+                         f"records with ctxs) nor {HELDOUT_POOL!r} (the evaluation questions' passages only)")
+
+
 def _built_qa_items(
     file: Path, lines: Sequence[tuple[int, dict[str, Any]]], chosen: Sequence[int], n_docs: int | None,
     positions: Sequence[int] | None, distractors: str, pool: str | Path | None, seed: int, layout: Layout,
+    heldout: QuestionSplit | None = None,
 ) -> list[ProbeItem]:
-    """Items of an oracle file (one gold passage per question): distractors added, gold at each position."""
+    """Items of an oracle file (one gold passage per question): distractors added, gold at each position.
+    `pool=HELDOUT_POOL`: retrieved from the file's passages of `heldout`'s evaluation questions only."""
     n_docs = 20 if n_docs is None else n_docs
     positions = reference_positions(n_docs, "mdqa") if positions is None else tuple(positions)
     bad = [p for p in positions if not 0 <= p < n_docs]
     if bad:
         raise ValueError(f"{file}: gold positions {bad} do not fit n_docs={n_docs} (positions run 0..{n_docs - 1})")
     records = [rec for _, rec in lines]
-    pool_passages = passage_pool(read_jsonl(pool)) if pool is not None else None
+    if pool is not None and str(pool) == HELDOUT_POOL:
+        pool_passages = heldout_passages(records, heldout)
+    else:
+        pool_passages = passage_pool(read_jsonl(pool)) if pool is not None else None
     try:
         built = build_mdqa_records(records, n_docs, positions, distractors, pool_passages, chosen, seed)
     except ValueError as err:
@@ -397,9 +441,13 @@ def mdqa_probe(
     and reordered; positions stay the gold's rank (`_qa_item`).
     `heldout`: ask only the evaluation questions of this split (data_builders.question_split: those an IN2
     build from NQ with the same `data.nq_split` never trains on); None asks from every record.
+    `pool`: a passage file to retrieve distractors from; None = the oracle file's own passages; HELDOUT_POOL
+    ("heldout", with `heldout` set) = the file's passages of `heldout`'s evaluation questions only, which an IN2
+    build from NQ never trains on, so that no distractor was seen in training (`check_mdqa_pool`).
     """
     if layout.keep is not None and layout.keep < 1:
         raise ValueError(f"{path}: keep={layout.keep} documents: keep at least one")
+    check_mdqa_pool(pool, distractors, heldout, "mdqa.")
     items: list[ProbeItem] = []
     asked: dict[str, str] = {}  # item id -> file:line of the record that asked it
     questions: dict[str, tuple[str, str]] = {}  # query -> (file:line, question) of its first record
@@ -413,7 +461,8 @@ def mdqa_probe(
             raise ValueError(f"{file}: none of its {len(lines)} questions is an evaluation question of {heldout}")
         chosen = [eligible[k] for k in sample_indices(len(eligible), n_examples, random.Random(seed))]
         if lines and all(len(rec.get("ctxs") or []) == 1 for _, rec in lines):
-            file_items = _built_qa_items(file, lines, chosen, n_docs, positions, distractors, pool, seed, layout)
+            file_items = _built_qa_items(file, lines, chosen, n_docs, positions, distractors, pool, seed, layout,
+                                         heldout)
         else:
             file_items = _given_qa_items(file, lines, chosen, n_docs, positions, layout)
         for item in file_items:
@@ -546,11 +595,20 @@ def bin_label(index: int, bins: int) -> str:
     return str(round(index / bins, 4))
 
 
+def _trained_answer(rec: Mapping[str, Any]) -> list[int]:
+    """The answer tokens an IN2 record trains on: its labelled tokens after the prompt (all of them without
+    labels: the schema is prompt + answer + eos), without the final eos."""
+    after = [int(t) for t in rec["input_ids"][rec["prompt_len"]:]]
+    if "labels" in rec:
+        after = [t for t, label in zip(after, rec["labels"][rec["prompt_len"]:]) if label != -100]
+    return after[:-1]
+
+
 def in2_probe(records: Iterable[Mapping[str, Any]], bins: int = 10) -> list[ProbeItem]:
     """Held-out IN2 records as items binned by gold depth (position = bin of record["depth"]).
 
     The prompt is the record's own token ids before the answer, `input_ids[:prompt_len]`, so
-    generation sees exactly the tokens that training saw.
+    generation sees exactly the tokens that training saw; `targets` holds the answer tokens it trains on.
     """
     items = []
     for rec in records:
@@ -565,6 +623,7 @@ def in2_probe(records: Iterable[Mapping[str, Any]], bins: int = 10) -> list[Prob
                 probe="in2",
                 extra={k: rec[k] for k in ("depth", "context_tokens", "task", "source") if k in rec},
                 label=bin_label(b, bins),
+                targets=[_trained_answer(rec)],
             )
         )
     return items

@@ -58,11 +58,6 @@ def test_lora_adapters_with_zero_b_do_not_change_the_digest_until_b_moves():
 
 
 def _records(n: int = 6) -> list[dict]:
-    return [{"id": i, "input_ids": [1 + i, 2, 3, 4, 5, 6, 7, 8], "prompt_len": 6, "answers": ["x"],
-             "depth": i / n} for i in range(n)]
-
-
-def _records(n: int = 6) -> list[dict]:
     return [{"id": i, "input_ids": [40 + i, 41, 42, 43, 44, 45, 46, 47], "prompt_len": 6, "answers": ["x"],
              "depth": i / n} for i in range(n)]
 

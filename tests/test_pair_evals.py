@@ -74,3 +74,52 @@ def test_an_item_id_twice_in_one_result_fails_naming_it(tmp_path, capsys):
     assert main([str(tmp_path / "plain.json"), f"twice={tmp_path / 'twice.json'}"]) == 1
     captured = capsys.readouterr()
     assert "twice: item id 'q0@0' occurs more than once" in captured.err and captured.out == ""
+
+
+def loglik_result(values: dict[tuple[int, int], float], answers: dict | None = None) -> ProbeResult:
+    """(query, position) -> log-likelihood (and a fixed correctness); `answers`: position -> extra["answer"]."""
+    outcomes = [{"id": f"q{q}@{p}", "query": f"q{q}", "position": p, "label": str(p), "prediction": "",
+                 "answers": ["a"], "correct": 0.0, "loglik": v,
+                 "extra": {"answer": answers[p]} if answers else {}} for (q, p), v in values.items()]
+    return ProbeResult("mdqa", outcomes, {"metric": "best_subspan_em"})
+
+
+def test_contrasts_by_log_likelihood_and_their_change(tmp_path, capsys):
+    """Every position minus the strong end within each result, and the change of that contrast: a shift that
+    moves every position alike (a new answer format) changes no contrast."""
+    base = {(q, p): -10.0 + (2.0 if p == 9 else 0.0) + 0.25 * q for q in range(8) for p in (0, 4, 9)}
+    shifted = {k: v - 3.0 for k, v in base.items()}  # every position 3 nats lower
+    debiased = {**base, **{(q, 4): base[q, 4] + 1.5 for q in range(8)}}  # the middle lifted by 1.5 nats
+    for name, values in (("base", base), ("shifted", shifted), ("debiased", debiased)):
+        loglik_result(values).save_json(tmp_path / f"{name}.json")
+    assert main([str(tmp_path / "base.json"), f"shifted={tmp_path / 'shifted.json'}",
+                 f"debiased={tmp_path / 'debiased.json'}", "--score", "loglik"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [cell.split(" [")[0] for cell in lines[2].split(" | ")[1:4]] == ["-9.125", "-9.125", "-7.125"]
+    table = lines[lines.index("|  | gold 0 − gold 9 | gold 4 − gold 9 |"):]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table[2:7]}
+    assert rows["plain"] == ["-2.000 [-2.000, -2.000] *", "-2.000 [-2.000, -2.000] * |"]
+    assert rows["shifted: change vs plain"] == ["+0.000 [+0.000, +0.000]", "+0.000 [+0.000, +0.000] |"]
+    assert rows["debiased: change vs plain"] == ["+0.000 [+0.000, +0.000]", "+1.500 [+1.500, +1.500] * |"]
+    assert main([str(tmp_path / "base.json"), f"d={tmp_path / 'debiased.json'}", "--score", "loglik",
+                 "--strong", "0"]) == 0
+    assert "|  | gold 4 − gold 0 | gold 9 − gold 0 |" in capsys.readouterr().out
+
+
+def test_log_likelihood_asked_of_results_without_it_fails_by_name(tmp_path, capsys):
+    result("mdqa", {(0, 0): 1.0}).save_json(tmp_path / "plain.json")
+    result("mdqa", {(0, 0): 1.0}).save_json(tmp_path / "arm.json")
+    assert main([str(tmp_path / "plain.json"), f"arm={tmp_path / 'arm.json'}", "--score", "loglik"]) == 1
+    assert "plain, arm has no 'loglik'" in capsys.readouterr().err
+
+
+def test_answers_table_shows_the_format(tmp_path, capsys):
+    long_copy = {"kind": "gold", "first_line_words": 16, "short_em": 0.0, "whole_word": 1.0, "copies_gold": 1.0}
+    short = {"kind": "distractor", "first_line_words": 2, "short_em": 0.0, "whole_word": 0.0, "copies_gold": 0.0}
+    values = {(q, p): -5.0 for q in range(4) for p in (0, 9)}
+    loglik_result(values, {0: short, 9: long_copy}).save_json(tmp_path / "plain.json")
+    loglik_result(values, {0: short, 9: short}).save_json(tmp_path / "arm.json")
+    assert main([str(tmp_path / "plain.json"), f"arm={tmp_path / 'arm.json'}"]) == 0
+    out = capsys.readouterr().out
+    assert "| plain | 9 | 1.000 | 0.000 | 0.000 | 16.0 | 0.000 | 1.000 |" in out
+    assert "| arm | 9 | 0.000 | 1.000 | 0.000 | 2.0 | 0.000 | 0.000 |" in out

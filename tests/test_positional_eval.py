@@ -1,5 +1,6 @@
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from analysis.evaluation.config import METRICS, EvalConfig, NeedleProbeConfig, Probe
 from analysis.evaluation.generate import FirstLineComplete, encode_prompt, greedy_generate, model_generate_fn
+from analysis.evaluation.loglik import sequence_logprobs
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes, run_probe
 from analysis.evaluation.result import CI_METHOD, ProbeResult, write_eval_json
 from data_builders.probes import KV_FILE, NQ_FILE, ProbeItem, in2_probe, kv_probe, mdqa_probe
@@ -238,7 +240,14 @@ def test_evaluate_in2_on_tiny_model(model, tokenizer):
     assert [o["id"] for o in result.outcomes] == [r["id"] for r in records]
     direct = greedy_generate(model, tokenizer, [r["input_ids"][:4] for r in records], 3, 8, progress=False)
     assert [o["prediction"] for o in result.outcomes] == direct
-    assert set(metrics) == {"eval/in2/acc_mean"} | {f"eval/in2/acc@{b / 10}" for b in range(10)}
+    bins = {f"@{b / 10}" for b in range(10)}
+    assert set(metrics) == {f"eval/in2/{name}{key}" for name in ("acc", "loglik") for key in {"_mean", *bins}}
+    # the log-likelihood of the answer tokens the record trains on (9), teacher-forced after its prompt
+    assert [o["loglik"] for o in result.outcomes] == pytest.approx(
+        [sequence_logprobs(model, r["input_ids"][:4], [[9]])[0] for r in records], abs=1e-5)
+    assert result.outcomes[0]["extra"]["answer"]["first_line_words"] == len(direct[0].split("\n")[0].split())
+    _, plain = evaluate_in2(model, tokenizer, Dataset.from_list(records), replace(cfg, loglik=False))
+    assert not plain.has_loglik and "loglik" not in plain.settings
 
 
 def test_build_and_evaluate_probes_without_data(model, tokenizer, caplog):
@@ -249,8 +258,8 @@ def test_build_and_evaluate_probes_without_data(model, tokenizer, caplog):
     assert "mdqa is skipped" in caplog.text
     assert set(probes) == {"kv", "needle"} and len(probes["kv"]) == 8 and len(probes["needle"]) == 10
     metrics, results = evaluate_probes(model, tokenizer, {"needle": probes["needle"]}, cfg)
-    depth_keys = {f"eval/needle/acc@{d}" for d in (0.0, 0.25, 0.5, 0.75, 1.0)}
-    assert set(metrics) == depth_keys | {"eval/needle/acc_mean"}
+    assert set(metrics) == {f"eval/needle/{name}{key}" for name in ("acc", "loglik")
+                            for key in ("_mean", *(f"@{d}" for d in (0.0, 0.25, 0.5, 0.75, 1.0)))}
     assert len(results["needle"].outcomes) == 10
     with pytest.raises(ValueError):
         build_probes(EvalConfig(probes=["nope"]), tokenizer)

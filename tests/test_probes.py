@@ -174,6 +174,7 @@ def test_in2_probe_bins_by_depth():
     assert [it.label for it in items] == ["0.0", "0.0", "0.1", "0.3", "0.5", "0.9", "0.9"]
     assert all(it.prompt == [5, 6, 7, 8] and it.n_positions == 10 and it.probe == "in2" for it in items)
     assert items[3].extra == {"depth": 0.34, "context_tokens": 3, "task": "fine_grained", "source": "synthetic"}
+    assert items[0].targets == [[9]]  # the labelled answer tokens, without the final eos
     assert [it.label for it in in2_probe(records[:2], bins=20)] == ["0.0", "0.05"]
 
 

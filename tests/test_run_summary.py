@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from analysis.evaluation.fairness import fairness
-from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.metrics_log import read_metrics
 from analysis.report.run_summary import run_summary
 from tests.conftest import ROOT, TINY
@@ -57,6 +57,13 @@ def test_the_summary_numbers_are_the_run_files_numbers(cli_run):
         assert f"step {step}" in summary
         worst = fairness(scores, bins, depths)["worst_bin"]
         assert f"{worst:.3f}" in summary.split("**worst bin**")[1].splitlines()[0]
+        # the same curve by the gold answer's log-likelihood, whatever the answers' format
+        loglik = np.array([o["loglik"] for o in result.outcomes])
+        middle = fairness(loglik, bins, depths, LOGLIK)["middle_minus_ends"]
+        table = summary.split("## Log-likelihood of the gold answer by gold depth")[1]
+        assert f"{middle:.3f}" in table.split("**middle − ends**")[1].splitlines()[0]
+        words = np.median([o["extra"]["answer"]["first_line_words"] for o in result.outcomes])
+        assert f"step {step}: {words:g}" in summary.split("median length in words: ")[1].splitlines()[0]
     valley = [r for r in rows if "valley/vanilla/anchor_to_trough_log10" in r]
     line = next(x for x in summary.splitlines() if "`valley/vanilla/anchor_to_trough_log10`" in x)
     assert [valley[0]["step"], valley[-1]["step"]] == [0, 3]

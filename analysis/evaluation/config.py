@@ -16,7 +16,7 @@ from analysis.evaluation.scoring import best_subspan_em, exact_match, first_line
 from data_builders.config import DataConfig, DataFormat, DataSource
 from data_builders.files import expand_paths
 from data_builders.mdqa import Distractors
-from data_builders.probes import KV_FILE, NQ_FILE, Order
+from data_builders.probes import HELDOUT_POOL, KV_FILE, NQ_FILE, Order, check_mdqa_pool
 from data_builders.question_split import QuestionSplit, check_split
 
 Scorer = Callable[[str, Sequence[str]], float]
@@ -145,6 +145,10 @@ class EvalConfig:
     # Step 0's IN2 answers are read from the cache (<POSDEBIAS_CACHE>/evaluations) when another run already
     # asked the same weights the same questions (analysis.evaluation.reuse); single process only.
     reuse_step0: bool = False
+    # The teacher-forced log-likelihood of every item's gold answer (`loglik` in each outcome, analysis.evaluation
+    # .loglik): position without answer format, one extra prompt pass an item; of the first loglik_aliases aliases.
+    loglik: bool = True
+    loglik_aliases: int = 3
     kv: KVProbeConfig = field(default_factory=KVProbeConfig)
     mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)
     needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)
@@ -171,7 +175,11 @@ def check_probes(cfg: EvalConfig, prefix: str = "eval.") -> None:
     files = [(f"{name}.path" if getattr(cfg, name).path else "data_dir", probe_source(name, cfg))
              for name in (Probe.kv, Probe.mdqa) if name in wanted]
     if Probe.mdqa in wanted:
-        files.append(("mdqa.pool", cfg.mdqa.pool))
+        if cfg.mdqa.pool is not None and str(cfg.mdqa.pool) == HELDOUT_POOL:  # a rule, not a file
+            check_mdqa_pool(cfg.mdqa.pool, cfg.mdqa.distractors,
+                            cfg.mdqa.split if cfg.mdqa.questions == MDQAQuestions.heldout else None, f"{prefix}mdqa.")
+        else:
+            files.append(("mdqa.pool", cfg.mdqa.pool))
     if Probe.needle in wanted and cfg.data_dir is not None:
         files.append(("data_dir", Path(cfg.data_dir) / NQ_FILE))
     for key, path in files:

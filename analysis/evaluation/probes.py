@@ -1,4 +1,5 @@
-"""Position-wise accuracy: greedy answers to probes whose gold sits at known positions.
+"""Position-wise accuracy: greedy answers to probes whose gold sits at known positions, with each answer's kind
+and, by default (`eval.loglik`), the teacher-forced log-likelihood of the gold answer.
 
 The training loop calls `evaluate_in2` on held-out IN2 records (accuracy by gold depth) and, when
 `eval.probes` is set, `evaluate_probes` on key-value / multi-document QA / needle probes built by
@@ -41,39 +42,55 @@ from analysis.evaluation.config import (
     probe_metric,
     probe_source,
 )
+from analysis.evaluation.answer_kinds import describe_answer, gold_segment_index, segment_texts
 from analysis.evaluation.generate import GenerateFn, model_generate_fn
+from analysis.evaluation.loglik import LOGLIK_DEFINITION, LoglikFn, best, model_loglik_fn
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.reuse import evaluation_key, reused_or_run
+from analysis.evaluation.scoring import exact_match, first_line, whole_word_subspan_em
 
 log = logging.getLogger(__name__)
 
 
+def _answer_details(item: ProbeItem, prediction: str) -> dict[str, Any]:
+    """What an answer is, beside its score: its kind of span (the gold document, a distractor, none) when the
+    prompt's documents are known, the length of its first line and its short-answer scores."""
+    if isinstance(item.prompt, str) and item.segments:
+        return describe_answer(prediction, item.answers, segment_texts(item.prompt, item.segments),
+                               gold_segment_index(item.position, item.extra))
+    line = first_line(prediction)
+    return {"first_line_words": len(line.split()), "short_em": exact_match(line, item.answers),
+            "whole_word": whole_word_subspan_em(line, item.answers)}
+
+
 def run_probe(
-    items: Sequence[ProbeItem], generate_fn: GenerateFn, metric: Metric, settings: Mapping[str, Any] | None = None
+    items: Sequence[ProbeItem], generate_fn: GenerateFn, metric: Metric, settings: Mapping[str, Any] | None = None,
+    loglik_fn: LoglikFn | None = None,
 ) -> ProbeResult:
     """Answer every item with `generate_fn` and score each answer against the item's answers with `metric`.
 
-    The result's settings are `settings` with the metric's name and definition.
+    Each outcome also holds `extra["answer"]` (`_answer_details`) and, with `loglik_fn`, `loglik`: the best
+    teacher-forced log-likelihood of the item's first answers (`analysis.evaluation.loglik`), each alias's in
+    `extra["loglik_aliases"]`. The result's settings are `settings` with the metric's name and definition.
     """
     if not items:
         raise ValueError("run_probe needs at least one item")
     predictions = generate_fn(items)
     if len(predictions) != len(items):
         raise ValueError(f"generate_fn returned {len(predictions)} answers for {len(items)} items")
-    outcomes = [
-        {
-            "id": it.id,
-            "query": it.query,
-            "position": it.position,
-            "label": it.label,
-            "prediction": pred,
-            "answers": it.answers,
-            "correct": float(metric.score(pred, it.answers)),
-            "extra": it.extra,
-        }
-        for it, pred in zip(items, predictions)
-    ]
+    logliks = loglik_fn(items) if loglik_fn is not None else [None] * len(items)
+    outcomes = []
+    for it, pred, values in zip(items, predictions, logliks):
+        outcome = {"id": it.id, "query": it.query, "position": it.position, "label": it.label, "prediction": pred,
+                   "answers": it.answers, "correct": float(metric.score(pred, it.answers)),
+                   "extra": {**it.extra, "answer": _answer_details(it, pred)}}
+        if values is not None:
+            outcome["loglik"] = best(values)
+            outcome["extra"]["loglik_aliases"] = values
+        outcomes.append(outcome)
     settings = {"metric": metric.name, "metric_definition": metric.definition, **(settings or {})}
+    if loglik_fn is not None:
+        settings["loglik"] = LOGLIK_DEFINITION
     return ProbeResult(items[0].probe, outcomes, settings)
 
 
@@ -93,14 +110,16 @@ def evaluate_in2(
     items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
     generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, batch_tokens=cfg.batch_tokens)
     settings = probe_settings("in2", cfg, items)
+    loglik = model_loglik_fn(model, tokenizer, n_aliases=cfg.loglik_aliases) if cfg.loglik else None
 
     def answer() -> ProbeResult:
-        return run_probe(items, generate, METRICS["exact_match"], settings)
+        return run_probe(items, generate, METRICS["exact_match"], settings, loglik)
 
     if reuse_dir is None:
         result = answer()
     else:
-        batching = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": "exact_match"}
+        batching = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": "exact_match",
+                    "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases}
         result = reused_or_run(evaluation_key(model, items, {**settings, **batching}), reuse_dir, answer)
     return result.to_metrics("eval"), result
 
@@ -142,12 +161,15 @@ def evaluate_probes(
     calibration: AttnCalibration | None = None,
 ) -> tuple[dict[str, float], dict[str, ProbeResult]]:
     """Run the probes from `build_probes` (and in2 items) on `model`, each with its budget and metric;
-    metrics of all probes and the result of each. `calibration`: answer with attention calibration."""
+    metrics of all probes and the result of each. `calibration`: answer with attention calibration (whose
+    per-batch segments the log-likelihood pass does not install: it is left out then)."""
     results = {}
+    loglik = (model_loglik_fn(model, tokenizer, cfg.chat_template, cfg.loglik_aliases)
+              if cfg.loglik and calibration is None else None)
     for name, items in probes.items():
         generate = model_generate_fn(model, tokenizer, probe_budget(name, cfg), cfg.batch_size,
                                      cfg.chat_template, first_line_only=name == "mdqa", batch_tokens=cfg.batch_tokens,
                                      calibration=calibration)
-        results[name] = run_probe(items, generate, probe_metric(name, cfg), probe_settings(name, cfg, items))
+        results[name] = run_probe(items, generate, probe_metric(name, cfg), probe_settings(name, cfg, items), loglik)
     metrics = {k: v for result in results.values() for k, v in result.to_metrics("eval").items()}
     return metrics, results

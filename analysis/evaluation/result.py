@@ -4,6 +4,7 @@ its JSON (`<run>/eval/<probe>_step<N>.json`, `models.training.run_dir`)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping
@@ -11,8 +12,11 @@ from typing import Any, Collection, Mapping
 import numpy as np
 
 from analysis import stats
+from analysis.evaluation.answer_kinds import summarize
 from data_builders.files import atomic_write_text, json_safe
 from models.training.run_dir import RunDir
+
+LOGLIK = stats.Score("loglik", higher_is_better=True, rate=False)  # teacher-forced log p(answer | prompt), nats
 
 # How `save_json`'s `ci95` intervals are made; at one position each question is asked once, so resampling the
 # position's items resamples questions.
@@ -68,17 +72,48 @@ class ProbeResult:
             raise ValueError(f"no question of probe {self.probe!r} was asked at both positions {a} and {b}")
         return stats.paired_interval(x, y, None, n_boot, alpha, seed)
 
+    def mean_of(self, score: stats.Score = stats.ACCURACY) -> float:
+        """Mean score over all items with a gold position (the closed-book baseline is left out)."""
+        values = [o[score.field] for o in self.outcomes if o["position"] >= 0]
+        return float(np.mean(values)) if values else float("nan")
+
+    def strong_end(self, score: stats.Score = stats.ACCURACY) -> int:
+        """The first or the last gold position, whichever scores better: the end a debiasing fine-tune should
+        keep while it lifts the others."""
+        by_position = {p: v for p, v in self.accuracy_by_position(score).items() if p >= 0}
+        ends = (min(by_position), max(by_position))
+        pick = max if score.higher_is_better else min
+        return pick(ends, key=lambda p: (by_position[p], p))
+
     @property
     def mean(self) -> float:
         """Accuracy over all queries with a gold position (the closed-book baseline is left out)."""
         correct = [o["correct"] for o in self.outcomes if o["position"] >= 0]
         return float(np.mean(correct)) if correct else float("nan")
 
+    @property
+    def has_loglik(self) -> bool:
+        """Every outcome holds the teacher-forced log-likelihood of its answer (`analysis.evaluation.loglik`)."""
+        return bool(self.outcomes) and all(LOGLIK.field in o for o in self.outcomes)
+
+    def answers_by_position(self) -> dict[int, dict[str, Any]]:
+        """`answer_kinds.summarize` of the answers at each position (kinds, first-line length, short-answer
+        scores), for results whose outcomes describe their answers."""
+        described = [o for o in self.outcomes if "answer" in o.get("extra", {})]
+        return {p: summarize([o["extra"]["answer"] for o in described if o["position"] == p])
+                for p in self.labels() if any(o["position"] == p for o in described)}
+
     def to_metrics(self, prefix: str = "eval") -> dict[str, float]:
-        """{'<prefix>/<probe>/acc@<label>': ..., '<prefix>/<probe>/acc_mean': ...}."""
+        """{'<prefix>/<probe>/acc@<label>': ..., '<prefix>/<probe>/acc_mean': ...}, and the same for `loglik`
+        (mean nats) when the outcomes have it."""
         labels, key = self.labels(), f"{prefix}/{self.probe}/acc"
         metrics = {f"{key}@{labels[p]}": acc for p, acc in self.accuracy_by_position().items()}
         metrics[f"{key}_mean"] = self.mean
+        if self.has_loglik:
+            key = f"{prefix}/{self.probe}/loglik"
+            by_position = self.accuracy_by_position(LOGLIK)
+            metrics.update({f"{key}@{labels[p]}": value for p, value in by_position.items()})
+            metrics[f"{key}_mean"] = float(np.mean([v for p, v in by_position.items() if p >= 0]))
         return metrics
 
     def save_json(self, path: str | Path) -> Path:
@@ -94,8 +129,12 @@ class ProbeResult:
             "ci95": {labels[p]: list(ci) for p, ci in cis.items()},
             "ci_method": CI_METHOD,
             "n": {labels[p]: int(self._scores(p).size) for p in labels},
-            "outcomes": self.outcomes,
         }
+        if self.has_loglik:
+            summary["loglik"] = {labels[p]: value for p, value in self.accuracy_by_position(LOGLIK).items()}
+            summary["loglik_ci95"] = {labels[p]: list(ci) for p, ci in self.ci_by_position(score=LOGLIK).items()}
+        summary["answers"] = {labels[p]: kinds for p, kinds in self.answers_by_position().items()}
+        summary["outcomes"] = self.outcomes
         # Atomic: compare and a resumed run read these back, and must never see half a file.
         atomic_write_text(Path(path), json.dumps(json_safe(summary), indent=1))
         return Path(path)
@@ -124,6 +163,32 @@ def paired_delta(
     ids, before, after = stats.pair_by_id(plain.outcomes, other.outcomes, score, asked, where)
     clusters = [stats.cluster_of(i) for i in ids]
     return stats.paired_interval(after, before, clusters, n_boot, alpha, seed), len(ids)
+
+
+def contrast_change(
+    plain: ProbeResult, other: ProbeResult, position: int, strong: int, score: stats.Score = stats.ACCURACY,
+    n_boot: int = stats.N_BOOT, alpha: float = stats.ALPHA, seed: int = stats.RNG_SEED,
+) -> stats.Interval:
+    """How much `other` moved the contrast (score at `position` minus at `strong`) against `plain`, paired by
+    question: mean over the questions both asked at both positions of (o_k − o_strong) − (p_k − p_strong), with its
+    interval over questions. The debiasing effect of a fine-tune, free of any change that moves every position
+    alike (an answer format)."""
+    def by_question(result: ProbeResult, at: int) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for o in result.outcomes:
+            if o["position"] == at:
+                question = stats.cluster_of(o["id"])
+                if question in found:
+                    raise ValueError(f"probe {result.probe!r}: question {question!r} occurs twice at position {at}")
+                found[question] = float(o[score.field])
+        return found
+
+    tables = [by_question(r, at) for r in (other, plain) for at in (position, strong)]
+    shared = sorted(set.intersection(*(set(t) for t in tables)))
+    if not shared:
+        return stats.Interval(math.nan, math.nan, math.nan, 0, "no question asked at both positions by both")
+    o_k, o_s, p_k, p_s = (np.array([t[q] for q in shared]) for t in tables)
+    return stats.mean_interval((o_k - o_s) - (p_k - p_s), None, n_boot, alpha, seed)
 
 
 def write_eval_json(run_dir: str | Path, step: int, name: str, result: ProbeResult) -> Path:

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 
 from analysis.measure.jacobian import read_jacobian
+from analysis.stats import ACCURACY, Score
 from analysis.measure.prior import fit_alpha, log10_profile, scaled_prior
 
 if TYPE_CHECKING:
@@ -231,9 +232,10 @@ def plot_depth_accuracy(
 
 
 def position_accuracy_figure(
-    results: Mapping[str, "ProbeResult"], title: str = "", xlabel: str = "gold position"
+    results: Mapping[str, "ProbeResult"], title: str = "", xlabel: str = "gold position", score: Score = ACCURACY
 ) -> Figure:
-    """Accuracy by gold position with 95% bootstrap intervals, one curve per label; closed-book dashed.
+    """A score (accuracy by default) by gold position with 95% bootstrap intervals, one curve per label;
+    closed-book dashed.
 
     Past ten curves the colours come from a 20-colour map (no two curves share one up to 20); past four, the
     legend sits beside the axes, so it never hides a curve. The y axis is 0-1 when every value drawn lies in
@@ -249,7 +251,7 @@ def position_accuracy_figure(
     drawn: list[float] = []
     for i, (name, result) in enumerate(results.items()):
         colour = palette(i % 20) if palette is not None else f"C{i % 10}"
-        acc, ci = result.accuracy_by_position(), result.ci_by_position()
+        acc, ci = result.accuracy_by_position(score), result.ci_by_position(score=score)
         shown = [p for p in positions if p in acc]
         _interval_series(ax, np.array([positions.index(p) for p in shown]), np.array([acc[p] for p in shown]),
                          np.array([ci[p] for p in shown]), i, len(results), 0.08, colour, name)
@@ -258,7 +260,8 @@ def position_accuracy_figure(
             drawn.append(acc[-1])
             ax.axhline(acc[-1], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
     ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
-    ax.set(xlabel=xlabel, ylabel="accuracy", title=title or "Accuracy by gold position")
+    ylabel = "accuracy" if score is ACCURACY else f"{score.field} (mean)"
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title or f"{ylabel.capitalize()} by gold position")
     values = np.array(drawn)  # (k,) every point, interval end and closed-book level; nan ones are not drawn
     if np.all(~np.isfinite(values) | ((values >= 0) & (values <= 1))):
         ax.set_ylim(-0.02, 1.02)
@@ -271,10 +274,11 @@ def position_accuracy_figure(
 
 
 def plot_position_accuracy(
-    results: Mapping[str, "ProbeResult"], out_png: str | Path, title: str = "", xlabel: str = "gold position"
+    results: Mapping[str, "ProbeResult"], out_png: str | Path, title: str = "", xlabel: str = "gold position",
+    score: Score = ACCURACY,
 ) -> Path:
     """`position_accuracy_figure` as a PNG."""
-    return _save(position_accuracy_figure(results, title, xlabel), out_png)
+    return _save(position_accuracy_figure(results, title, xlabel, score), out_png)
 
 
 def needle_grid(result: "ProbeResult") -> tuple[list[int], list[float], np.ndarray, np.ndarray]:

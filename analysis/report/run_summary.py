@@ -14,9 +14,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from analysis.evaluation.fairness import fairness
-from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num
+from analysis.stats import ACCURACY, Score
 from models.training.checkpoint import list_checkpoints
 from models.training.run_dir import RunDir
 
@@ -36,22 +37,33 @@ MISSING = "—"  # the cell of a number the run did not log, or logged as nan or
 
 @dataclass
 class DepthCurve:
-    """Held-out IN2 exact match by gold depth bin at one step, and its position-fairness numbers."""
+    """Held-out IN2 exact match by gold depth bin at one step, and its position-fairness numbers; the same for
+    the gold answer's log-likelihood when the evaluation kept it, and how long the answers' first lines were."""
 
     step: int
     by_bin: dict[str, float]  # bin label (its lower depth edge) -> accuracy
     fairness: dict[str, float]
+    loglik_by_bin: dict[str, float] | None = None  # bin label -> mean log p(answer), nats
+    loglik_fairness: dict[str, float] | None = None
+    median_words: float | None = None  # median first-line length of the answers, in words
 
 
 def depth_curve(step: int, path: Path) -> DepthCurve:
     result = ProbeResult.load_json(path)
     outcomes = result.outcomes
-    scores = np.array([o["correct"] for o in outcomes], dtype=np.float64)
     bins = np.array([o["position"] for o in outcomes], dtype=np.int64)
     depths = np.array([o["extra"]["depth"] for o in outcomes], dtype=np.float64)
     labels = result.labels()
-    by_bin = {labels[position]: accuracy for position, accuracy in result.accuracy_by_position().items()}
-    return DepthCurve(step, by_bin, fairness(scores, bins, depths))
+
+    def curve(score: Score) -> tuple[dict[str, float], dict[str, float]]:
+        scores = np.array([o[score.field] for o in outcomes], dtype=np.float64)
+        by_bin = {labels[position]: value for position, value in result.accuracy_by_position(score).items()}
+        return by_bin, fairness(scores, bins, depths, score)
+
+    by_bin, fair = curve(ACCURACY)
+    loglik_by_bin, loglik_fair = curve(LOGLIK) if result.has_loglik else (None, None)
+    words = [o["extra"]["answer"]["first_line_words"] for o in outcomes if "answer" in o["extra"]]
+    return DepthCurve(step, by_bin, fair, loglik_by_bin, loglik_fair, float(np.median(words)) if words else None)
 
 
 def _steps_of(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, Any]]:
@@ -94,9 +106,22 @@ def accuracy_lines(curves: Sequence[DepthCurve]) -> list[str]:
     rows = [[label, *(num(c.by_bin.get(label), missing=MISSING) for c in curves)] for label in curves[0].by_bin]
     rows += [[f"**{name}**", *(num(c.fairness.get(key), missing=MISSING) for c in curves)]
              for key, name in FAIRNESS_ROWS.items()]
-    return ["## Accuracy by gold depth (held-out IN2, exact match)", "",
-            *markdown_table(header, rows), "",
-            "middle: gold depth in [0.25, 0.75); gap: best bin minus worst bin.", ""]
+    lines = ["## Accuracy by gold depth (held-out IN2, exact match)", "",
+             *markdown_table(header, rows), "",
+             "middle: gold depth in [0.25, 0.75); gap: best bin minus worst bin.", ""]
+    if all(c.median_words is not None for c in curves):
+        lines += ["Answers' first line, median length in words: "
+                  + ", ".join(f"step {c.step}: {c.median_words:g}" for c in curves)
+                  + " (a change here is a change of answer format, which exact match also scores).", ""]
+    if all(c.loglik_by_bin is not None for c in curves):
+        rows = [[label, *(num(c.loglik_by_bin.get(label), missing=MISSING) for c in curves)]
+                for label in curves[0].loglik_by_bin]
+        rows += [[f"**{name}**", *(num(c.loglik_fairness.get(key), missing=MISSING) for c in curves)]
+                 for key, name in FAIRNESS_ROWS.items()]
+        lines += ["## Log-likelihood of the gold answer by gold depth (held-out IN2, nats)", "",
+                  *markdown_table(header, rows), "",
+                  "log p(answer | prompt), teacher-forced: the position curve whatever the answer format.", ""]
+    return lines
 
 
 def jacobian_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:

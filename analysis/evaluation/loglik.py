@@ -1,0 +1,108 @@
+"""Teacher-forced answer log-likelihood: log p(gold answer | prompt), a measure of position that no answer format
+can move.
+
+Accuracy scores what a model writes; a fine-tune that teaches short answers changes it at every position at
+once, and `best_subspan_em` credits a long sentence copied from the last document. log p(answer | prompt with
+the gold at k), summed over the answer's tokens, asks instead how much the document at k raised the answer,
+whatever the model would have written; its closed-book value is what the model knew without documents. The
+contrast middle minus strong end, in nats and paired by question, is the debiasing effect a fine-tune should
+move (docs/REAL_MODEL.md).
+
+Cost: one prompt pass per item (`logits_to_keep=1`: no full-vocabulary logits over the prompt), then every alias
+of the answer as one batch over the prompt's cache. The aliases share the prompt pass, so the measure costs
+about one bare forward pass over the prompts.
+
+An answer is tokenized as the model would continue the prompt: after a chat template's assistant header
+directly, after a text prompt ending in a non-space character (`Answer:`, `value:`) with one space before it.
+IN2 items carry the answer tokens they were trained on (`ProbeItem.targets`), which are used as they are.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from analysis.evaluation.generate import encode_prompt
+from data_builders.probes import ProbeItem
+
+N_ALIASES = 3  # the first aliases of an answer scored; an item's value is the best of them
+LOGLIK_DEFINITION = ("log p(answer | prompt) in nats, summed over the answer's tokens, teacher-forced, the best of the "
+                     "first aliases (analysis.evaluation.loglik)")
+
+LoglikFn = Callable[[Sequence[ProbeItem]], list[list[float]]]
+
+
+def continuation_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str, chat_template: bool) -> list[int]:
+    """Token ids of `answer` as a continuation of `prompt` (see the module docstring)."""
+    lead = "" if chat_template or not prompt or prompt[-1].isspace() else " "
+    return list(tokenizer(lead + answer.strip(), add_special_tokens=False)["input_ids"])
+
+
+def _targets(item: ProbeItem, tokenizer: PreTrainedTokenizerBase, chat_template: bool, n_aliases: int
+             ) -> list[list[int]]:
+    if item.targets is not None:
+        return [list(t) for t in item.targets[:n_aliases]]
+    if not isinstance(item.prompt, str):
+        raise ValueError(f"item {item.id}: a token-id prompt needs its answer tokens (ProbeItem.targets)")
+    return [continuation_ids(tokenizer, item.prompt, a, chat_template) for a in item.answers[:n_aliases]
+            if a.strip()]
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 logits in float32 for the log-softmax (a float64 model keeps float64)."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
+@torch.no_grad()
+def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Sequence[Sequence[int]]) -> list[float]:
+    """log p(target | prompt) summed over each target's tokens: one pass over the prompt, then every target
+    as one right-padded batch over its cache (a causal model's padding after a sequence cannot reach it)."""
+    device = model.device
+    out = model(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True, logits_to_keep=1)
+    first = torch.log_softmax(_at_least_float32(out.logits[0, -1]), dim=-1)  # (V,)
+    scores = [float(first[t[0]]) if len(t) else math.nan for t in targets]
+    longer = [i for i, t in enumerate(targets) if len(t) > 1]
+    if not longer:
+        return scores
+    width = max(len(targets[i]) for i in longer)
+    ids = torch.zeros((len(longer), width), dtype=torch.long)
+    for row, i in enumerate(longer):
+        ids[row, : len(targets[i])] = torch.tensor(list(targets[i]))
+    cache = out.cache
+    cache.batch_repeat_interleave(len(longer))
+    rest = model(input_ids=ids[:, :-1].to(device), cache=cache, use_cache=True).logits  # (A, T-1, V)
+    logp = torch.log_softmax(_at_least_float32(rest), dim=-1).gather(-1, ids[:, 1:, None].to(device))[..., 0]  # (A, T-1)
+    for row, i in enumerate(longer):
+        scores[i] += float(logp[row, : len(targets[i]) - 1].sum())
+    return scores
+
+
+def answer_logliks(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: Sequence[ProbeItem], chat_template: bool = False,
+    n_aliases: int = N_ALIASES, progress: bool = True,
+) -> list[list[float]]:
+    """log p(alias | prompt) of the first `n_aliases` aliases of every item (nats, summed over the alias's
+    tokens), in item order. The model is put in eval mode and its previous mode restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        return [sequence_logprobs(model, encode_prompt(tokenizer, it.prompt, chat_template),
+                                  _targets(it, tokenizer, chat_template, n_aliases))
+                for it in tqdm(items, desc="log-likelihood", disable=not progress)]
+    finally:
+        model.train(was_training)
+
+
+def model_loglik_fn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, chat_template: bool = False,
+                    n_aliases: int = N_ALIASES, progress: bool = True) -> LoglikFn:
+    """A `loglik_fn` for `run_probe`: `answer_logliks` on `model`."""
+    return lambda items: answer_logliks(model, tokenizer, items, chat_template, n_aliases, progress)
+
+
+def best(logliks: Sequence[float]) -> float:
+    """An item's value: the best of its aliases (nan without any finite one)."""
+    finite = [v for v in logliks if math.isfinite(v)]
+    return max(finite) if finite else math.nan

@@ -1,0 +1,48 @@
+"""Markdown tables of position without answer format: each position's contrast to the strong end, its change
+against a baseline (the debiasing effect), and what the answers are (`scripts.pair_evals`, `analysis.compare`)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from analysis import stats
+from analysis.evaluation.result import ProbeResult, contrast_change
+from analysis.report.tables import markdown_table, num, paired_cell
+
+
+def contrast_table(results: Mapping[str, ProbeResult], strong: int, n_boot: int = stats.N_BOOT,
+                   score: stats.Score = stats.ACCURACY) -> list[str]:
+    """Within each result, every position minus the strong end (paired by question), and each later result's
+    change of that contrast against the first (`contrast_change`): the debiasing effect, which a change of answer
+    format, moving every position alike, does not move."""
+    names = list(results)
+    baseline = results[names[0]]
+    labels = baseline.labels()
+    others = [p for p in labels if p != strong]
+    header = ["", *(f"{'closed-book' if p < 0 else f'gold {labels[p]}'} − gold {labels[strong]}" for p in others)]
+    rows = [[name, *(paired_cell(result.paired_difference(p, strong, n_boot, score=score)) for p in others)]
+            for name, result in results.items()]
+    rows += [[f"{name}: change vs {names[0]}",
+              *(paired_cell(contrast_change(baseline, results[name], p, strong, score, n_boot)) for p in others)]
+             for name in names[1:]]
+    return markdown_table(header, rows)
+
+
+def _words(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def answers_table(results: Mapping[str, ProbeResult]) -> list[str]:
+    """What the answers are, per result and position: the share that is a span of the gold document, of a
+    distractor, or of no document (`analysis.evaluation.answer_kinds`), the median first-line length and the
+    short-answer scores. Empty for results saved before answers were described."""
+    rows = []
+    for name, result in results.items():
+        labels = result.labels()
+        for p, kinds in result.answers_by_position().items():
+            shares = [num(kinds.get(f"share_{kind}")) for kind in ("gold", "distractor", "none")]
+            rows.append([name, "closed-book" if p < 0 else labels[p], *shares, _words(kinds["median_first_line_words"]),
+                         num(kinds["short_em"]), num(kinds["whole_word"])])
+    if not rows:
+        return []
+    return markdown_table(["", "gold", "span of gold", "span of a distractor", "in no document",
+                           "median first-line words", "exact match (first line)", "whole-word match"], rows)
