@@ -71,7 +71,7 @@ from analysis.evaluation.config import (
     with_budget,
 )
 from analysis.evaluation.interventions import Intervention, by_final_position
-from analysis.evaluation.result import ProbeResult, paired_delta
+from analysis.evaluation.result import LOGLIK, ProbeResult, paired_delta
 from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.measure.rollout import (
@@ -85,6 +85,7 @@ from analysis.measure.rollout import (
 from analysis.measure.topology import METRIC_KEYS, topology_metrics
 from analysis.report.figures import PathProfile, plot_needle_grid, plot_position_accuracy, plot_profiles
 from analysis.report.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
+from analysis.report.position_tables import answers_table, contrast_table
 from analysis.report.tables import deltas_to_first, markdown_table, paired_cell, with_delta
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
@@ -538,6 +539,7 @@ def write_report(
             lines += [f"![{probe}]({png.name})", ""]
         else:
             lines += ["No PATH has results for this probe (see Provenance).", ""]
+    lines += _loglik_lines(out, entries, probes)
     needle = {e.target.label: e.results["needle"] for e in entries if "needle" in e.results}
     if needle:
         png = plot_needle_grid(needle, out / "needle_grid.png", "needle: accuracy by context length and depth")
@@ -570,6 +572,34 @@ def write_report(
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines) + "\n")
     return report
+
+
+def _loglik_lines(out: Path, entries: Sequence[Entry], probes: Sequence[str]) -> list[str]:
+    """Per probe every PATH answered with log-likelihoods (`eval.loglik`): the gold answer's log-likelihood by
+    position (figure), each position's contrast to the first PATH's strong end and its change against the first
+    PATH, and what the answers are (`analysis.report.position_tables`)."""
+    lines: list[str] = []
+    for probe in probes:
+        results = {e.target.label: e.results[probe] for e in entries if probe in e.results}
+        if not results or not all(r.has_loglik for r in results.values()):
+            continue
+        first = next(iter(results.values()))
+        strong = first.strong_end(LOGLIK)
+        png = plot_position_accuracy(results, out / f"loglik_{probe}.png",
+                                     f"{probe}: log p(gold answer) by gold position", POSITION_AXIS[probe], LOGLIK)
+        lines += [f"### {probe}", "", f"![loglik_{probe}]({png.name})", ""]
+        if first.asks_at_several_positions:  # in2 asks each question at one depth: no within-question contrast
+            lines += [*contrast_table(results, strong, score=LOGLIK), ""]
+        if answers := answers_table(results):
+            lines += ["What the answers are (first line; shares of each position's answers):", "", *answers, ""]
+    if not lines:
+        return []
+    return ["## Position without answer format: log-likelihood of the gold answer", "",
+            "log p(gold answer | prompt) in nats, teacher-forced (analysis.evaluation.loglik): how much the document "
+            "at each position raises the answer, whatever the model would write. Each position minus the strong end "
+            "(the first PATH's better end), paired by question; `change vs` the first PATH: the debiasing effect, "
+            "which a change of answer format, moving every position alike, does not move (95% intervals over "
+            "questions, `*`: excludes 0).", "", *lines]
 
 
 def _with_documents(result: ProbeResult) -> ProbeResult:

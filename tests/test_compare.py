@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -70,7 +71,8 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
 
     text = report.read_text()
     for heading in ["# Checkpoint comparison", "## Inputs", "## Probe accuracy", "## Metrics and settings",
-                    "## Accuracy by gold position", "### needle", "### in2", "## Needle grid",
+                    "## Accuracy by gold position", "### needle", "### in2",
+                    "## Position without answer format: log-likelihood of the gold answer", "## Needle grid",
                     "## Jacobian profiles", "### vanilla", "### chunked",
                     "## Valley, prior and rollout metrics", "## Provenance", "## wandb"]:
         assert f"\n{heading}\n" in f"\n{text}", heading
@@ -84,7 +86,12 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
     assert "Δ" in text
     images = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert sorted(images) == ["accuracy_in2.png", "accuracy_needle.png", "jacobian_chunked.png",
-                              "jacobian_vanilla.png", "needle_grid.png"]
+                              "jacobian_vanilla.png", "loglik_in2.png", "loglik_needle.png", "needle_grid.png"]
+    # the contrasts to the first PATH's strong end, and their change against it, by log-likelihood
+    contrasts = text.split("### needle")[2].split("### in2")[0]  # the log-likelihood section's needle part
+    assert re.search(r"^\|  \| gold [0-9.]+ − gold [0-9.]+ \| gold [0-9.]+ − gold [0-9.]+ \|$", contrasts, re.M)
+    # the standalone checkpoint is a copy of step-1: the same function, no change of any contrast
+    assert "| step-1: change vs standalone | +0.000 [+0.000, +0.000] | +0.000 [+0.000, +0.000] |" in contrasts
     # Every PATH scored needle alike; in2 too (the run's own JSON was made with the same metric and budget).
     assert "- **needle**: metric substring_match; 16 new tokens; positions [0, 1, 2]; lengths [64]; " in text
     assert "- **in2**: metric exact_match; 8 new tokens" in text

@@ -92,6 +92,17 @@ class ProbeResult:
         return float(np.mean(correct)) if correct else float("nan")
 
     @property
+    def asks_at_several_positions(self) -> bool:
+        """Some question is asked at more than one gold position (kv, mdqa, needle; not in2's depth bins)."""
+        asked: dict[str, int] = {}
+        for o in self.outcomes:
+            if o["position"] >= 0:
+                question = stats.cluster_of(o["id"])
+                if asked.setdefault(question, o["position"]) != o["position"]:
+                    return True
+        return False
+
+    @property
     def has_loglik(self) -> bool:
         """Every outcome holds the teacher-forced log-likelihood of its answer (`analysis.evaluation.loglik`)."""
         return bool(self.outcomes) and all(LOGLIK.field in o for o in self.outcomes)

@@ -44,5 +44,5 @@ def answers_table(results: Mapping[str, ProbeResult]) -> list[str]:
                          num(kinds["short_em"]), num(kinds["whole_word"])])
     if not rows:
         return []
-    return markdown_table(["", "gold", "span of gold", "span of a distractor", "in no document",
+    return markdown_table(["", "position", "span of gold", "span of a distractor", "in no document",
                            "median first-line words", "exact match (first line)", "whole-word match"], rows)
