@@ -283,6 +283,7 @@ class CompareConfig:
     # wrap text prompts (kv, mdqa, needle) in each tokenizer's chat template; None = as the reference run's
     # eval.chat_template (no run among the PATHs: plain prompts)
     chat_template: bool | None = None
+    loglik: bool = True  # also score each item's gold answer by its teacher-forced log-likelihood
     seq_len: int | None = None  # L of measured Jacobian profiles; None = the reference run's jacobian.seq_len (256)
     device: str = "auto"
     dtype: DType = DType.float32
@@ -329,8 +330,8 @@ def compare_plan(targets: Sequence[Target], tokenizers: Sequence[PreTrainedToken
                                    "model's usually has none: use --no-chat-template)")
     notes.append(f"prompts: {'in the chat template' if chat_template else 'plain text'}")
     eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=None if cfg.data_dir is None else str(cfg.data_dir),
-                          batch_size=cfg.batch_size, chat_template=chat_template, kv=cfg.kv, mdqa=cfg.mdqa,
-                          needle=cfg.needle)
+                          batch_size=cfg.batch_size, chat_template=chat_template, loglik=cfg.loglik, kv=cfg.kv,
+                          mdqa=cfg.mdqa, needle=cfg.needle)
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
     try:
@@ -810,6 +811,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one greedy answer budget for every probe, for a quick look (not comparable; "
                              "default per probe: kv 100, mdqa 100, needle 16, in2 8)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)")
+    parser.add_argument("--loglik", action=argparse.BooleanOptionalAction, default=True,
+                        help="also score each item's gold answer by its teacher-forced log-likelihood (default: on)")
     parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap kv, mdqa and needle prompts in each tokenizer's chat template (instruct models); "
                              "default: as the first run among the PATHs was evaluated (eval.chat_template)")
@@ -847,7 +850,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              questions=MDQAQuestions(args.mdqa_questions)),
         needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chat_template=args.chat_template,
-        seq_len=args.seq_len,
+        loglik=args.loglik, seq_len=args.seq_len,
         device=args.device, dtype=DType(args.dtype), use_wandb=args.wandb, log_wandb=args.wandb_log,
         interventions=args.interventions, ms_poe=MsPoEConfig(layers=args.ms_poe_layers),
         calibration=AttnCalibrationConfig(layers=args.calibration_layers),

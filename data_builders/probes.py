@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_builders.files import expand_paths, read_jsonl, read_jsonl_lines
 from data_builders.mdqa import Distractors, build_mdqa_records, passage_pool
-from data_builders.question_split import QuestionSplit, is_evaluation_question
+from data_builders.question_split import DEV_SHARE, EvaluationPart, QuestionSplit, evaluation_part, is_evaluation_question
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 KV_FILE = "kv-retrieval-75_keys.jsonl.gz"
@@ -423,6 +423,8 @@ def mdqa_probe(
     closed_book: bool = True,
     layout: Layout = Layout(),
     heldout: QuestionSplit | None = None,
+    part: EvaluationPart | None = None,
+    dev_share: float = DEV_SHARE,
 ) -> list[ProbeItem]:
     """Multi-document QA (Liu et al.): a question over documents, one of which holds the answer.
 
@@ -440,7 +442,8 @@ def mdqa_probe(
     `layout`: query-aware prompts, and the documents (in rank order: the gold's index is its rank) truncated
     and reordered; positions stay the gold's rank (`_qa_item`).
     `heldout`: ask only the evaluation questions of this split (data_builders.question_split: those an IN2
-    build from NQ with the same `data.nq_split` never trains on); None asks from every record.
+    build from NQ with the same `data.nq_split` never trains on); None asks from every record. `part`: only
+    the dev or the test part of those (`evaluation_part` with `dev_share`).
     `pool`: a passage file to retrieve distractors from; None = the oracle file's own passages; HELDOUT_POOL
     ("heldout", with `heldout` set) = the file's passages of `heldout`'s evaluation questions only, which an IN2
     build from NQ never trains on, so that no distractor was seen in training (`check_mdqa_pool`).
@@ -448,6 +451,10 @@ def mdqa_probe(
     if layout.keep is not None and layout.keep < 1:
         raise ValueError(f"{path}: keep={layout.keep} documents: keep at least one")
     check_mdqa_pool(pool, distractors, heldout, "mdqa.")
+    if part is not None and heldout is None:
+        raise ValueError(f"{path}: the {part} part is a part of the evaluation questions: set their split (heldout)")
+    if not 0 < dev_share < 1:
+        raise ValueError(f"mdqa.dev_share={dev_share} must be in (0, 1)")
     items: list[ProbeItem] = []
     asked: dict[str, str] = {}  # item id -> file:line of the record that asked it
     questions: dict[str, tuple[str, str]] = {}  # query -> (file:line, question) of its first record
@@ -456,7 +463,8 @@ def mdqa_probe(
         for line_no, rec in lines:
             _check_qa_record(f"{file}:{line_no}", rec)
         eligible = [i for i, (_, rec) in enumerate(lines)
-                    if heldout is None or is_evaluation_question(rec["question"], heldout)]
+                    if heldout is None or (is_evaluation_question(rec["question"], heldout) and (
+                        part is None or evaluation_part(rec["question"], heldout, dev_share) == part))]
         if heldout is not None and not eligible:
             raise ValueError(f"{file}: none of its {len(lines)} questions is an evaluation question of {heldout}")
         chosen = [eligible[k] for k in sample_indices(len(eligible), n_examples, random.Random(seed))]

@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Iterable
 
 from data_builders.text import normalize_answer
 
 RULE = 'sha256(salt + "\\0" + normalize_answer(question))[:8] / 2^64 < share'
+DEV_SUFFIX = "/dev"  # the salt suffix of the dev/test rule inside the evaluation questions
+DEV_SHARE = 0.45  # expected share of the evaluation questions in the dev part (~175 of 390; ~215 test)
+
+
+class EvaluationPart(StrEnum):
+    """A part of the evaluation questions: settings are chosen on `dev`, results reported on `test`."""
+
+    dev = "dev"
+    test = "test"
 
 
 @dataclass
@@ -42,6 +52,13 @@ def _fraction(question: str, split: QuestionSplit) -> float:
 def is_evaluation_question(question: str, split: QuestionSplit) -> bool:
     """Whether `question` is asked only in evaluation (never trained on) under `split`."""
     return _fraction(question, split) < split.share
+
+
+def evaluation_part(question: str, split: QuestionSplit, dev_share: float = DEV_SHARE) -> EvaluationPart:
+    """The part of an evaluation question: `dev` when the same rule with the salt + DEV_SUFFIX falls below
+    `dev_share`, else `test`. Independent of `share`, so widening the evaluation set keeps each question's part."""
+    dev = QuestionSplit(share=dev_share, salt=split.salt + DEV_SUFFIX)
+    return EvaluationPart.dev if _fraction(question, dev) < dev_share else EvaluationPart.test
 
 
 def split_card(questions: Iterable[str], split: QuestionSplit) -> dict[str, Any]:

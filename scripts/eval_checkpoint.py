@@ -27,8 +27,10 @@ it). `chat_template=true` wraps the text prompts (kv, mdqa, needle) in the token
 as one user turn (instruct models; fails when the tokenizer has none); in2 prompts are the run's own
 token ids and are never wrapped. mdqa needs `data_dir` or `mdqa.path`; in2 needs the run config
 (`.hydra/config.yaml`) of the checkpoint's run. `mdqa.questions=heldout` asks only the evaluation questions
-of `mdqa.split` (data_builders.question_split); a run trained on NQ (`data.source=nq`) must be asked so,
-with `mdqa.split` equal to its `data.nq_split`, or it fails before loading, naming the keys.
+of `mdqa.split` (data_builders.question_split), `mdqa.questions=dev` or `test` one fixed part of them (choose
+settings on dev, report on test); a run trained on NQ (`data.source=nq`) must be asked one of these, with
+`mdqa.split` equal to its `data.nq_split`, or it fails before loading, naming the keys. Every item's gold answer
+is also scored by its teacher-forced log-likelihood (`loglik=false` turns it off; analysis.evaluation.loglik).
 
 kv and mdqa default to the setup of Liu et al. 2023 (Lost in the Middle), so their numbers sit next to the
 published curves: 100 new tokens, the reference's metrics and gold positions, any of its data files as
@@ -125,6 +127,7 @@ class EvalCheckpointConfig:
     dtype: DType = DType.float32  # weights dtype; auto = the dtype they were saved in
     attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
+    loglik: bool = True  # also score each item's gold answer by its teacher-forced log-likelihood (one prompt pass)
     trust_remote_code: bool = False  # run the model repository's own code (hub models that need it)
     # reorder | truncate | query_aware | ms_poe | attn_calibration (see above)
     intervention: InterventionName = InterventionName.none
@@ -187,7 +190,8 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
         in2 = build_in2_items(reference, tokenizer, cfg.examples)
     eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=cfg.data_dir, batch_size=cfg.batch_size,
                           batch_tokens=cfg.batch_tokens,
-                          chat_template=cfg.chat_template, kv=cfg.kv, mdqa=cfg.mdqa, needle=cfg.needle)
+                          chat_template=cfg.chat_template, loglik=cfg.loglik, kv=cfg.kv, mdqa=cfg.mdqa,
+                          needle=cfg.needle)
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
     intervention = chosen_intervention(cfg)

@@ -29,7 +29,7 @@ from data_builders.in2 import make_format
 from data_builders.in2_mdqa import NO_ALIAS, TOO_LONG, MdqaSplit, _Tokens, assemble_mdqa
 from data_builders.mdqa import write_jsonl_gz
 from data_builders.probes import HELDOUT_POOL, check_mdqa_pool, mdqa_probe
-from data_builders.question_split import QuestionSplit, is_evaluation_question
+from data_builders.question_split import EvaluationPart, QuestionSplit, is_evaluation_question
 from data_builders.sources import load_source
 from data_builders.text import normalize_answer
 from scripts.synthetic_oracle import oracle_records
@@ -328,3 +328,18 @@ def test_nq_open_oracle_questions_left_out(nq_file, tmp_path):
         first = sum(q.target == q.answers[0] for q in split.questions)
         assert 0.85 < first / len(split.questions) < 1  # the rest train on a later alias, which their gold holds
     assert counts == {"train": (2234, 15), "eval": (386, 4)}
+
+
+def test_the_dev_and_test_parts_divide_the_heldout_questions(nq_fixture):
+    def asked(**kwargs) -> set[str]:
+        return {it.extra["question"] for it in mdqa_probe(nq_fixture, n_docs=N_DOCS, closed_book=False, **kwargs)}
+
+    held = asked(heldout=SPLIT)
+    dev, test = asked(heldout=SPLIT, part=EvaluationPart.dev), asked(heldout=SPLIT, part=EvaluationPart.test)
+    assert dev | test == held and not dev & test and dev and test
+    with pytest.raises(ValueError, match="dev part is a part of the evaluation questions"):
+        mdqa_probe(nq_fixture, n_docs=N_DOCS, part=EvaluationPart.dev)
+    # through the eval config: eval.mdqa.questions=dev
+    cfg = EvalConfig(probes=["mdqa"], mdqa=MDQAProbeConfig(path=str(nq_fixture), n_docs=N_DOCS,
+                                                           questions=MDQAQuestions.dev, closed_book=False))
+    assert {it.extra["question"] for it in build_probes(cfg, None)["mdqa"]} == dev

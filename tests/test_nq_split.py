@@ -21,7 +21,14 @@ from analysis.evaluation.probes import build_probes
 from data_builders.build import load_prebuilt
 from data_builders.config import FieldMap
 from data_builders.probes import mdqa_probe
-from data_builders.question_split import QuestionSplit, is_evaluation_question, split_card
+from data_builders.question_split import (
+    DEV_SHARE,
+    EvaluationPart,
+    QuestionSplit,
+    evaluation_part,
+    is_evaluation_question,
+    split_card,
+)
 from data_builders.sources import file_source
 from data_builders.text import normalize_answer
 from models.training.distributed import DistInfo
@@ -202,3 +209,16 @@ def test_nq_open_oracle_counts(nq_file):
     card = split_card(questions, SPLIT)
     assert card["questions"] == {"evaluation": 390, "training": 2265}
     assert card["fingerprint"] == "3e96ee94b311b0336fdfd7be56b29158e9a5cb1de3d5c0b576d1d98b4b1d81ae"
+
+
+def test_the_evaluation_questions_split_into_a_fixed_dev_and_test_part():
+    """Settings are chosen on dev and reported on test: a question's part follows from its text alone, about
+    dev_share of them are dev, and widening the evaluation set keeps every question's part."""
+    split, wider = QuestionSplit(share=0.5), QuestionSplit(share=0.8)
+    questions = [f"who wrote book number {k}?" for k in range(2000)]
+    held = [q for q in questions if is_evaluation_question(q, split)]
+    parts = [evaluation_part(q, split) for q in held]
+    assert abs(parts.count(EvaluationPart.dev) / len(held) - DEV_SHARE) < 0.05
+    assert parts == [evaluation_part(q, wider) for q in held]  # the salt, not the share, decides the part
+    assert evaluation_part("Who Wrote Book Number 7?", split) == evaluation_part("who wrote book number 7", split)
+    assert [evaluation_part(q, split, 0.2) for q in held].count(EvaluationPart.dev) < parts.count(EvaluationPart.dev)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from analysis.evaluation.config import EvalConfig, MDQAQuestions, QAMetric, probe_budget, probe_source
+from analysis.evaluation.config import EvalConfig, QAMetric, probe_budget, probe_source
 from data_builders.mdqa import Distractors
 from data_builders.probes import ProbeItem
 
@@ -33,8 +33,10 @@ def probe_settings(name: str, cfg: EvalConfig, items: Sequence[ProbeItem]) -> di
         built = {it.extra.get("distractors") for it in items if it.position >= 0} - {None}
         if name == "mdqa":
             settings["distractors"] = "as in the file" if not built else sorted(built)[0]
-            if cfg.mdqa.questions == MDQAQuestions.heldout:  # a subset: another split asks other questions
+            if cfg.mdqa.questions.held_out:  # a subset: another split asks other questions
                 settings["questions"] = f"heldout (share {cfg.mdqa.split.share}, salt {cfg.mdqa.split.salt})"
+                if cfg.mdqa.questions.part is not None:
+                    settings["questions"] += f", {cfg.mdqa.questions} part (dev share {cfg.mdqa.dev_share})"
         probe_cfg = getattr(cfg, name)
         settings["query_aware"] = probe_cfg.query_aware
         moved = name == "mdqa" and (cfg.mdqa.order is not None or cfg.mdqa.keep is not None)

@@ -17,7 +17,7 @@ from data_builders.config import DataConfig, DataFormat, DataSource
 from data_builders.files import expand_paths
 from data_builders.mdqa import Distractors
 from data_builders.probes import HELDOUT_POOL, KV_FILE, NQ_FILE, Order, check_mdqa_pool
-from data_builders.question_split import QuestionSplit, check_split
+from data_builders.question_split import DEV_SHARE, EvaluationPart, QuestionSplit, check_split
 
 Scorer = Callable[[str, Sequence[str]], float]
 
@@ -78,6 +78,17 @@ POSITION_AXIS = {  # what a probe's position is, for figure axes
 class MDQAQuestions(StrEnum):
     all = "all"  # every question of the file, as the reference asks them
     heldout = "heldout"  # only the evaluation questions of eval.mdqa.split (data_builders.question_split)
+    dev = "dev"  # the dev part of those (choose settings here; data_builders.question_split.evaluation_part)
+    test = "test"  # the test part of those (report here: no choice looked at it)
+
+    @property
+    def held_out(self) -> bool:
+        """Asks evaluation questions only (all of them, or one part)."""
+        return self != MDQAQuestions.all
+
+    @property
+    def part(self) -> EvaluationPart | None:
+        return EvaluationPart(self.value) if self in (MDQAQuestions.dev, MDQAQuestions.test) else None
 
 
 class QAMetric(StrEnum):
@@ -118,6 +129,7 @@ class MDQAProbeConfig:
     # data.nq_split equal to it never trains on; training on NQ requires it (`check_mdqa_questions`).
     questions: MDQAQuestions = MDQAQuestions.all
     split: QuestionSplit = field(default_factory=QuestionSplit)
+    dev_share: float = DEV_SHARE  # questions=dev|test: the expected share of the evaluation questions in dev
 
 
 @dataclass
@@ -177,7 +189,7 @@ def check_probes(cfg: EvalConfig, prefix: str = "eval.") -> None:
     if Probe.mdqa in wanted:
         if cfg.mdqa.pool is not None and str(cfg.mdqa.pool) == HELDOUT_POOL:  # a rule, not a file
             check_mdqa_pool(cfg.mdqa.pool, cfg.mdqa.distractors,
-                            cfg.mdqa.split if cfg.mdqa.questions == MDQAQuestions.heldout else None, f"{prefix}mdqa.")
+                            cfg.mdqa.split if cfg.mdqa.questions.held_out else None, f"{prefix}mdqa.")
         else:
             files.append(("mdqa.pool", cfg.mdqa.pool))
     if Probe.needle in wanted and cfg.data_dir is not None:
@@ -206,9 +218,9 @@ def check_mdqa_questions(mdqa: MDQAProbeConfig, data: DataConfig, mdqa_key: str 
     check_split(mdqa.split, f"{mdqa_key}.split")
     if data.source != DataSource.nq or data.format != DataFormat.in2:
         return
-    if mdqa.questions != MDQAQuestions.heldout:
+    if not mdqa.questions.held_out:
         raise ValueError(f"{data_key}.source=nq trains on NQ-open questions that {mdqa_key}.questions="
-                         f"{mdqa.questions} asks too: set {mdqa_key}.questions=heldout")
+                         f"{mdqa.questions} asks too: set {mdqa_key}.questions=heldout (or its dev or test part)")
     if mdqa.split != data.nq_split:
         raise ValueError(f"{mdqa_key}.split (share={mdqa.split.share}, salt={mdqa.split.salt!r}) differs from "
                          f"{data_key}.nq_split (share={data.nq_split.share}, salt={data.nq_split.salt!r}): the "

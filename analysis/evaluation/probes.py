@@ -30,19 +30,17 @@ from data_builders.probes import (
 if TYPE_CHECKING:
     from models.attention.attn_calibration import AttnCalibration
 
-
+from analysis.evaluation.answer_kinds import describe_answer, gold_segment_index, segment_texts
 from analysis.evaluation.comparability import probe_settings
 from analysis.evaluation.config import (
     METRICS,
     EvalConfig,
-    MDQAQuestions,
     Metric,
     Probe,
     probe_budget,
     probe_metric,
     probe_source,
 )
-from analysis.evaluation.answer_kinds import describe_answer, gold_segment_index, segment_texts
 from analysis.evaluation.generate import GenerateFn, model_generate_fn
 from analysis.evaluation.loglik import LOGLIK_DEFINITION, LoglikFn, best, model_loglik_fn
 from analysis.evaluation.result import ProbeResult
@@ -145,7 +143,8 @@ def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[st
             probes[name] = mdqa_probe(source, m.n_docs, m.positions, m.distractors, m.pool,
                                       n_examples=cfg.probe_examples, closed_book=m.closed_book,
                                       layout=Layout(m.query_aware, m.order, m.keep),
-                                      heldout=m.split if m.questions == MDQAQuestions.heldout else None)
+                                      heldout=m.split if m.questions.held_out else None, part=m.questions.part,
+                                      dev_share=m.dev_share)
         else:
             filler = nq_filler(Path(cfg.data_dir) / NQ_FILE) if cfg.data_dir is not None else synthetic_filler()
             probes[name] = needle_probe(filler, cfg.needle.depths, cfg.needle.lengths, tokenizer,
