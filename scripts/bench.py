@@ -4,6 +4,7 @@
     python -m scripts.bench train prior     # some of them
     python -m scripts.bench --write         # and record the table in BENCHMARKS.md (its sections below stay)
     python -m scripts.bench hf_trainer      # a real model against transformers.Trainer (~20 min; the wheel model)
+    python -m scripts.bench loglik          # the answer log-likelihood against a bare forward (SmolLM2, mdqa)
 
 Every row is a ratio against a baseline measured in the same process and run, because the machines
 are shared and noisy: an absolute time alone means little.
@@ -33,9 +34,13 @@ BENCHMARKS = {
     "data": ("scripts.bench_data", "bench_data"),
     "long": ("scripts.bench_long", "bench_long"),
     "hf_trainer": ("scripts.bench_hf_trainer", "bench_hf_trainer"),
+    "loglik": ("scripts.bench_loglik", "bench_loglik"),
 }
-REAL_MODEL = ("hf_trainer",)  # run only when named: they fetch a model and take many minutes
-REAL_MODEL_SECTION = "Real model: SmolLM2-135M-Instruct against transformers.Trainer"
+# Run only when named: they fetch a model and take many minutes; each writes its own section of BENCHMARKS.md.
+REAL_MODEL = {
+    "hf_trainer": "Real model: SmolLM2-135M-Instruct against transformers.Trainer",
+    "loglik": "Real model: the answer log-likelihood against a bare forward pass (SmolLM2, mdqa)",
+}
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR_REFS = Path("/proc/self/clear_refs")
 T = TypeVar("T")
@@ -84,18 +89,18 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def write_table(out: str, command: str, real_model: bool) -> None:
-    """BENCHMARKS.md with `out`: the main table (its `## ...` sections kept), or, for real-model benchmarks,
-    the section `## Real model` (replaced, the rest kept)."""
+def write_table(out: str, command: str, section: str | None) -> None:
+    """BENCHMARKS.md with `out`: the main table (its `## ...` sections kept), or, for a real-model benchmark, its
+    section `## <section>` (replaced, the rest kept)."""
     path = ROOT / "BENCHMARKS.md"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     made = (f"Made by:\n\n```\n{command.strip()}\n```\n\non {platform.machine()}, {torch.get_num_threads()} torch "
             f"threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.\n\n{out}\n")
     main, _, sections = old.partition("\n## ")
     sections = [s for s in sections.split("\n## ") if s] if sections else []
-    if real_model:
-        sections = [s for s in sections if not s.startswith(REAL_MODEL_SECTION)]
-        sections.append(f"{REAL_MODEL_SECTION}\n\nRatios against a baseline measured in the same run. {made}")
+    if section is not None:
+        sections = [s for s in sections if not s.startswith(section)]
+        sections.append(f"{section}\n\nRatios against a baseline measured in the same run. {made}")
     else:
         main = ("# Benchmarks\n\nRatios against a baseline measured in the same run (see each benchmark's module "
                 f"in `scripts/`). {made}")
@@ -110,8 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
+    names = args.names or [n for n in BENCHMARKS if n not in REAL_MODEL]
+    real = {REAL_MODEL[n] for n in names if n in REAL_MODEL}
+    if args.write and real and (len(real) > 1 or len(real) < len(names)):
+        parser.error("--write records one real-model benchmark at a time (each has its own section)")
     rows = []
-    for name in args.names or [n for n in BENCHMARKS if n not in REAL_MODEL]:
+    for name in names:
         module, func = BENCHMARKS[name]
         print(f"running {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -120,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     out = table(rows)
     print(out)
     if args.write:
-        names = args.names or list(BENCHMARKS)
-        write_table(out, "python -m scripts.bench " + " ".join(sys.argv[1:]), set(names) <= set(REAL_MODEL))
+        write_table(out, "python -m scripts.bench " + " ".join(sys.argv[1:]), real.pop() if real else None)
 
 
 if __name__ == "__main__":

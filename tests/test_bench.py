@@ -9,16 +9,18 @@ import scripts.bench as bench
 def test_write_table_keeps_the_other_part(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     path = tmp_path / "BENCHMARKS.md"
-    bench.write_table("| main 1 |", "python -m scripts.bench --write", real_model=False)
-    bench.write_table("| real 1 |", "python -m scripts.bench hf_trainer --write", real_model=True)
-    bench.write_table("| real 2 |", "python -m scripts.bench hf_trainer --write", real_model=True)
+    trainer, loglik = bench.REAL_MODEL["hf_trainer"], bench.REAL_MODEL["loglik"]
+    bench.write_table("| main 1 |", "python -m scripts.bench --write", None)
+    bench.write_table("| real 1 |", "python -m scripts.bench hf_trainer --write", trainer)
+    bench.write_table("| real 2 |", "python -m scripts.bench hf_trainer --write", trainer)
+    bench.write_table("| loglik 1 |", "python -m scripts.bench loglik --write", loglik)
     text = path.read_text()
-    assert "| main 1 |" in text and "| real 2 |" in text and "| real 1 |" not in text
-    assert text.count(f"## {bench.REAL_MODEL_SECTION}") == 1
-    bench.write_table("| main 2 |", "python -m scripts.bench --write", real_model=False)
+    assert "| main 1 |" in text and "| real 2 |" in text and "| real 1 |" not in text and "| loglik 1 |" in text
+    assert text.count(f"## {trainer}") == 1 and text.count(f"## {loglik}") == 1  # each its own section
+    bench.write_table("| main 2 |", "python -m scripts.bench --write", None)
     text = path.read_text()
     assert text.startswith("# Benchmarks") and "| main 2 |" in text and "| main 1 |" not in text
-    assert text.index("| main 2 |") < text.index(f"## {bench.REAL_MODEL_SECTION}") < text.index("| real 2 |")
+    assert text.index("| main 2 |") < text.index(f"## {trainer}") < text.index("| real 2 |") < text.index("| loglik 1 |")
 
 
 def fast_rows() -> list[dict]:
@@ -36,3 +38,5 @@ def test_real_model_benchmarks_run_only_when_named(monkeypatch, capsys):
     assert "fast one" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="the real-model benchmark ran"):
         bench.main(["hf_trainer"])
+    with pytest.raises(SystemExit):  # two sections cannot be written as one table
+        bench.main(["hf_trainer", "fast", "--write"])
