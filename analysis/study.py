@@ -976,6 +976,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "independent: each arm's seeds are its own draws (default: shared)")
     parser.add_argument("--n-perm", type=positive_int, default=stats.N_PERM,
                         help=f"permutations of the extremes' tests (default {stats.N_PERM})")
+    parser.add_argument("--mde-simulations", type=positive_int, default=MDE_SIMULATIONS,
+                        help=f"simulated studies behind the worst-bin MDE (default {MDE_SIMULATIONS})")
     parser.add_argument("--seed", type=int, default=stats.RNG_SEED, help="random seed (default 0)")
     return parser
 
@@ -994,7 +996,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     score = stats.Score(args.score, not args.lower_is_better, rate=args.score == stats.ACCURACY.field)
     try:
         study = load_study(args.sweep_dir, score)
-        report = write_report(study, out, args.reference, stats.Seeds(args.seeds), args.n_perm, seed=args.seed)
+        report = write_report(study, out, args.reference, stats.Seeds(args.seeds), args.n_perm, seed=args.seed,
+                              n_sim=args.mde_simulations)
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -410,7 +410,7 @@ def test_report_files(sweep: Path, tmp_path: Path):
 
 
 def test_cli(sweep: Path, tmp_path: Path, capsys):
-    assert main([str(sweep), "--out", str(tmp_path / "cli"), "--n-perm", "200"]) == 0
+    assert main([str(sweep), "--out", str(tmp_path / "cli"), "--n-perm", "200", "--mde-simulations", "50"]) == 0
     printed = capsys.readouterr().out
     assert all(f"| {arm} |" in printed for arm in ARM_PROBS) and "report.md" in printed
     assert main([str(sweep), "--out", str(tmp_path / "bad"), "--reference", "nope", "--n-perm", "50"]) == 1
