@@ -9,6 +9,7 @@ The config is converted once into the typed `TrainConfig` and checked by `valida
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -23,6 +24,7 @@ from typing import Any, Iterator, Mapping, Optional
 import hydra
 import numpy as np
 import torch
+from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -32,6 +34,12 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.config import EvalConfig, Probe, check_mdqa_questions, check_probes, probe_source
+from analysis.evaluation.distill_responses import (
+    answer_training_samples,
+    cached_answers,
+    model_answer_fn,
+    settings_of,
+)
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes
 from analysis.evaluation.result import ProbeResult, write_eval_json
 from analysis.measure.jacobian import (
@@ -43,7 +51,13 @@ from analysis.measure.jacobian import (
     excerpts_per_sequence,
     measure_sets,
 )
-from analysis.measure.rollout import RolloutVariant, mean_rollout, measure_rollouts, record_name, rollout_set_metrics
+from analysis.measure.rollout import (
+    RolloutVariant,
+    mean_rollout,
+    measure_rollouts,
+    record_name,
+    rollout_set_metrics,
+)
 from analysis.measure.topology import prefixed, topology_metrics
 from analysis.report.figures import (
     plot_depth_accuracy,
@@ -67,6 +81,7 @@ from analysis.report.run_summary import headline_numbers, run_summary
 from data_builders.build import DataBundle, build_datasets, built_with, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, validate_data
+from data_builders.distill_data import check_teacher_columns, distill_split
 from data_builders.files import atomic_write_text
 from data_builders.needle_mix import mixed_rows, training_mix, validate_needle_mix
 from data_builders.tokenizer import default_cache_dir, load_tokenizer
@@ -89,7 +104,13 @@ from models.training.checkpoint import (
     remove_stale_temporaries,
     resolve_checkpoint,
 )
-from models.training.debias import DebiasConfig, DebiasObjective, Objective, validate_debias
+from models.training.debias import (
+    DebiasConfig,
+    DebiasObjective,
+    Objective,
+    validate_debias,
+    validate_pos2distill,
+)
 from models.training.distributed import (
     Device,
     DistInfo,
@@ -271,6 +292,7 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
         check_probes(cfg.eval)
     if Probe.mdqa in cfg.eval.probes and probe_source(Probe.mdqa, cfg.eval) is not None:
         check_mdqa_questions(cfg.eval.mdqa, built_with(cfg.data))
+    validate_pos2distill(cfg.debias, cfg.data, built_with(cfg.data), cfg.peft.method, cfg.model.attention)
     validate_debias(cfg.debias, jac.every, t.sequence_parallel, cfg.data.format == DataFormat.in2)
     validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)
 
@@ -463,9 +485,12 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     if info.is_main_process:
         tokenizer.save_pretrained(RunDir(run_dir).tokenizer)
     model, zero3 = load_model(cfg, run_dir, tokenizer, info, ds_config)
-    objective = (DebiasObjective(cfg.debias, model.config.num_hidden_layers, all_sum)
+    objective = (DebiasObjective(cfg.debias, model.config.num_hidden_layers, all_sum,
+                                 built_with(cfg.data).in2.teacher_slot_index)
                  if cfg.debias.objective != Objective.mean else None)
     engine = build_engine(model, cfg.trainer, ds_config, tokenizer.pad_token_id, objective or causal_lm_loss)
+    if cfg.debias.objective == Objective.pos2distill:  # the targets: the starting model's answers at the strong slot
+        bundle = dataclasses.replace(bundle, train=distill_targets(cfg, run_dir, bundle, engine, info))
     probe_items = build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}
     stream = build_stream(cfg, bundle, tokenizer, info, probe_items)
     if info.is_main_process:
@@ -511,7 +536,44 @@ def build_stream(cfg: TrainConfig, bundle: DataBundle, tokenizer: PreTrainedToke
                        label_context=cfg.data.in2.label_context, ordered_first_epoch=in_order,
                        pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None,
                        depths=cfg.debias.needs_depths, mix=needle_mix(cfg, tokenizer, probe_items),
-                       mix_rows=mixed_rows(cfg.debias.needle_mix.share, t.micro_batch_size))
+                       mix_rows=mixed_rows(cfg.debias.needle_mix.share, t.micro_batch_size),
+                       teacher=cfg.debias.objective == Objective.pos2distill)
+
+
+def distill_targets(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, engine: TorchEngine | DeepSpeedEngine,
+                    info: DistInfo) -> Dataset:
+    """pos2distill's training split: every sample's teacher prompt answered by the starting model (adapters off),
+    the correct answers kept as the target of its student and teacher sequences (data_builders.distill_data); the
+    counts logged, every answer written to distill_responses.json.
+
+    Every rank answers every prompt (under ZeRO-3 each forward gathers the weights collectively) and the main
+    process's answers are used. A single process reads the answers an earlier run stored for the same starting
+    function, prompts and settings (analysis.evaluation.distill_responses.cached_answers).
+    """
+    c, t, tokenizer, model = cfg.debias.distill, cfg.trainer, bundle.tokenizer, engine.module
+    check_teacher_columns(bundle.train)
+    answer = model_answer_fn(model, tokenizer, c.max_new_tokens, cfg.eval.batch_size, cfg.eval.batch_tokens,
+                             progress=info.is_main_process)
+    if info.world_size == 1:
+        settings = settings_of(tokenizer, c.max_new_tokens, cfg.eval.batch_size, cfg.eval.batch_tokens)
+        answer = cached_answers(answer, model, settings, default_cache_dir())
+    built = built_with(cfg.data)
+    responses = answer_training_samples(bundle.train, answer, tokenizer, built.context_len, c.keep_wrong)
+    responses = broadcast_object(responses, engine.device)  # every rank keeps the main process's answers
+    n = responses.counts
+    if info.is_main_process:
+        atomic_write_text(RunDir(run_dir).distill_responses, json.dumps(responses.to_json(), indent=1))
+        log.info("pos2distill: with the gold at slot %d the starting model answered %d of %d training questions "
+                 "correctly; %d kept as targets, dropped %d wrong and %d longer than data.context_len=%d (%s)",
+                 built.in2.teacher_slot_index, n["correct"], n["samples"], n["kept"], n["dropped_wrong"],
+                 n["dropped_longer_than_context_len"], built.context_len, RunDir(run_dir).distill_responses)
+    groups = info.world_size // t.sequence_parallel
+    if n["kept"] < t.micro_batch_size * groups:
+        raise ValueError(f"debias.objective=pos2distill kept {n['kept']} of {n['samples']} training samples (the "
+                         f"starting model's correct answers at the strong slot), fewer than one global micro-batch "
+                         f"of {t.micro_batch_size} x {groups}: raise data.num_train (or debias.distill.keep_wrong=true "
+                         f"to keep wrong answers too); {RunDir(run_dir).distill_responses} has the answers")
+    return distill_split(bundle.train, responses.targets, tokenizer.eos_token_id)
 
 
 def log_setup(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, model: PreTrainedModel, info: DistInfo) -> None:

@@ -32,8 +32,8 @@ from data_builders.config import (
     validate_data,
 )
 from data_builders.files import atomic_dir
-from data_builders.in2 import RECORD_FEATURES, build_in2, make_format
-from data_builders.in2_mdqa import build_in2_mdqa
+from data_builders.in2 import build_in2, make_format
+from data_builders.in2_mdqa import build_in2_mdqa, record_features
 from data_builders.pools import tokenizer_digest
 from data_builders.sources import file_identity
 from data_builders.tokenizer import default_cache_dir
@@ -116,6 +116,10 @@ def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> 
     mdqa = cfg.in2.layout == In2Layout.mdqa
     if not mdqa:  # the segment layout's bytes do not depend on them: its fingerprints stay those of before them
         settings["in2"] = {k: v for k, v in settings["in2"].items() if k not in ("layout", "n_docs")}
+    if cfg.in2.teacher_slot_index is None:  # off: builds keep the fingerprints of before the setting
+        settings["in2"].pop("teacher_slot", None)
+    else:  # -1 and n_docs - 1 are the same slot, the same bytes
+        settings["in2"]["teacher_slot"] = cfg.in2.teacher_slot_index
     here = Path(__file__).resolve().parent
     code = [(here / name).read_bytes() for name in _CODE + (_MDQA_CODE if mdqa else ())]
     return Hasher.hash([
@@ -128,7 +132,7 @@ def _build_in2(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase], ke
     build = build_in2_mdqa if cfg.in2.layout == In2Layout.mdqa else build_in2
     tables, heldout, tokenizer, stats = build(cfg, tokenizer)
     splits = {
-        name: Dataset(InMemoryTable(table), info=DatasetInfo(features=RECORD_FEATURES),
+        name: Dataset(InMemoryTable(table), info=DatasetInfo(features=record_features(cfg)),
                       fingerprint=Hasher.hash([key, name]))
         for name, table in tables.items()
     }

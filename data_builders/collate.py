@@ -7,7 +7,9 @@ which transformers builds a block-diagonal causal mask (sdpa, eager, flex) or th
 boundaries (flash_attention_2): no token attends across samples, and no compute goes to padding
 beyond each row's tail. Either way `num_tokens` counts the real tokens (it is not a model input).
 With `depths` (the per-sample objectives of models.training.debias) a batch also carries `depths` (S,), each
-sample's gold depth, and `sample_ids` (B, L), the sample each token belongs to (-1: padding).
+sample's gold depth, and `sample_ids` (B, L), the sample each token belongs to (-1: padding). With `teacher`
+(debias=pos2distill, padded batches only) it also carries each sample's teacher sequence, padded as the samples
+are: `teacher_input_ids`, `teacher_labels`, `teacher_attention_mask` (B, Lt), and `gold_slots` (B,).
 """
 from __future__ import annotations
 
@@ -17,23 +19,39 @@ import torch
 
 from data_builders.needle_mix import check_mix_rows
 
+TEACHER_COLUMNS = ("teacher_input_ids", "teacher_labels", "gold_slot")  # what a batch's teacher part is made of
 
-def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False) -> dict[str, torch.Tensor]:
-    """Right-pad `input_ids` (with `pad_id`) and `labels` (with -100) to the longest row."""
-    width = max(len(r["input_ids"]) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, L)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # (B, L)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
-        labels[i, :n] = torch.as_tensor(r.get("labels", r["input_ids"]))
+
+def _padded(sequences: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, labels, attention_mask), each (B, L): right-padded with `pad_id`, -100 and 0 to the longest."""
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)  # (B, L)
+    padded_labels = torch.full((len(sequences), width), -100, dtype=torch.long)  # (B, L)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)  # (B, L)
+    for i, (ids, lab) in enumerate(zip(sequences, labels)):
+        n = len(ids)
+        input_ids[i, :n] = torch.as_tensor(ids)
+        padded_labels[i, :n] = torch.as_tensor(lab)
         attention_mask[i, :n] = 1
+    return input_ids, padded_labels, attention_mask
+
+
+def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False, teacher: bool = False
+            ) -> dict[str, torch.Tensor]:
+    """Right-pad `input_ids` (with `pad_id`) and `labels` (with -100) to the longest row; with `teacher` the rows'
+    `teacher_input_ids` and `teacher_labels` too, to their own longest."""
+    input_ids, labels, attention_mask = _padded([r["input_ids"] for r in rows],
+                                                [r.get("labels", r["input_ids"]) for r in rows], pad_id)
     batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
              "num_tokens": attention_mask.sum()}
     if depths:  # one sample per row
         batch["sample_ids"] = torch.where(attention_mask.bool(), torch.arange(len(rows))[:, None], -1)
         batch["depths"] = torch.tensor([r["depth"] for r in rows], dtype=torch.float64)
+    if teacher:
+        ids, lab, mask = _padded([r["teacher_input_ids"] for r in rows], [r["teacher_labels"] for r in rows], pad_id)
+        batch |= {"teacher_input_ids": ids, "teacher_labels": lab, "teacher_attention_mask": mask,
+                  "gold_slots": torch.tensor([r["gold_slot"] for r in rows], dtype=torch.long)}
     return batch
 
 
@@ -103,9 +121,9 @@ class BatchStream:
     left over at the end of an epoch are skipped. `position` counts micro-batches drawn by this rank;
     restoring it continues the exact same order after a resume. With `ordered_first_epoch` epoch 0
     reads the dataset in stored order (a curriculum's short-first order), later epochs shuffle.
-    `depths`: batches carry each sample's gold depth (see `collate`). `mix`, `mix_rows` (padded batches
-    only): the last `mix_rows` rows of every micro-batch are rows of `mix` instead (debias.needle_mix),
-    read in turn by global micro-batch, so a resume continues them exactly too.
+    `depths`: batches carry each sample's gold depth, `teacher` its teacher sequence (see `collate`). `mix`,
+    `mix_rows` (padded batches only): the last `mix_rows` rows of every micro-batch are rows of `mix` instead
+    (debias.needle_mix), read in turn by global micro-batch, so a resume continues them exactly too.
     """
 
     def __init__(
@@ -122,15 +140,19 @@ class BatchStream:
         depths: bool = False,
         mix: Sequence[dict[str, Any]] = (),
         mix_rows: int = 0,
+        teacher: bool = False,
     ):
         self.dataset, self.micro_batch_size, self.pad_id = dataset, micro_batch_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.label_context, self.ordered_first_epoch, self.pack_len = label_context, ordered_first_epoch, pack_len
         self.depths, self.mix, self.mix_rows = depths, mix, mix_rows if mix else 0
+        self.teacher = teacher
         if self.mix_rows:
             check_mix_rows(self.mix_rows, micro_batch_size, bool(pack_len))
+        if teacher and (pack_len or self.mix_rows):
+            raise ValueError("teacher sequences (debias=pos2distill) are batched padded, without mixed rows")
         # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
-        columns = ["input_ids", "labels"] + (["depth"] if depths else [])
+        columns = ["input_ids", "labels"] + (["depth"] if depths else []) + (list(TEACHER_COLUMNS) if teacher else [])
         self._columns = dataset.select_columns(columns) if hasattr(dataset, "column_names") else None
         self._lengths = self._sample_lengths() if pack_len else None
         self._epochs: dict[int, list[list[int]]] = {}  # epoch -> its units, for the epoch in use
@@ -192,7 +214,7 @@ class BatchStream:
                 if self.mix_rows:
                     k = self.mix_rows
                     rows = rows[: B - k] + [self.mix[(drawn * k + j) % len(self.mix)] for j in range(k)]
-                yield collate(rows, self.pad_id, self.depths)
+                yield collate(rows, self.pad_id, self.depths, self.teacher)
                 continue
             row = iter(rows)
             yield collate_packed([[next(row) for _ in unit] for unit in units], self.pack_len, self.pad_id,
@@ -204,6 +226,9 @@ class BatchStream:
             rows = [{"input_ids": i, "labels": lab} for i, lab in zip(cols["input_ids"], cols["labels"])]
             for r, d in zip(rows, cols["depth"] if self.depths else ()):
                 r["depth"] = d
+            for name in TEACHER_COLUMNS if self.teacher else ():
+                for r, value in zip(rows, cols[name]):
+                    r[name] = value
         else:
             rows = [self.dataset[i] for i in indices]
         if self.label_context:  # language-model loss on every token, not only on the answer

@@ -112,6 +112,17 @@ class In2Config:
     # the split's own passages (none holding an answer), the target an answer alias the gold holds as whole words
     layout: In2Layout = In2Layout.segments
     n_docs: int = 10  # layout=mdqa: documents per sample (the evaluation's 10 by default)
+    # layout=mdqa: also record each sample's teacher prompt (`teacher_prompt_ids`): the same documents and question
+    # with the gold moved to this slot, the distractors in their order (debias=pos2distill's teacher); and the
+    # sample's gold slot (`gold_slot`). None = off; -1 = the last slot (n_docs - 1)
+    teacher_slot: Optional[int] = None
+
+    @property
+    def teacher_slot_index(self) -> Optional[int]:
+        """`teacher_slot` as a slot index in [0, n_docs) (-1 = the last), None when off."""
+        if self.teacher_slot is None:
+            return None
+        return self.n_docs - 1 if self.teacher_slot == -1 else self.teacher_slot
 
 
 @dataclass
@@ -234,11 +245,23 @@ def _validate_mdqa_layout(cfg: DataConfig) -> None:
                          "leave them at their defaults (as data=in2_nq_mdqa does)")
 
 
+def _validate_teacher_slot(c: In2Config) -> None:
+    if c.teacher_slot is None:
+        return
+    if c.layout != In2Layout.mdqa:
+        raise ValueError(f"data.in2.teacher_slot={c.teacher_slot}: teacher prompts move the gold among whole "
+                         f"documents, which only data.in2.layout=mdqa has (got {c.layout}); leave it unset")
+    if isinstance(c.teacher_slot, bool) or not -1 <= c.teacher_slot < c.n_docs:
+        raise ValueError(f"data.in2.teacher_slot={c.teacher_slot!r} must be a slot in [0, data.in2.n_docs={c.n_docs}) "
+                         "or -1 (the last)")
+
+
 def _validate_in2(cfg: DataConfig) -> None:
     c = cfg.in2
     _choice("data.in2.layout", c.layout, In2Layout)
     if c.layout == In2Layout.mdqa:
         _validate_mdqa_layout(cfg)
+    _validate_teacher_slot(c)
     shares = vars(c.tasks)
     if any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
         raise ValueError(f"data.in2.tasks must be non-negative with a positive sum, got {shares}")

@@ -18,6 +18,12 @@ evaluation questions, whose passages never reach the training split):
   (`data_builders.mdqa.place_gold`, the probe's placement); depth = slot / (n_docs - 1), so accuracy and loss
   bin by slot as other IN2 samples bin by depth (with 10 documents and 10 bins: one slot a bin).
 
+With `data.in2.teacher_slot` (debias=pos2distill) each record also holds its teacher prompt, `teacher_prompt_ids`:
+the same question and documents with the gold moved to the teacher slot, the distractors in their order (the
+probe's placement of the same ranked distractors), tokenized as the sample's prompt; and its gold slot, `gold_slot`
+(TEACHER_FEATURES). A sample whose gold is at the teacher slot has its own prompt as its teacher prompt. Nothing
+else changes: the same questions, slots and bytes as without it.
+
 Questions are read in a seeded shuffled order, shuffled again for each further pass when a split asks for more
 samples than it has questions. A sample longer than data.context_len is dropped and counted
 (`longer_than_context_len`), and the next question takes its place. Records have IN2's schema
@@ -33,6 +39,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
+from datasets import Features, List, Value
 from transformers import PreTrainedTokenizerBase
 
 from data_builders.config import DataConfig, config_dict
@@ -40,7 +47,7 @@ from data_builders.in2 import (
     RECORD_FEATURES,
     PromptFormat,
     _counts_of,
-    _record_batch,
+    _list_array,
     depth_histogram,
     heldout_documents,
     make_format,
@@ -56,6 +63,17 @@ log = logging.getLogger(__name__)
 TITLE_SEPARATOR = "\n"  # data_builders.sources writes a titled passage as f"{title}\n{text}"
 NO_ALIAS = "no_answer_alias_in_gold"  # no answer alias is whole words of the gold document
 TOO_LONG = "longer_than_context_len"  # the rendered sample exceeds data.context_len
+# RECORD_FEATURES and, with data.in2.teacher_slot, each sample's teacher prompt and gold slot
+TEACHER_FEATURES = Features({
+    **RECORD_FEATURES,
+    "teacher_prompt_ids": List(Value("int32")),  # the prompt with the gold at the teacher slot (no answer, no eos)
+    "gold_slot": Value("int32"),  # the gold document's slot, 0 .. n_docs - 1 (depth = slot / (n_docs - 1))
+})
+
+
+def record_features(cfg: DataConfig) -> Features:
+    """The features of the records a build of `cfg` makes."""
+    return TEACHER_FEATURES if cfg.in2.teacher_slot_index is not None else RECORD_FEATURES
 
 
 def titled(passage: str) -> dict[str, str]:
@@ -176,11 +194,13 @@ class _Tokens:
 
 def assemble_mdqa(split: MdqaSplit, tokens: _Tokens, n: int, cfg: DataConfig, seed: int, name: str,
                   skipped: dict[str, int]) -> tuple[pa.Table, list[int]]:
-    """`n` records (RECORD_FEATURES) of `split` and the number of samples at each gold slot."""
+    """`n` records (`record_features(cfg)`) of `split` and the number of samples at each gold slot."""
     if not split.questions:
         raise ValueError(f"the {name} split has no question whose gold holds an answer alias as whole words")
     rng = random.Random(seed)
-    rows: dict[str, list] = {key: [] for key in RECORD_FEATURES}
+    teacher_slot = cfg.in2.teacher_slot_index
+    features = record_features(cfg)
+    rows: dict[str, list] = {key: [] for key in features}
     slots = [0] * split.n_docs
     order: list[int] = []
     since_kept = 0  # questions drawn in a row without a sample that fits
@@ -208,10 +228,21 @@ def assemble_mdqa(split: MdqaSplit, tokens: _Tokens, n: int, cfg: DataConfig, se
             "depths": [depth], "context_tokens": context_tokens, "task": "fine_grained",
             "answers": list(sample.question.answers), "source": cfg.source, "id": f"{name}-{len(rows['id'])}",
         }
+        if teacher_slot is not None:  # the same documents, the gold moved: the prompt's tokens only
+            teacher_ids, teacher_prompt_len = tokens(split.sample(k, teacher_slot))[:2]
+            record |= {"teacher_prompt_ids": teacher_ids[:teacher_prompt_len], "gold_slot": slot}
         for key, value in record.items():
             rows[key].append(value)
         slots[slot] += 1
-    return pa.Table.from_batches([_record_batch(rows)], schema=RECORD_FEATURES.arrow_schema), slots
+    return pa.Table.from_batches([_record_batch(rows, features)], schema=features.arrow_schema), slots
+
+
+def _record_batch(rows: dict[str, list], features: Features) -> pa.RecordBatch:
+    """The rows as one Arrow batch of `features` (data_builders.in2's, with the teacher prompts' column too)."""
+    schema = features.arrow_schema
+    columns = [_list_array(rows[name], np.int32) if name in ("input_ids", "labels", "teacher_prompt_ids")
+               else pa.array(rows[name], type=schema.field(name).type) for name in schema.names]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
 def corpus_texts(data: SourceData) -> list[str]:

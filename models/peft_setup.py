@@ -8,8 +8,10 @@ would never move.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Iterator
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -66,3 +68,19 @@ def apply_peft(model: PreTrainedModel, cfg: PeftConfig):
         # Frozen embeddings + non-reentrant checkpointing: inputs must require grad for adapters to learn.
         model.enable_input_require_grads()
     return model
+
+
+def peft_model_of(model: nn.Module) -> nn.Module:
+    """The peft model inside a DeepSpeed engine (or the model itself); ValueError when it is no peft model."""
+    inner = getattr(model, "module", model)  # DeepSpeed engine
+    if not hasattr(inner, "disable_adapter"):
+        raise ValueError(f"{type(inner).__name__} has no adapters to disable: the base function needs peft=lora")
+    return inner
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model's function inside (peft's `disable_adapter()`, LoRA layers skipped, modules_to_save swapped
+    for their originals), on a peft model or a DeepSpeed engine around one; the adapters on again after."""
+    with peft_model_of(model).disable_adapter():
+        yield

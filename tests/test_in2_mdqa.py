@@ -24,7 +24,7 @@ from analysis.evaluation.config import EvalConfig, MDQAProbeConfig, MDQAQuestion
 from analysis.evaluation.generate import encode_prompt
 from analysis.evaluation.probes import build_probes
 from data_builders.build import build_datasets, build_key, dataset_digest, save_built
-from data_builders.config import DataConfig, DataSource, In2Config, TaskMix, validate_data
+from data_builders.config import DataConfig, DataSource, In2Config, TaskMix, config_dict, validate_data
 from data_builders.in2 import make_format
 from data_builders.in2_mdqa import NO_ALIAS, TOO_LONG, MdqaSplit, _Tokens, assemble_mdqa
 from data_builders.mdqa import write_jsonl_gz
@@ -136,6 +136,75 @@ def test_a_sample_is_the_mdqa_probes_prompt_byte_for_byte(bundle, nq_fixture, tm
                                        "search results (some of which might be irrelevant).\n\nDocument [1](Title: ")
         assert probe.prompt.endswith(f"\n\nQuestion: {s['question']}\nAnswer:")
         assert s["numbers"] == list(range(1, N_DOCS + 1)) and s["docs"][s["slot"]] == golds[s["question"]]
+
+
+@pytest.fixture(scope="module")
+def teacher_bundles(nq_fixture, bundle):
+    """The same small build without and with teacher prompts (data.in2.teacher_slot=-1: the last slot)."""
+    small = dict(num_train=60, num_eval=10)
+    plain = build_datasets(_config(nq_fixture, **small), bundle.tokenizer)
+    taught = build_datasets(_config(nq_fixture, **small, in2=In2Config(layout="mdqa", n_docs=N_DOCS, teacher_slot=-1)),
+                            bundle.tokenizer)
+    return plain, taught
+
+
+def test_teacher_prompts_are_the_probes_prompt_with_the_gold_at_the_teacher_slot(teacher_bundles, nq_fixture,
+                                                                                 tmp_path):
+    """Each sample's teacher prompt is the mdqa probe's prompt for its question with the gold at the teacher slot,
+    the same documents, the distractors in their order, byte for byte and token for token; nothing else changes."""
+    plain, taught = teacher_bundles
+    tokenizer, teacher = taught.tokenizer, N_DOCS - 1
+    for name in ("train", "eval"):
+        added = getattr(taught, name).remove_columns(["teacher_prompt_ids", "gold_slot"])
+        assert dataset_digest(added) == dataset_digest(getattr(plain, name))
+    samples = _prompts(taught.train, tokenizer)
+    data = load_source(_config(nq_fixture), tmp_path / "hf", with_integration=False)
+    pool = write_jsonl_gz(tmp_path / "pool.jsonl.gz",
+                          [dict(zip(("title", "text"), p.split("\n", 1))) for p in data.train.passages])
+    records = {r["question"]: r for r in _records()}
+    asked = write_jsonl_gz(tmp_path / "asked.jsonl.gz", [records[q] for q in dict.fromkeys(s["question"] for s in samples)])
+    items = {(it.extra["question"], it.position): it
+             for it in mdqa_probe(asked, n_docs=N_DOCS, positions=[teacher], pool=pool, closed_book=False)}
+    at_teacher = 0
+    for s in samples:
+        r, probe = s["record"], items[s["question"], teacher]
+        assert r["gold_slot"] == s["slot"]
+        assert tokenizer.decode(r["teacher_prompt_ids"]) == probe.prompt
+        assert r["teacher_prompt_ids"] == encode_prompt(tokenizer, probe.prompt)
+        docs = [DOCUMENT.match(line).groups()[1:] for line in probe.prompt.splitlines() if line.startswith("Document [")]
+        gold = s["docs"][s["slot"]]
+        assert docs[teacher] == gold and [d for d in docs if d != gold] == [d for d in s["docs"] if d != gold]
+        if s["slot"] == teacher:  # the sample's own prompt
+            at_teacher += 1
+            assert r["teacher_prompt_ids"] == r["input_ids"][: r["prompt_len"]]
+    assert 0 < at_teacher < len(samples)
+
+
+def test_the_teacher_slot_enters_the_fingerprint_only_when_set(monkeypatch):
+    mdqa = DataConfig(source=DataSource.nq, path="nq.jsonl.gz", in2=In2Config(layout="mdqa", n_docs=4))
+    on = replace(mdqa, in2=In2Config(layout="mdqa", n_docs=4, teacher_slot=-1))
+    assert build_key(on, None) != build_key(mdqa, None)
+    assert build_key(on, None) == build_key(replace(mdqa, in2=In2Config(layout="mdqa", n_docs=4, teacher_slot=3)), None)
+    off = build_key(mdqa, None)
+    import data_builders.build as build
+
+    def before_the_setting(cfg):
+        settings = config_dict(cfg)
+        del settings["in2"]["teacher_slot"]
+        return settings
+
+    monkeypatch.setattr(build, "config_dict", before_the_setting)
+    assert build_key(mdqa, None) == off  # off: the fingerprint of a config without the key
+
+
+def test_the_teacher_slot_is_checked_naming_the_key(nq_fixture):
+    validate_data(_config(nq_fixture, in2=In2Config(layout="mdqa", n_docs=N_DOCS, teacher_slot=0)))
+    for slot in (N_DOCS, -2):
+        with pytest.raises(ValueError, match=rf"data\.in2\.teacher_slot={slot} must be a slot in \[0, "
+                                             rf"data\.in2\.n_docs={N_DOCS}\) or -1"):
+            validate_data(_config(nq_fixture, in2=In2Config(layout="mdqa", n_docs=N_DOCS, teacher_slot=slot)))
+    with pytest.raises(ValueError, match=r"data\.in2\.teacher_slot=-1: .* only data\.in2\.layout=mdqa has"):
+        validate_data(DataConfig(in2=In2Config(teacher_slot=-1)))
 
 
 def test_chat_template_samples_are_the_probes_chat_prompts(chat_bundle):

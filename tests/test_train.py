@@ -36,12 +36,15 @@ READER = [o for o in FROM_CHECKPOINT if not o.startswith("debias.")] + [
     "data.context_len=256", "debias.needle_mix.pool=16"]
 # +exp=in2_smol on the tiny model and a synthetic NQ-format file (`synthetic_nq`): no wheel, no ../shared
 SMOL = ["model=qwen2_tiny", *TINY, "data.in2.context_len_min=64", "data.in2.segment_len=32", "peft.r=4"]
-READS_NQ = ("in2_smol", "debias_study_smol", "in2_smol_mdqa")
+READS_NQ = ("in2_smol", "debias_study_smol", "in2_smol_mdqa", "in2_smol_distill")
 SMOKE = {
     "biased_start": TINY,
     "in2_smol": SMOL,
     # three of its whole mdqa documents (data.in2.layout=mdqa: no segment budgets)
     "in2_smol_mdqa": ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4"],
+    # and pos2distill's targets: the random tiny model answers nothing right, so its wrong answers are kept
+    "in2_smol_distill": ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4",
+                         "debias.distill.keep_wrong=true", "debias.distill.max_new_tokens=4"],
     "debias_study_smol": [*SMOL, "data.in2.prior_layers=2"],
     "debias_study": FROM_CHECKPOINT,
     "mdqa_reader": READER,

@@ -2,9 +2,10 @@
 complete line when only that is scored; optional chat-template prompts and attention calibration."""
 from __future__ import annotations
 
+import itertools
 import logging
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -90,15 +91,61 @@ def greedy_generate(
     its previous mode restored. `batch_context(rows, width)`, when given, is entered around each batch's
     generate call (rows: the prompts' indices, width: the padded length), e.g. to calibrate attention.
     """
+    texts: list[str] = [""] * len(prompts)
+    for rows, new in _generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                               batch_tokens, batch_context):
+        for i, text in zip(rows, tokenizer.batch_decode(new, skip_special_tokens=True)):
+            texts[i] = text
+    return texts
+
+
+@torch.no_grad()
+def greedy_generate_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    progress: bool = True,
+    first_line_only: bool = False,
+    batch_tokens: int | None = None,
+) -> list[list[int]]:
+    """`greedy_generate`'s continuations as the token ids the model chose, in prompt order: each row's new tokens up
+    to its first stop (the model's eos ids, the tokenizer's eos, the padding after a row that stopped), which is
+    left out. The same batches and calls, so the same tokens `greedy_generate` decodes."""
+    stops = set(_stop_ids(model, tokenizer)) | {_pad_id(tokenizer)}
+    out: list[list[int]] = [[] for _ in prompts]
+    for rows, new in _generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                               batch_tokens):
+        for i, ids in zip(rows, new.tolist()):
+            out[i] = list(itertools.takewhile(lambda t: t not in stops, ids))
+    return out
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    progress: bool,
+    first_line_only: bool,
+    batch_tokens: int | None,
+    batch_context: BatchContext | None = None,
+) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """(prompt indices, their new tokens (B, new)) of each batch, as `greedy_generate` documents it."""
     limit = getattr(model.config, "max_position_embeddings", None)
     too_long = sum(len(p) + max_new_tokens > limit for p in prompts) if limit else 0
     if too_long:
         log.warning("%d of %d prompts plus %d new tokens exceed the model's max_position_embeddings=%d: "
                     "their answers test length extrapolation", too_long, len(prompts), max_new_tokens, limit)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = _pad_id(tokenizer)
     eos = _stop_ids(model, tokenizer)
     batches = _length_batches(prompts, batch_size, batch_tokens)
-    outputs: list[str] = [""] * len(prompts)
     was_training = model.training
     model.eval()
     try:
@@ -121,12 +168,9 @@ def greedy_generate(
                     stopping_criteria=StoppingCriteriaList([FirstLineComplete(tokenizer, width)]) if first_line_only
                     else None,
                 )  # (B, L + new)
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-            for i, text in zip(rows, texts):
-                outputs[i] = text
+            yield rows, out[:, width:]  # (B, new)
     finally:
         model.train(was_training)
-    return outputs
 
 
 def encode_prompt(

@@ -44,29 +44,36 @@ def _inert_lora_a(model: torch.nn.Module) -> set[str]:
     return inert
 
 
-def function_digest(model: torch.nn.Module) -> str:
-    """sha256 of what the model computes: its config and every tensor but inert LoRA A weights."""
+def is_adapter_tensor(name: str) -> bool:
+    """A peft tensor: a LoRA weight, or a modules_to_save copy (peft's `disable_adapter()` skips both)."""
+    return ".lora_" in name or ".modules_to_save." in name
+
+
+def function_digest(model: torch.nn.Module, adapters: bool = True) -> str:
+    """sha256 of what the model computes: its config and every tensor but inert LoRA A weights; with
+    `adapters=False`, what it computes with its adapters off (peft's `disable_adapter()`): no adapter tensor."""
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
     digest.update((config.to_json_string() if config is not None else type(model).__name__).encode())
     skip = _inert_lora_a(model)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name in skip:
+        if name in skip or (not adapters and is_adapter_tensor(name)):
             continue
         digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(_tensor_bytes(tensor))
     return digest.hexdigest()
 
 
-def computation_key(model: torch.nn.Module) -> str:
-    """sha256 of the function and of how it is computed: the weights (`function_digest`) and the kernels and
-    precision, which the weights do not say (torch version, device type, autocast dtype, attention kernel)."""
+def computation_key(model: torch.nn.Module, adapters: bool = True) -> str:
+    """sha256 of the function and of how it is computed: the weights (`function_digest`, with or without the
+    adapters) and the kernels and precision, which the weights do not say (torch version, device type, autocast
+    dtype, attention kernel)."""
     device = next(model.parameters()).device.type
     autocast = str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     how = json.dumps({"torch": torch.__version__, "device": device, "autocast": autocast, "attention": attention},
                      sort_keys=True)
-    return hashlib.sha256(f"{function_digest(model)}|{how}".encode()).hexdigest()
+    return hashlib.sha256(f"{function_digest(model, adapters)}|{how}".encode()).hexdigest()
 
 
 def evaluation_key(model: torch.nn.Module, items: Sequence[ProbeItem], settings: dict) -> str:

@@ -33,6 +33,18 @@ weighting, middle-context curricula or over-sampled retrieval data close the gap
   none seen, is the plain loss. As group_dro's loss_k, l_k is over every data-parallel rank's samples, so the
   averages are the same on every rank; they are logged (debias/bin_loss@<bin>, the bins seen so far), saved in
   checkpoints and resume exactly.
+- `pos2distill`: the model's answers at its strong gold slot distilled into its weak slots (Pos2Distill, Wang et al.
+  2025; the loss and its reference: models.training.distill). Data: mdqa-layout samples (`data.in2.layout=mdqa`) with
+  a teacher prompt each, the same documents with the gold moved to `data.in2.teacher_slot` (the strong slot). Target:
+  the starting model's own greedy answer to the teacher prompt, kept when correct (train.py, before the first step;
+  data_builders.distill_data), then eos. Per micro-batch: the teacher's logits on the teacher prompt + target with
+  the LoRA adapters off (the base function: no second copy of the weights), without gradient; the student's on the
+  sample's own prompt + target with them on; both at the positions that predict a target token, aligned token by
+  token; loss = `position_kd_loss` (T^2 sum_i w_i KL_i, the reference's adaptive weights over the gold slots of the
+  micro-batch, the strong slot's samples weighing `debias.distill.preserve`) + `debias.distill.guard` x `guard_kl`
+  (KL(base || policy) on the teacher sequences: one more forward and backward pass; 0 = off). It needs peft=lora,
+  unpacked batches and one rank a sequence; the NLL weightings above (`prior_*`, `max_weight`, `bins`, `eta`,
+  `loss_*`) and debias.needle_mix's rows (no teacher prompt) do not combine with it (`validate_pos2distill`).
 
 Depth sampling (a middle-heavy gold-depth law, `data.in2.depth_law=valley|beta`, `debias=depth_sampling` and
 `debias=middle_ramp`) is a data setting (data_builders.in2), over-sampled retrieval data (`debias.needle_mix`) a
@@ -43,16 +55,22 @@ combine: `debias=[depth_sampling,group_dro]`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import statistics
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from data_builders.config import DataConfig, DataFormat, In2Layout
 from data_builders.depth_prior import depth_prior
 from data_builders.needle_mix import NeedleMixConfig
 from data_builders.probes import bin_label, depth_bin
-from models.training.loss import labelled_nll
+from models.build import Attention
+from models.peft_setup import PeftMethod, adapters_disabled
+from models.training.distill import DistillConfig, guard_kl, position_kd_loss
+from models.training.loss import IGNORE, labelled_logits, labelled_nll
 
 ALPHA_KEYS = ("prior/vanilla/alpha", "prior/chunked/alpha")  # the fitted alpha depth_weight follows, first found
 
@@ -62,6 +80,24 @@ class Objective(StrEnum):
     depth_weight = "depth_weight"
     group_dro = "group_dro"
     loss_weight = "loss_weight"
+    pos2distill = "pos2distill"
+
+
+@dataclass
+class Pos2DistillConfig(DistillConfig):
+    """`debias.distill.*`: pos2distill's loss (DistillConfig's keys: temperature, preserve) and its guard, and how
+    the target answers are made."""
+
+    strong_position: Optional[int] = None  # the teacher's gold slot: None = data.in2.teacher_slot's (must equal it)
+    guard: float = 0.0  # weight of guard_kl on the teacher sequences (one more forward and backward); 0 = off
+    max_new_tokens: int = 100  # greedy budget of the answers at the strong slot (the mdqa probe's)
+    # train on the answers scored wrong too (only the strong slot's behaviour is distilled, not its accuracy): for
+    # ablations and for models that answer nothing right (the tiny smoke-test models)
+    keep_wrong: bool = False
+
+    def loss_config(self, strong_position: int) -> DistillConfig:
+        """The keywords of `position_kd_loss`, the strong slot resolved."""
+        return DistillConfig(self.temperature, self.preserve, strong_position)
 
 
 @dataclass
@@ -77,6 +113,7 @@ class DebiasConfig:
     loss_power: float = 1.0  # loss_weight: w ∝ (bin loss average / their mean)^loss_power
     loss_ema: float = 0.1  # loss_weight: the share of a micro-batch's bin loss in the bin's moving average
     needle_mix: NeedleMixConfig = field(default_factory=NeedleMixConfig)
+    distill: Pos2DistillConfig = field(default_factory=Pos2DistillConfig)  # pos2distill
 
     @property
     def needs_depths(self) -> bool:
@@ -108,6 +145,62 @@ def validate_debias(cfg: DebiasConfig, jacobian_every: int, sequence_parallel: i
             raise ValueError(f"debias.bins={cfg.bins} must be >= 1 and debias.loss_power={cfg.loss_power} >= 0")
         if not 0 < cfg.loss_ema <= 1:
             raise ValueError(f"debias.loss_ema={cfg.loss_ema} must be in (0, 1]")
+
+
+# The settings of the NLL weightings (depth_weight, group_dro, loss_weight): they weight answer-token NLL, which
+# pos2distill's KL has none of.
+NLL_WEIGHTING = ("prior_power", "prior_alpha", "max_weight", "bins", "eta", "loss_power", "loss_ema")
+
+
+def validate_pos2distill(cfg: DebiasConfig, data: DataConfig, built: DataConfig, peft: str, attention: str) -> None:
+    """Fail at start-up, naming the key, on what pos2distill cannot run with, or its settings without it.
+
+    `data`: the run's data settings; `built`: those its data is built with (a prebuilt folder's, else `data`).
+    """
+    if cfg.objective != Objective.pos2distill:
+        changed = [f"debias.distill.{k}={v}" for k, v in vars(cfg.distill).items() if v != getattr(Pos2DistillConfig(), k)]
+        if data.in2.teacher_slot is not None:
+            changed.append(f"data.in2.teacher_slot={data.in2.teacher_slot}")
+        if changed:
+            raise ValueError(f"{', '.join(changed)} set with debias.objective={cfg.objective}: they are "
+                             "pos2distill's (debias=pos2distill); one objective at a time")
+        return
+    what = "debias.objective=pos2distill"
+    if peft != PeftMethod.lora:
+        raise ValueError(f"{what} needs peft=lora (got peft.method={peft}): its teacher is the starting model, the "
+                         "same weights with the adapters off; a full fine-tune keeps no copy of them")
+    if attention != Attention.standard:
+        raise ValueError(f"{what} with model.attention={attention}: the diff layers' lambda ramp changes the model "
+                         "with its adapters off too, so the teacher would not stay the starting model")
+    if built.format != DataFormat.in2 or built.in2.layout != In2Layout.mdqa:
+        raise ValueError(f"{what} moves the gold among whole documents: it needs data.in2.layout=mdqa (data=in2_nq_mdqa)")
+    slot = built.in2.teacher_slot_index
+    if slot is None:
+        raise ValueError(f"{what} needs data.in2.teacher_slot, the strong slot its teacher prompts put the gold in "
+                         "(e.g. -1: the last document)")
+    if cfg.distill.strong_position is not None and cfg.distill.strong_position != slot:
+        raise ValueError(f"debias.distill.strong_position={cfg.distill.strong_position} must be the data's teacher "
+                         f"slot, data.in2.teacher_slot={built.in2.teacher_slot} (slot {slot}), or null")
+    try:
+        cfg.distill.loss_config(slot).validate()
+    except ValueError as err:  # its keys are those of the debias.distill section
+        raise ValueError(f"debias.{err}") from None
+    if not (math.isfinite(cfg.distill.guard) and cfg.distill.guard >= 0):
+        raise ValueError(f"debias.distill.guard={cfg.distill.guard} must be a finite number >= 0 (0 = off)")
+    if cfg.distill.max_new_tokens < 1:
+        raise ValueError(f"debias.distill.max_new_tokens={cfg.distill.max_new_tokens} must be >= 1")
+    if data.packing:
+        raise ValueError(f"{what} with data.packing=true: its student and teacher sequences are batched padded, "
+                         "row by row; set data.packing=false")
+    if cfg.needle_mix.share:
+        raise ValueError(f"{what} with debias.needle_mix.share={cfg.needle_mix.share}: the mixed retrieval rows "
+                         "have no teacher prompt; set it to 0")
+    default = DebiasConfig()
+    weighting = [f"debias.{k}={getattr(cfg, k)}" for k in NLL_WEIGHTING if getattr(cfg, k) != getattr(default, k)]
+    if weighting:
+        raise ValueError(f"{what} with {', '.join(weighting)}: these weight the answer-token NLL of depth_weight, "
+                         "group_dro and loss_weight, which pos2distill's KL does not combine with (its samples' "
+                         "weights are its own); leave them at their defaults")
 
 
 def mean_one_clipped(raw: torch.Tensor, cap: float) -> torch.Tensor:
@@ -254,17 +347,62 @@ class BinLossWeights:
         self.average, self.seen = average, torch.tensor(state["seen"], dtype=torch.bool)
 
 
+@contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """No dropout inside (the teacher is one fixed function); the previous mode after. On the module a DeepSpeed
+    engine runs, whose own mode it does not keep."""
+    module = getattr(model, "module", model)
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def teacher_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos2distill's teacher: the logits (B, T, V) that predict each teacher sequence's target tokens and their
+    mask (B, T), with the adapters off (the starting model), without gradient, in eval mode."""
+    with torch.no_grad(), adapters_disabled(model), _eval_mode(model):
+        return labelled_logits(model, batch["teacher_input_ids"], batch["teacher_attention_mask"],
+                               batch["teacher_labels"], device)
+
+
+def student_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos2distill's student: the logits (B, T, V) that predict each sample's target tokens after its own prompt
+    and their mask (B, T), with the adapters on and gradient."""
+    return labelled_logits(model, batch["input_ids"], batch["attention_mask"], batch["labels"], device)
+
+
+def policy_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The guard's policy: the teacher sequences with the adapters on and gradient, (B, T, V) and (B, T)."""
+    return labelled_logits(model, batch["teacher_input_ids"], batch["teacher_attention_mask"],
+                           batch["teacher_labels"], device)
+
+
 class DebiasObjective:
     """The training loss of `debias.objective`: called by the engine on each micro-batch like
-    `models.training.loss.causal_lm_loss(model, batch, device)`; batches carry `sample_ids` and `depths`."""
+    `models.training.loss.causal_lm_loss(model, batch, device)`; batches carry `sample_ids` and `depths` (and
+    pos2distill's their teacher sequences and gold slots, `data_builders.collate`). `strong_slot`: pos2distill's
+    teacher slot (the data's data.in2.teacher_slot, resolved)."""
 
-    def __init__(self, cfg: DebiasConfig, layers: int, all_sum: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, cfg: DebiasConfig, layers: int, all_sum: Callable[[torch.Tensor], torch.Tensor],
+                 strong_slot: Optional[int] = None):
         self.cfg, self.layers, self.all_sum = cfg, layers, all_sum
         self.alpha = cfg.prior_alpha  # depth_weight: fixed, or the latest fitted one (`observe`)
         self.dro = GroupDRO(cfg.bins, cfg.eta) if cfg.objective == Objective.group_dro else None
         self.bin_loss = (BinLossWeights(cfg.bins, cfg.loss_ema, cfg.loss_power, cfg.max_weight)
                          if cfg.objective == Objective.loss_weight else None)
+        self.distill: Optional[DistillConfig] = None
+        if cfg.objective == Objective.pos2distill:
+            if strong_slot is None:
+                raise ValueError("debias.objective=pos2distill needs the strong slot (data.in2.teacher_slot)")
+            self.distill = cfg.distill.loss_config(strong_slot)
         self._last: dict[str, float] = {}
+        self._distill_stats: list[dict[str, float]] = []  # pos2distill: each micro-batch's since the last metrics()
 
     def observe(self, metrics: Mapping[str, float]) -> None:
         """Follow the alpha fitted to the latest measured Jacobian profile (with debias.prior_alpha=null)."""
@@ -276,6 +414,8 @@ class DebiasObjective:
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
                  device: torch.device | str | None = None) -> torch.Tensor:
+        if self.distill is not None:
+            return self.pos2distill(model, batch, device)
         nll, count = labelled_nll(model, batch, device, per_token=True)
         targets = batch["labels"][:, 1:].to(nll.device)
         depths = batch["depths"].to(nll.device)
@@ -292,9 +432,43 @@ class DebiasObjective:
         self._last.update({"debias/weight_max": float(w.max()), "debias/weight_min": float(w.min())})
         return (w.to(sums.device, sums.dtype) * sums).sum() / count
 
+    def pos2distill(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    device: torch.device | str | None = None) -> torch.Tensor:
+        """position_kd_loss(student, teacher) + guard x guard_kl(policy, teacher) of one micro-batch (module
+        docstring); its diagnostics go to `metrics`."""
+        targets = (batch["labels"][:, 1:] != IGNORE).sum(1)  # (B,) on the host
+        if not torch.equal(targets, (batch["teacher_labels"][:, 1:] != IGNORE).sum(1)):
+            raise ValueError("pos2distill: a sample's student and teacher sequences have targets of different lengths")
+        teacher, mask = teacher_logits(model, batch, device)  # (B, T, V), (B, T)
+        student, _ = student_logits(model, batch, device)  # (B, T, V): token t of both predicts target token t
+        loss, stats = position_kd_loss(student, teacher, mask, batch["gold_slots"], **asdict(self.distill))
+        if self.cfg.distill.guard:
+            policy, _ = policy_logits(model, batch, device)  # (B, T, V)
+            guard = guard_kl(policy, teacher, mask, self.distill.temperature)
+            loss = loss + self.cfg.distill.guard * guard
+            stats["guard_kl"] = guard.item()
+        self._distill_stats.append(stats)
+        return loss
+
+    def _distill_metrics(self) -> dict[str, float]:
+        """pos2distill's diagnostics over the micro-batches since the last call: means of the means, maxima of the
+        maxima, sums of the counts (tokens, strong samples)."""
+        stats, self._distill_stats = self._distill_stats, []
+        if not stats:
+            return {}
+        out = {}
+        for key in stats[0]:
+            values = [s[key] for s in stats]
+            reduce = max if key.endswith("_max") else sum if key in ("tokens", "strong") else statistics.fmean
+            out[f"debias/{key}"] = float(reduce(values))
+        return out
+
     def metrics(self) -> dict[str, float]:
         """Logged every step: depth_weight's alpha and weight range, loss_weight's weight range and average loss
-        per bin seen so far, or group_dro's q per bin."""
+        per bin seen so far, group_dro's q per bin, or pos2distill's KL, weights and guard over the step's
+        micro-batches (`debias/kl_mean`, `kl_max`, `weight_mean`, `weight_max`, `tokens`, `strong`, `guard_kl`)."""
+        if self.distill is not None:
+            return self._distill_metrics()
         if self.dro is not None:
             return {f"debias/q@{bin_label(k, self.dro.bins)}": float(v) for k, v in enumerate(self.dro.q)}
         averages = {}

@@ -95,6 +95,37 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     return nll, count
 
 
+def labelled_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    labels: torch.Tensor, device: torch.device | str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits that predict each row's labelled tokens, row by row in order: (B, T, V) and their mask (B, T).
+
+    [i, t] holds the logits at the position before row i's t-th labelled token (the one that predicts it); T is
+    the most labelled tokens of a row, a row with fewer is masked (zero logits) after its own. Right-padded rows
+    (`attention_mask`), whose labelled positions differ: the LM head runs only where some row has a label next
+    (`logits_to_keep`, as `labelled_nll`), and each row's positions are gathered from those. The positions are
+    found where `labels` are (on the host: no device sync), then everything moves to `device`.
+    """
+    labelled = labels[:, 1:] != IGNORE  # (B, L-1) position p predicts token p + 1
+    positions = labelled.any(dim=0).nonzero().squeeze(1)  # (K,) where some row has a label next
+    kept = labelled[:, positions]  # (B, K)
+    counts = kept.sum(1)  # (B,)
+    rows, cols = kept.nonzero(as_tuple=True)  # (N,), (N,) row-major: each row's positions in order
+    order = (kept.cumsum(1) - 1)[rows, cols]  # (N,) each one's index among its row's labelled positions
+    width = int(counts.max()) if counts.numel() else 0
+    mask = torch.arange(width) < counts[:, None]  # (B, T)
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t if device is None else t.to(device)
+
+    logits = model(input_ids=to(input_ids), attention_mask=to(attention_mask), logits_to_keep=to(positions),
+                   use_cache=False).logits  # (B, K, V), K <= B T: transient, only the gathered (B, T, V) is kept
+    rows, cols, order = to(rows), to(cols), to(order)
+    out = logits.new_zeros(logits.shape[0], width, logits.shape[-1])  # (B, T, V)
+    out = out.index_put((rows, order), logits[rows, cols])  # (B, T, V)
+    return out, to(mask)
+
+
 def _num_chunks(n: int, chunk: int, device: torch.device) -> int:
     """ceil(n / chunk), the same on every rank of a distributed run: under ZeRO-3 each call of the head
     gathers its weight collectively, so every rank must call it equally often (micro-batches differ in length)."""

@@ -12,6 +12,7 @@
       base_model/                          the saved base of a LoRA run started from a changed architecture
       tokenizer/                           the run's tokenizer
       summary.md                           the end-of-run summary (analysis.report.run_summary)
+      distill_responses.json               debias=pos2distill: the answers at the strong slot, kept or not, counted
       wandb_run.json, wandb/               the wandb run the directory logs to, and wandb's own files
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ CHECKPOINTS_DIR = "checkpoints"
 BASE_MODEL = "base_model"
 TOKENIZER_DIR = "tokenizer"
 SUMMARY = "summary.md"
+DISTILL_RESPONSES = "distill_responses.json"
 WANDB_RUN = "wandb_run.json"
 TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder: what marks it as complete
 
@@ -105,6 +107,10 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.root / SUMMARY
+
+    @property
+    def distill_responses(self) -> Path:
+        return self.root / DISTILL_RESPONSES
 
     @property
     def wandb_run(self) -> Path:

@@ -1,0 +1,71 @@
+"""debias=pos2distill's training split: each kept sample's student and teacher sequences on the model's own answer.
+
+The samples come from a `data.in2.layout=mdqa` build with `data.in2.teacher_slot` (data_builders.in2_mdqa: each has
+its `teacher_prompt_ids` and `gold_slot`); the responses are the starting model's greedy answers to those teacher
+prompts, kept when correct (analysis.evaluation.distill_responses). A kept sample's target is its response's tokens
+then eos, once after the student prompt (`input_ids`, `labels`: the sample's own prompt, the gold at its slot) and
+once after the teacher prompt (`teacher_input_ids`, `teacher_labels`); labels are -100 on the prompts. Both
+sequences end in the same target tokens, so their next-token distributions compare token by token. A sample keeps
+its `prompt_len`, `context_tokens` (`data_builders.build.train_documents` reads the training text from them),
+`depth`, `gold_slot` and `id`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+from datasets import Dataset, Features, List, Value
+
+IGNORE = -100
+DISTILL_FEATURES = Features({
+    "input_ids": List(Value("int32")),  # student prompt + response + eos
+    "labels": List(Value("int32")),  # -100 on the prompt, then the response and eos
+    "teacher_input_ids": List(Value("int32")),  # teacher prompt + response + eos
+    "teacher_labels": List(Value("int32")),
+    "prompt_len": Value("int32"),  # the student prompt's tokens
+    "context_tokens": Value("int32"),  # the sample's (its student prompt's context comes first, as in the build)
+    "depth": Value("float64"),
+    "gold_slot": Value("int32"),
+    "id": Value("string"),
+})
+
+
+def check_teacher_columns(train: Dataset) -> None:
+    """ValueError, naming the key, when the split holds no teacher prompts."""
+    missing = {"teacher_prompt_ids", "gold_slot"} - set(train.column_names)
+    if missing:
+        raise ValueError(f"the training split has no {', '.join(sorted(missing))}: debias=pos2distill needs data "
+                         "built with data.in2.teacher_slot (data.in2.layout=mdqa)")
+
+
+def student_prompts(train: Dataset) -> list[list[int]]:
+    """Each sample's own prompt: its input_ids before the target."""
+    return [ids[:n] for ids, n in zip(train["input_ids"], train["prompt_len"])]
+
+
+def with_target(prompt: Sequence[int], target: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels) of `prompt` then `target`, the labels -100 on the prompt."""
+    ids = np.asarray([*prompt, *target], np.int32)
+    labels = ids.copy()
+    labels[:len(prompt)] = IGNORE
+    return ids, labels
+
+
+def distill_split(train: Dataset, responses: Sequence[Optional[Sequence[int]]], eos: int) -> Dataset:
+    """The samples of `train` with a response (None: dropped), in the split's order, as student and teacher
+    sequences whose target is the response's token ids then `eos` (DISTILL_FEATURES)."""
+    if len(responses) != len(train):
+        raise ValueError(f"{len(responses)} responses for {len(train)} training samples")
+    check_teacher_columns(train)
+    rows: dict[str, list] = {name: [] for name in DISTILL_FEATURES}
+    kept = [i for i, r in enumerate(responses) if r is not None]
+    samples = train.select(kept)
+    for prompt, sample, i in zip(student_prompts(samples), samples, kept):
+        target = [*responses[i], eos]
+        ids, labels = with_target(prompt, target)
+        teacher_ids, teacher_labels = with_target(sample["teacher_prompt_ids"], target)
+        row = {"input_ids": ids, "labels": labels, "teacher_input_ids": teacher_ids, "teacher_labels": teacher_labels,
+               "prompt_len": len(prompt), **{key: sample[key] for key in ("context_tokens", "depth", "gold_slot", "id")}}
+        for name, value in row.items():
+            rows[name].append(value)
+    return Dataset.from_dict(rows, features=DISTILL_FEATURES)
