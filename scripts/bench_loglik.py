@@ -47,7 +47,7 @@ def bench_loglik(questions: int = QUESTIONS) -> list[dict]:
         raise SystemExit(f"the loglik benchmark reads $POSDEBIAS_DATA/{NQ_FILE} (README, Real data)")
     folder = ensure_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     items = mdqa_probe(Path(data) / NQ_FILE, n_docs=10, positions=[0, 4, 9], n_examples=questions, closed_book=False,
                        heldout=QuestionSplit(), part=EvaluationPart.dev)
     prompts = [encode_prompt(tokenizer, it.prompt, chat_template=True) for it in items]
