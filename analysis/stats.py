@@ -55,6 +55,7 @@ class Score:
     field: str = "correct"
     higher_is_better: bool = True
     rate: bool = True  # a share in [0, 1] (accuracy, recall): ratios and a 0-1 axis make sense
+    label: str = "accuracy"  # what a figure's axis calls it
 
 
 ACCURACY = Score()

@@ -993,7 +993,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     out = Path(args.out) if args.out else Path(args.sweep_dir) / "study"
-    score = stats.Score(args.score, not args.lower_is_better, rate=args.score == stats.ACCURACY.field)
+    score = stats.Score(args.score, not args.lower_is_better, rate=args.score == stats.ACCURACY.field,
+                        label=args.score)
     try:
         study = load_study(args.sweep_dir, score)
         report = write_report(study, out, args.reference, stats.Seeds(args.seeds), args.n_perm, seed=args.seed,

@@ -142,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(tables[3]))
     if args.figure is not None:
         probe = results["plain"].probe
-        what = "accuracy" if score is stats.ACCURACY else "log p(answer), nats"
-        png = plot_position_accuracy(results, args.figure, f"{probe}: {what} by gold position",
+        png = plot_position_accuracy(results, args.figure, f"{probe}: {score.label} by gold position",
                                      POSITION_AXIS.get(probe, "gold position"), score)
         print(f"\nfigure: {png}")
     return 0

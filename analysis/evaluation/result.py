@@ -16,7 +16,8 @@ from analysis.evaluation.answer_kinds import summarize
 from data_builders.files import atomic_write_text, json_safe
 from models.training.run_dir import RunDir
 
-LOGLIK = stats.Score("loglik", higher_is_better=True, rate=False)  # teacher-forced log p(answer | prompt), nats
+# the gold answer's teacher-forced log p(answer | prompt), in nats (analysis.evaluation.loglik)
+LOGLIK = stats.Score("loglik", higher_is_better=True, rate=False, label="log p(gold answer), nats")
 
 # How `save_json`'s `ci95` intervals are made; at one position each question is asked once, so resampling the
 # position's items resamples questions.

@@ -260,8 +260,7 @@ def position_accuracy_figure(
             drawn.append(acc[-1])
             ax.axhline(acc[-1], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
     ax.set_xticks(range(len(positions)), [labels[p] for p in positions])
-    ylabel = "accuracy" if score is ACCURACY else f"{score.field} (mean)"
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title or f"{ylabel.capitalize()} by gold position")
+    ax.set(xlabel=xlabel, ylabel=score.label, title=title or f"{score.label.capitalize()} by gold position")
     values = np.array(drawn)  # (k,) every point, interval end and closed-book level; nan ones are not drawn
     if np.all(~np.isfinite(values) | ((values >= 0) & (values <= 1))):
         ax.set_ylim(-0.02, 1.02)
