@@ -22,7 +22,13 @@ from transformers import PreTrainedTokenizerBase
 
 from data_builders.files import expand_paths, read_jsonl, read_jsonl_lines
 from data_builders.mdqa import Distractors, build_mdqa_records, passage_pool
-from data_builders.question_split import DEV_SHARE, EvaluationPart, QuestionSplit, evaluation_part, is_evaluation_question
+from data_builders.question_split import (
+    DEV_SHARE,
+    EvaluationPart,
+    QuestionSplit,
+    evaluation_part,
+    is_evaluation_question,
+)
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 KV_FILE = "kv-retrieval-75_keys.jsonl.gz"

@@ -12,7 +12,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from analysis.evaluation.scoring import best_subspan_em, exact_match, first_line, substring_match, whole_word_subspan_em
+from analysis.evaluation.scoring import (
+    best_subspan_em,
+    exact_match,
+    first_line,
+    substring_match,
+    whole_word_subspan_em,
+)
 from data_builders.config import DataConfig, DataFormat, DataSource
 from data_builders.files import expand_paths
 from data_builders.mdqa import Distractors

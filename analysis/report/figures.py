@@ -24,8 +24,8 @@ from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 
 from analysis.measure.jacobian import read_jacobian
-from analysis.stats import ACCURACY, Score
 from analysis.measure.prior import fit_alpha, log10_profile, scaled_prior
+from analysis.stats import ACCURACY, Score
 
 if TYPE_CHECKING:
     from analysis.evaluation.result import ProbeResult
