@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.generate import encode_prompt
 from data_builders.probes import ProbeItem
+from models.training.loss import at_least_fp32
 
 N_ALIASES = 3  # the first aliases of an answer scored; an item's value is the best of them
 LOGLIK_DEFINITION = ("log p(answer | prompt) in nats, summed over the answer's tokens, teacher-forced, the best of the "
@@ -51,18 +52,13 @@ def _targets(item: ProbeItem, tokenizer: PreTrainedTokenizerBase, chat_template:
             if a.strip()]
 
 
-def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
-    """bf16 / fp16 logits in float32 for the log-softmax (a float64 model keeps float64)."""
-    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-
-
 @torch.no_grad()
 def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Sequence[Sequence[int]]) -> list[float]:
     """log p(target | prompt) summed over each target's tokens: one pass over the prompt, then every target
     as one right-padded batch over its cache (a causal model's padding after a sequence cannot reach it)."""
     device = model.device
     out = model(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True, logits_to_keep=1)
-    first = torch.log_softmax(_at_least_float32(out.logits[0, -1]), dim=-1)  # (V,)
+    first = torch.log_softmax(at_least_fp32(out.logits[0, -1]), dim=-1)  # (V,)
     scores = [float(first[t[0]]) if len(t) else math.nan for t in targets]
     longer = [i for i, t in enumerate(targets) if len(t) > 1]
     if not longer:
@@ -74,7 +70,7 @@ def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Se
     cache = out.cache
     cache.batch_repeat_interleave(len(longer))
     rest = model(input_ids=ids[:, :-1].to(device), cache=cache, use_cache=True).logits  # (A, T-1, V)
-    logp = torch.log_softmax(_at_least_float32(rest), dim=-1).gather(-1, ids[:, 1:, None].to(device))[..., 0]  # (A, T-1)
+    logp = torch.log_softmax(at_least_fp32(rest), dim=-1).gather(-1, ids[:, 1:, None].to(device))[..., 0]  # (A, T-1)
     for row, i in enumerate(longer):
         scores[i] += float(logp[row, : len(targets[i]) - 1].sum())
     return scores

@@ -64,14 +64,24 @@ class ProbeResult:
         `stats.cluster_of` of the item id, never by query text), with its `stats.paired_interval`.
 
         ValueError if no question was asked at both, or if a question occurs twice at one of them."""
-        def by_question(position: int) -> list[dict[str, Any]]:
-            return [{**o, "id": stats.cluster_of(o["id"])} for o in self.outcomes if o["position"] == position]
-
-        shared, x, y = stats.pair_by_id(by_question(a), by_question(b), score, where=(
-            f"probe {self.probe!r}, questions at position {a}", f"probe {self.probe!r}, questions at position {b}"))
+        at_a, at_b = self.scores_by_question(a, score), self.scores_by_question(b, score)
+        shared = sorted(at_a.keys() & at_b.keys())
         if not shared:
             raise ValueError(f"no question of probe {self.probe!r} was asked at both positions {a} and {b}")
-        return stats.paired_interval(x, y, None, n_boot, alpha, seed)
+        return stats.paired_interval([at_a[q] for q in shared], [at_b[q] for q in shared], None, n_boot, alpha, seed)
+
+    def scores_by_question(self, position: int, score: stats.Score = stats.ACCURACY) -> dict[str, float]:
+        """question (`stats.cluster_of` of the item id, never the query text) -> its score at `position`;
+        ValueError when a question occurs twice there."""
+        found: dict[str, float] = {}
+        for o in self.outcomes:
+            if o["position"] == position:
+                question = stats.cluster_of(o["id"])
+                if question in found:
+                    raise ValueError(f"probe {self.probe!r}, questions at position {position}: item id {question!r} "
+                                     "occurs more than once; pairing needs each once")
+                found[question] = float(o[score.field])
+        return found
 
     def mean_of(self, score: stats.Score = stats.ACCURACY) -> float:
         """Mean score over all items with a gold position (the closed-book baseline is left out)."""
@@ -185,17 +195,7 @@ def contrast_change(
     question: mean over the questions both asked at both positions of (o_k − o_strong) − (p_k − p_strong), with its
     interval over questions. The debiasing effect of a fine-tune, free of any change that moves every position
     alike (an answer format)."""
-    def by_question(result: ProbeResult, at: int) -> dict[str, float]:
-        found: dict[str, float] = {}
-        for o in result.outcomes:
-            if o["position"] == at:
-                question = stats.cluster_of(o["id"])
-                if question in found:
-                    raise ValueError(f"probe {result.probe!r}: question {question!r} occurs twice at position {at}")
-                found[question] = float(o[score.field])
-        return found
-
-    tables = [by_question(r, at) for r in (other, plain) for at in (position, strong)]
+    tables = [r.scores_by_question(at, score) for r in (other, plain) for at in (position, strong)]
     shared = sorted(set.intersection(*(set(t) for t in tables)))
     if not shared:
         return stats.Interval(math.nan, math.nan, math.nan, 0, "no question asked at both positions by both")

@@ -68,6 +68,8 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
+from models.training.loss import at_least_fp32
+
 
 @dataclass
 class DistillConfig:
@@ -89,7 +91,7 @@ class DistillConfig:
 
 def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     # float32 at least: a bf16 log-softmax over a 32K+ vocabulary loses the small probabilities the KL sums
-    return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    return F.log_softmax(at_least_fp32(logits) / temperature, dim=-1)
 
 
 def _check(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> None:

@@ -32,13 +32,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, fp64 kept
 
 
 def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "sum"
                ) -> torch.Tensor:
-    return F.cross_entropy(_at_least_fp32(head(hidden)), targets, ignore_index=IGNORE, reduction=reduction)
+    return F.cross_entropy(at_least_fp32(head(hidden)), targets, ignore_index=IGNORE, reduction=reduction)
 
 
 def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
@@ -70,7 +70,7 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
         # the same positions for every row (what `logits_to_keep` takes in every transformers version)
         logits = model(**inputs, logits_to_keep=positions).logits  # (B, K, V)
         kept = targets[:, positions]  # (B, K)
-        nll = F.cross_entropy(_at_least_fp32(logits.flatten(0, 1)), kept.flatten(), ignore_index=IGNORE,
+        nll = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), kept.flatten(), ignore_index=IGNORE,
                               reduction="none" if per_token else "sum")
         if per_token:  # back to every position: zeros where nothing was kept
             full = nll.new_zeros(targets.shape)
