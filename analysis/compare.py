@@ -58,6 +58,7 @@ from analysis.evaluation.checkpoints import (
 )
 from analysis.evaluation.comparability import REFERENCE, describe_settings
 from analysis.evaluation.config import (
+    DEFAULT_PROBES,
     POSITION_AXIS,
     PROBES,
     EvalConfig,
@@ -66,12 +67,15 @@ from analysis.evaluation.config import (
     MDQAQuestions,
     NeedleProbeConfig,
     Probe,
+    ValProbingConfig,
+    check_valprobing,
     probe_budget,
     probe_metric,
     with_budget,
 )
 from analysis.evaluation.interventions import Intervention, by_final_position
 from analysis.evaluation.result import LOGLIK, ProbeResult, paired_delta
+from analysis.evaluation.valprobing import report_lines as valprobing_report
 from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.measure.rollout import (
@@ -90,6 +94,7 @@ from analysis.report.tables import deltas_to_first, markdown_table, paired_cell,
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
 from data_builders.probes import ProbeItem
+from data_builders.valprobing import PRESETS as VALPROBING_PRESETS
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
 from models.attention.patching import LayerSet
@@ -271,13 +276,14 @@ class CompareConfig:
     """What `compare` asks of every PATH and where the report goes (`python -m analysis.compare`'s options)."""
 
     out: str | Path = "compare"  # the report's folder
-    probes: Sequence[str] = PROBES
+    probes: Sequence[str] = DEFAULT_PROBES
     examples: int = 20  # queries per probe, each asked at every gold position (in2: examples x bins records)
     data_dir: str | Path | None = None  # folder of the kv / nq files; None = synthetic kv, filler and Jacobian text
     # the probes' settings (the defaults: the reference's setup for kv and mdqa)
     kv: KVProbeConfig = field(default_factory=KVProbeConfig)
     mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)
     needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)
+    valprobing: ValProbingConfig = field(default_factory=ValProbingConfig)
     max_new_tokens: int | None = None  # one greedy budget for every probe (not comparable); None = each probe's own
     batch_size: int = 16  # prompts per generate call
     # wrap text prompts (kv, mdqa, needle) in each tokenizer's chat template; None = as the reference run's
@@ -331,7 +337,7 @@ def compare_plan(targets: Sequence[Target], tokenizers: Sequence[PreTrainedToken
     notes.append(f"prompts: {'in the chat template' if chat_template else 'plain text'}")
     eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=None if cfg.data_dir is None else str(cfg.data_dir),
                           batch_size=cfg.batch_size, chat_template=chat_template, loglik=cfg.loglik, kv=cfg.kv,
-                          mdqa=cfg.mdqa, needle=cfg.needle)
+                          mdqa=cfg.mdqa, needle=cfg.needle, valprobing=cfg.valprobing)
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
     try:
@@ -517,8 +523,10 @@ def write_report(
     probes: Sequence[str],
     notes: Sequence[str],
     use_wandb: bool = False,
+    film_bins: bool = False,
 ) -> Path:
-    """`<out>/report.md` with its PNGs: inputs, probe accuracy, curves, profiles, metrics, provenance."""
+    """`<out>/report.md` with its PNGs: inputs, probe accuracy, curves, profiles, metrics, provenance; VaLProbing
+    (`film_bins`: its bins as FILM's plot.py builds them)."""
     first = entries[0].target.label
     lines = ["# Checkpoint comparison", "", f"Deltas (Δ) are against the first PATH, `{first}`.", "",
              "## Inputs", "", *_inputs_table(entries), "",
@@ -541,6 +549,10 @@ def write_report(
         else:
             lines += ["No PATH has results for this probe (see Provenance).", ""]
     lines += _loglik_lines(out, entries, probes)
+    valprobing = valprobing_report({e.target.label: e.results for e in entries}, out / "valprobing.png",
+                                   film_bins, "VaLProbing")
+    if valprobing:
+        lines += ["## VaLProbing", "", *valprobing]
     needle = {e.target.label: e.results["needle"] for e in entries if "needle" in e.results}
     if needle:
         png = plot_needle_grid(needle, out / "needle_grid.png", "needle: accuracy by context length and depth")
@@ -694,6 +706,12 @@ def compare(paths: Sequence[str | Path], cfg: CompareConfig) -> Path:
     unknown = [p for p in cfg.probes if p not in PROBES]
     if unknown:
         raise CompareError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
+    try:
+        check_valprobing(EvalConfig(probes=list(cfg.probes), valprobing=cfg.valprobing,
+                                    data_dir=None if cfg.data_dir is None else str(cfg.data_dir)), prefix="--")
+    except (ValueError, FileNotFoundError) as err:
+        raise CompareError(str(err).replace("--valprobing.path", "--valprobing-path").replace(
+            "--data_dir", "--data-dir")) from err
     targets = [resolve_target(p, label) for p, label in zip(paths, short_labels(paths))]
     if Probe.mdqa in cfg.probes and (cfg.data_dir is not None or cfg.mdqa.path is not None):
         try:  # a fine-tune on NQ is asked only questions it never trained on
@@ -713,7 +731,7 @@ def compare(paths: Sequence[str | Path], cfg: CompareConfig) -> Path:
         for name, results in e.interventions.items():
             for probe, result in results.items():
                 result.save_json(out / "eval" / f"{e.target.slug}_{probe}_{name}.json")
-    report = write_report(out, entries, plan.probes, notes, cfg.use_wandb)
+    report = write_report(out, entries, plan.probes, notes, cfg.use_wandb, cfg.valprobing.film_bins)
     if cfg.log_wandb is not None:
         config = {"paths": [str(p) for p in paths], "probes": list(plan.probes), "examples": cfg.examples,
                   "data_dir": None if cfg.data_dir is None else str(cfg.data_dir)}
@@ -777,9 +795,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run directory (its latest checkpoint) or a checkpoint folder "
                              "(save_pretrained + tokenizer)")
     parser.add_argument("--out", default="compare", help="output folder (default: ./compare)")
-    parser.add_argument("--probes", type=_probe_list, default=list(PROBES),
+    parser.add_argument("--probes", type=_probe_list, default=list(DEFAULT_PROBES),
                         help="comma-separated probes (default: kv,mdqa,needle,in2; mdqa needs --data-dir, "
-                             "in2 one tokenizer for all PATHs)")
+                             "in2 one tokenizer for all PATHs; valprobing_document, valprobing_code, "
+                             "valprobing_database need --data-dir or --valprobing-path)")
     parser.add_argument("--examples", type=positive_int, default=20,
                         help="queries per probe, each asked at every gold position; in2: N x bins held-out "
                              "records (default 20)")
@@ -807,6 +826,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="needle grid context lengths in tokens (default 256,512,1024)")
     parser.add_argument("--needle-depths", type=_depth_list, default=NeedleProbeConfig().depths,
                         help="needle grid depths in [0, 1] (default 0,0.1,...,1)")
+    parser.add_argument("--valprobing-preset", default=ValProbingConfig.preset, choices=sorted(VALPROBING_PRESETS),
+                        help="VaLProbing's shape: smollm2_8k (fits 8K positions; default) or film32k (FILM's)")
+    parser.add_argument("--valprobing-pieces", type=positive_int, default=None,
+                        help="VaLProbing: pieces a context, every task (default: the preset's)")
+    parser.add_argument("--valprobing-sets", type=positive_int, default=None,
+                        help="VaLProbing: contexts a task, each asking every position (default: the preset's)")
+    parser.add_argument("--valprobing-bin-width", type=positive_int, default=None,
+                        help="VaLProbing: positions a bin (default: the preset's)")
+    parser.add_argument("--valprobing-path", default=None,
+                        help="folder of FILM's pieces files (default: --data-dir's valprobing/)")
+    parser.add_argument("--film-bins", action="store_true",
+                        help="VaLProbing: leave each bin's last position out, as FILM's plot.py does")
     parser.add_argument("--max-new-tokens", type=positive_int, default=None,
                         help="one greedy answer budget for every probe, for a quick look (not comparable; "
                              "default per probe: kv 100, mdqa 100, needle 16, in2 8)")
@@ -849,6 +880,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         mdqa=MDQAProbeConfig(path=args.mdqa_path, n_docs=args.mdqa_docs, distractors=args.distractors,
                              questions=MDQAQuestions(args.mdqa_questions)),
         needle=NeedleProbeConfig(lengths=args.needle_lens, depths=args.needle_depths),
+        valprobing=ValProbingConfig(preset=args.valprobing_preset, pieces=args.valprobing_pieces,
+                                    sets=args.valprobing_sets, bin_width=args.valprobing_bin_width,
+                                    path=args.valprobing_path, film_bins=args.film_bins),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chat_template=args.chat_template,
         loglik=args.loglik, seq_len=args.seq_len,
         device=args.device, dtype=DType(args.dtype), use_wandb=args.wandb, log_wandb=args.wandb_log,

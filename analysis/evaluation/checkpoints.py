@@ -216,7 +216,8 @@ def build_in2_items(
 
 
 class ProbeBank:
-    """Probe items built once: kv and mdqa are text for every PATH; needle lengths count each tokenizer's tokens."""
+    """Probe items built once: kv and mdqa are text for every PATH; needle lengths and VaLProbing's token positions
+    count each tokenizer's tokens."""
 
     def __init__(self, cfg: EvalConfig, in2: list[ProbeItem] | None) -> None:
         self.cfg = cfg
@@ -231,7 +232,7 @@ class ProbeBank:
             built = build_probes(replace(self.cfg, probes=[probe]), tokenizer).get(probe)
         except (OSError, ValueError, KeyError) as err:
             raise CompareError(f"probe {probe}: cannot build its items: {err}") from err
-        if probe != Probe.needle:
+        if probe != Probe.needle and probe.valprobing_task is None:
             self._shared[probe] = built
         return built
 

@@ -7,13 +7,23 @@ line in tables and reports, ending with whether the numbers are comparable with 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from analysis.evaluation.config import EvalConfig, QAMetric, probe_budget, probe_source
+from analysis.evaluation.config import (
+    EvalConfig,
+    Probe,
+    QAMetric,
+    probe_budget,
+    probe_source,
+    valprobing_files,
+)
 from data_builders.mdqa import Distractors
 from data_builders.probes import ProbeItem
+from data_builders.valprobing import shape_of
 
 REFERENCE = "Liu et al. 2023, Lost in the Middle (github.com/nelson-liu/lost-in-the-middle)"
+VALPROBING_REFERENCE = "An et al. 2024, VaLProbing (github.com/microsoft/FILM)"
 
 
 def probe_settings(name: str, cfg: EvalConfig, items: Sequence[ProbeItem]) -> dict[str, Any]:
@@ -49,6 +59,17 @@ def probe_settings(name: str, cfg: EvalConfig, items: Sequence[ProbeItem]) -> di
     if name == "needle":
         settings["lengths"] = sorted({it.extra["context_len"] for it in items})
         settings["depths"] = sorted({it.extra["depth"] for it in items})
+    task = Probe(name).valprobing_task
+    if task is not None:
+        v = cfg.valprobing
+        shape = shape_of(v.preset, v.pieces, v.sets, v.bin_width, v.max_prompt_tokens)
+        settings.update({
+            "source": str(valprobing_files(replace(cfg, probes=[name]))[task][1]), "preset": v.preset,
+            "pieces": shape.pieces[task], "sets": shape.sets, "bin_width": shape.bin_width, "seed": v.seed,
+            "skipped": shape.pieces[task] * shape.sets - len(items), "reference": VALPROBING_REFERENCE,
+            # FILM's released 32K prompts are built from other draws of the pieces: the numbers are of the same
+            # probe, not of the same items
+            "comparable_with_reference": False})
     return settings
 
 
@@ -66,7 +87,8 @@ def describe_settings(settings: Mapping[str, Any]) -> str:
     if "order" in settings:
         parts.append(f"documents {settings['order'] or 'in rank order'}"
                      + (f", top {settings['keep']} kept" if settings.get("keep") is not None else ""))
-    for key in ("source", "questions", "distractors", "slots", "positions", "lengths", "depths"):
+    for key in ("source", "questions", "distractors", "slots", "positions", "lengths", "depths", "preset", "pieces",
+                "sets", "bin_width", "skipped"):
         if key in settings:
             parts.append(f"{key} {settings[key]}")
     if "comparable_with_reference" in settings:

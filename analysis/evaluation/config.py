@@ -16,14 +16,18 @@ from analysis.evaluation.scoring import (
     best_subspan_em,
     exact_match,
     first_line,
+    label_or_description,
+    name_in_output,
     substring_match,
     whole_word_subspan_em,
+    word_recall,
 )
 from data_builders.config import DataConfig, DataFormat, DataSource
 from data_builders.files import expand_paths
 from data_builders.mdqa import Distractors
 from data_builders.probes import HELDOUT_POOL, KV_FILE, NQ_FILE, Order, check_mdqa_pool
 from data_builders.question_split import DEV_SHARE, EvaluationPart, QuestionSplit, check_split
+from data_builders.valprobing import PIECES_DIR, PIECES_FILES, Task, shape_of
 
 Scorer = Callable[[str, Sequence[str]], float]
 
@@ -59,25 +63,47 @@ METRICS = {
                "the reference's best_subspan_em: not comparable with published numbers)"),
         Metric("exact_match", exact_match,
                "the first line of the generation normalizes to an answer (IN2 questions, trained to answer alone)"),
+        Metric("word_recall", word_recall,
+               "the share of the gold sentence's distinct lower-cased whitespace-split words in the whole generation "
+               "(VaLProbing's document score, FILM's plot.py)"),
+        Metric("name_in_output", name_in_output,
+               "the gold function name, dots stripped, occurs in the whole generation, case-sensitive "
+               "(VaLProbing's code score, FILM's plot.py)"),
+        Metric("label_or_description", label_or_description,
+               "the gold label or description, dots stripped, occurs in the whole generation, ignoring case "
+               "(VaLProbing's database score, FILM's plot.py)"),
     )
 }
+VALPROBING_METRIC = {Task.document: "word_recall", Task.code: "name_in_output", Task.database: "label_or_description"}
 
 
 class Probe(StrEnum):
-    """Every position-wise probe; `eval.probes` takes the first three (in2 is scored whenever the data is IN2)."""
+    """Every position-wise probe; `eval.probes` takes all but in2 (scored whenever the data is IN2)."""
 
     kv = "kv"  # key-value retrieval (Liu et al. 2023): the gold pair's index
     mdqa = "mdqa"  # multi-document QA over NQ (needs data_dir or eval.mdqa.path): the gold document's index
     needle = "needle"  # a code hidden at a depth of filler text, per context length
     in2 = "in2"  # held-out IN2 records of a run (its run config rebuilds them): the gold depth bin
+    # VaLProbing (data_builders.valprobing; needs data_dir or eval.valprobing.path): the gold piece's bin
+    valprobing_document = Task.document.probe
+    valprobing_code = Task.code.probe
+    valprobing_database = Task.database.probe
+
+    @property
+    def valprobing_task(self) -> Task | None:
+        return next((t for t in Task if t.probe == self.value), None)
 
 
 PROBES = tuple(Probe)
+VALPROBING = tuple(p for p in Probe if p.valprobing_task is not None)
+# What a report asks when no probe is named: the probes that need no data folder's own files (VaLProbing does).
+DEFAULT_PROBES = tuple(p for p in Probe if p not in VALPROBING)
 POSITION_AXIS = {  # what a probe's position is, for figure axes
     Probe.kv: "gold key-value pair index",
     Probe.mdqa: "gold document index",
     Probe.needle: "needle depth",
     Probe.in2: "gold depth bin (lower edge)",
+    **{p: "bin of the gold piece (its first piece)" for p in VALPROBING},
 }
 
 
@@ -146,6 +172,21 @@ class NeedleProbeConfig:
 
 
 @dataclass
+class ValProbingConfig:
+    """VaLProbing's shape (data_builders.valprobing): a preset, any of whose settings can be given instead."""
+
+    preset: str = "smollm2_8k"  # film32k: FILM's 32K shape (800 / 800 / 750 pieces, 4 sets, bins of 50)
+    pieces: Optional[int] = None  # pieces a context, every task; None = the preset's (smollm2_8k: 200 / 200 / 175)
+    sets: Optional[int] = None  # contexts a task, each asking every position once; None = the preset's (4)
+    bin_width: Optional[int] = None  # positions a bin; None = the preset's (smollm2_8k: 25)
+    max_prompt_tokens: Optional[int] = None  # longest prompt the model reads with its answer; None = the preset's
+    seed: int = 0  # which pieces each set draws
+    path: Optional[str] = None  # folder of FILM's pieces files; None = <data_dir>/valprobing
+    max_new_tokens: int = 128  # FILM's budget; the whole answer is scored
+    film_bins: bool = False  # summaries leave out each bin's last position, as FILM's plot.py does
+
+
+@dataclass
 class EvalConfig:
     every: int = 50  # held-out loss every N steps (0 = off)
     num_examples: int = 200  # held-out IN2 questions scored for accuracy by depth (at start and end); 0 = none
@@ -170,6 +211,18 @@ class EvalConfig:
     kv: KVProbeConfig = field(default_factory=KVProbeConfig)
     mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)
     needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)
+    valprobing: ValProbingConfig = field(default_factory=ValProbingConfig)
+
+
+def valprobing_files(cfg: EvalConfig, prefix: str = "eval.") -> dict[Task, tuple[str, Path]]:
+    """task -> (the key that names it, path) of the pieces file of every VaLProbing probe in `cfg.probes`."""
+    key, folder = ((f"{prefix}valprobing.path", Path(cfg.valprobing.path).expanduser()) if cfg.valprobing.path
+                   else (f"{prefix}data_dir", None if cfg.data_dir is None else Path(cfg.data_dir) / PIECES_DIR))
+    tasks = [t for t in map(Probe, cfg.probes) if t.valprobing_task is not None]
+    if tasks and folder is None:
+        raise ValueError(f"{prefix}probes has {', '.join(tasks)}: set {prefix}data_dir (the folder holding "
+                         f"{PIECES_DIR}/) or {prefix}valprobing.path")
+    return {t.valprobing_task: (key, folder / PIECES_FILES[t.valprobing_task]) for t in tasks}
 
 
 def probe_source(name: str, cfg: EvalConfig) -> Path | None:
@@ -210,6 +263,19 @@ def check_probes(cfg: EvalConfig, prefix: str = "eval.") -> None:
         if missing:
             value = cfg.data_dir if key == "data_dir" else path
             raise FileNotFoundError(f"{prefix}{key}={value}: {missing[0]} is not a file")
+    check_valprobing(cfg, prefix)
+
+
+def check_valprobing(cfg: EvalConfig, prefix: str = "eval.") -> None:
+    """Fail before a model is loaded on an unknown VaLProbing preset or a missing pieces file, naming its key."""
+    if not set(map(Probe, cfg.probes)) & set(VALPROBING):
+        return
+    v = cfg.valprobing
+    shape_of(v.preset, v.pieces, v.sets, v.bin_width, v.max_prompt_tokens, key=f"{prefix}valprobing")
+    for key, path in valprobing_files(cfg, prefix).values():
+        if not path.is_file():
+            raise FileNotFoundError(f"{key}: {path} is not a file (FILM's VaLProbing pieces, "
+                                    "github.com/microsoft/FILM VaLProbing/pieces/)")
 
 
 def check_mdqa_questions(mdqa: MDQAProbeConfig, data: DataConfig, mdqa_key: str = "eval.mdqa",
@@ -235,18 +301,24 @@ def check_mdqa_questions(mdqa: MDQAProbeConfig, data: DataConfig, mdqa_key: str 
 
 def probe_budget(name: str, cfg: EvalConfig) -> int:
     """Greedy new-token budget of a probe: its own `max_new_tokens` (in2: `cfg.max_new_tokens`)."""
-    return cfg.max_new_tokens if name == "in2" else getattr(cfg, name).max_new_tokens
+    if name == "in2":
+        return cfg.max_new_tokens
+    return (cfg.valprobing if Probe(name).valprobing_task is not None else getattr(cfg, name)).max_new_tokens
 
 
 def with_budget(cfg: EvalConfig, max_new_tokens: int) -> EvalConfig:
     """A copy of `cfg` in which every probe generates up to `max_new_tokens` (a quick look, not comparable)."""
     return replace(cfg, max_new_tokens=max_new_tokens, kv=replace(cfg.kv, max_new_tokens=max_new_tokens),
                    mdqa=replace(cfg.mdqa, max_new_tokens=max_new_tokens),
-                   needle=replace(cfg.needle, max_new_tokens=max_new_tokens))
+                   needle=replace(cfg.needle, max_new_tokens=max_new_tokens),
+                   valprobing=replace(cfg.valprobing, max_new_tokens=max_new_tokens))
 
 
 def probe_metric(name: str, cfg: EvalConfig) -> Metric:
     """The metric a probe is scored with: substring_match (kv, needle), eval.mdqa.metric, exact_match (in2)."""
     if name == "mdqa":
         return METRICS[str(cfg.mdqa.metric)]
+    task = Probe(name).valprobing_task
+    if task is not None:
+        return METRICS[VALPROBING_METRIC[task]]
     return METRICS["exact_match" if name == "in2" else "substring_match"]

@@ -40,12 +40,14 @@ from analysis.evaluation.config import (
     probe_budget,
     probe_metric,
     probe_source,
+    valprobing_files,
 )
 from analysis.evaluation.generate import GenerateFn, model_generate_fn
 from analysis.evaluation.loglik import LOGLIK_DEFINITION, LoglikFn, best, model_loglik_fn
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.reuse import evaluation_key, reused_or_run
 from analysis.evaluation.scoring import exact_match, first_line, whole_word_subspan_em
+from data_builders.valprobing import build_task, read_pieces, shape_of
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +130,17 @@ def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[st
     A data file, count or position that does not fit raises a ValueError naming the file, line and reason.
     """
     probes: dict[str, list[ProbeItem]] = {}
+    pieces = valprobing_files(cfg)
     for name in map(Probe, cfg.probes):  # plain strings too: ValueError on an unknown probe
         if name == Probe.in2:
             raise ValueError("in2 items are a run's held-out records: evaluate_in2 scores them")
+        if name.valprobing_task is not None:
+            v = cfg.valprobing
+            shape = shape_of(v.preset, v.pieces, v.sets, v.bin_width, v.max_prompt_tokens, "eval.valprobing")
+            task = name.valprobing_task
+            probes[name] = build_task(task, read_pieces(task, pieces[task][1]), shape, tokenizer, v.seed,
+                                      cfg.chat_template).items
+            continue
         source = probe_source(name, cfg) if name != Probe.needle else None
         if name == Probe.kv:
             probes[name] = kv_probe(source, cfg.kv.n_pairs, cfg.kv.positions, n_examples=cfg.probe_examples,

@@ -4,7 +4,9 @@ Which scorer goes with which probe:
 - key-value retrieval and needle: `substring_match` (the value / code appears in the output);
 - multi-document QA: `best_subspan_em` on `first_line(generation)`, the metric and the answer cut
   of Liu et al. 2023, *Lost in the Middle*, so that numbers are comparable with the paper;
-- synthetic IN2 questions, where the model is trained to emit just the answer: `exact_match`.
+- synthetic IN2 questions, where the model is trained to emit just the answer: `exact_match`;
+- VaLProbing (FILM's `VaLProbing/plot.py`, on the whole generation): `word_recall` (document),
+  `name_in_output` (code), `label_or_description` (database).
 
 `whole_word_subspan_em` is a stricter variant of `best_subspan_em` (whole tokens only, empty golds
 never match); it is kept for diagnostics and is not comparable with published numbers.
@@ -73,3 +75,20 @@ def exact_match(prediction: str, answers: Sequence[str], stop: Sequence[str] = (
         prediction = prediction.split(s, 1)[0]
     pred = normalize_answer(prediction)
     return float(any(pred == gold for gold in map(normalize_answer, answers) if gold))
+
+
+def word_recall(prediction: str, answers: Sequence[str]) -> float:
+    """FILM's document score: the share of the gold sentence's distinct words found in the answer."""
+    gold = set(answers[0].strip().lower().split())
+    return len(gold & set(prediction.strip().lower().split())) / len(gold) if gold else 0.0
+
+
+def name_in_output(prediction: str, answers: Sequence[str]) -> float:
+    """FILM's code score: the gold name, dots stripped at its ends, occurs in the answer (case-sensitive)."""
+    return float(answers[0].strip(".") in prediction)
+
+
+def label_or_description(prediction: str, answers: Sequence[str]) -> float:
+    """FILM's database score: the label or the description, dots stripped, occurs in the answer (ignoring case)."""
+    text = prediction.lower()
+    return float(any(a.strip(".").lower() in text for a in answers[:2]))

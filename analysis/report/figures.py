@@ -1,6 +1,7 @@
 """Every PNG figure of the project: a run's Jacobian profile evolution, fit to the prior, heatmap and accuracy by
 depth/position; the reports' profiles of several PATHs (analysis.compare), arms by gold depth (analysis.study),
-rollouts against the measured profile (analysis.rollout_study) and the closed-form prior (analysis.prior).
+rollouts against the measured profile (analysis.rollout_study), the closed-form prior (analysis.prior) and
+VaLProbing's bins (analysis.evaluation.valprobing).
 
 Figures are built on ``matplotlib.figure.Figure`` (Agg canvas), not pyplot, so plotting from the
 training loop touches no global backend or figure state. Each ``plot_*`` function writes one PNG and
@@ -29,6 +30,7 @@ from analysis.stats import ACCURACY, Score
 
 if TYPE_CHECKING:
     from analysis.evaluation.result import ProbeResult
+    from analysis.evaluation.valprobing import Summary
 
 MAX_LINES = 128  # evolution plots draw at most this many steps, evenly spaced, first and last included
 RHO_LABEL = r"$\rho(j) = \|\partial\, \mathrm{target} / \partial e_j\|$"
@@ -558,3 +560,31 @@ def prior_figure(x: np.ndarray, p: np.ndarray, title: str) -> Figure:
 def plot_prior(x: np.ndarray, p: np.ndarray, out_png: str | os.PathLike, title: str) -> Path:
     """`prior_figure` as a PNG."""
     return _save(prior_figure(x, p, title), out_png)
+
+
+def valprobing_figure(summaries: Mapping[str, Sequence["Summary"]], title: str = "") -> Figure:
+    """VaLProbing as FILM draws it: one panel per task, bins on x, each model's bin means with the spread over
+    sets as error bars, the models overlaid (`analysis.evaluation.valprobing.Summary` of each model and task)."""
+    tasks = list(dict.fromkeys(s.task for row in summaries.values() for s in row))
+    fig = Figure(figsize=(4.2 * len(tasks), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(tasks), squeeze=False)[0]
+    for ax, task in zip(axes, tasks):
+        shown = [(model, s) for model, row in summaries.items() for s in row if s.task == task]
+        for i, (model, s) in enumerate(shown):
+            x = np.arange(len(s.labels))
+            ax.errorbar(x + 0.1 * (i - (len(shown) - 1) / 2), s.by_bin, yerr=s.spread, marker="o", capsize=3,
+                        label=f"{model}: Avg {s.avg.value:.2f}, Gap {s.gap:.2f}")
+            ax.set_xticks(x, s.labels, rotation=90 if len(x) > 10 else 0, fontsize=7)
+            ax.set_ylabel(s.score.label)
+            if s.score.rate:
+                ax.set_ylim(-0.02, 1.02)
+        ax.set_title(task, fontsize=10)
+        ax.set_xlabel("bin (its first piece's position)")
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_valprobing(summaries: Mapping[str, Sequence["Summary"]], out_png: str | os.PathLike, title: str = "") -> Path:
+    return _save(valprobing_figure(summaries, title), out_png)

@@ -15,9 +15,11 @@ import numpy as np
 
 from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import LOGLIK, ProbeResult
+from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num
 from analysis.stats import ACCURACY, Score
+from data_builders.valprobing import Task
 from models.training.checkpoint import list_checkpoints
 from models.training.run_dir import RunDir
 
@@ -124,6 +126,27 @@ def accuracy_lines(curves: Sequence[DepthCurve]) -> list[str]:
     return lines
 
 
+def valprobing_lines(run_dir: Path) -> list[str]:
+    """VaLProbing's Avg and Gap (x100) of each probe the run asked, at its first and last probe step."""
+    rows, steps = [], None
+    for task in Task:
+        files = RunDir(run_dir).eval_files(task.probe)
+        if not files:
+            continue
+        steps = sorted({min(files), max(files)})
+        cells = []
+        for step in steps:
+            s = summarize_valprobing(ProbeResult.load_json(files[step]))
+            cells += [f"{100 * s.avg.value:.1f} [{100 * s.avg.low:.1f}, {100 * s.avg.high:.1f}]", f"{100 * s.gap:.1f}"]
+        rows.append([str(task), *cells])
+    if not rows:
+        return []
+    header = ["task", *(f"{name} step {step}" for step in steps for name in ("Avg", "Gap"))]
+    return ["## VaLProbing (Avg and Gap, x100)", "", *markdown_table(header, rows), "",
+            "Avg: the mean over bins of each bin's mean over sets (95% interval over items); Gap: best bin minus worst "
+            "(analysis.evaluation.valprobing).", ""]
+
+
 def jacobian_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Valley depth and fits at the first and last measured steps, per measured set."""
     sets = sorted({key.split("/")[1] for row in rows for key in row if key.startswith("valley/")})
@@ -170,7 +193,8 @@ def run_summary(run_dir: str | Path, exp_name: str, start_model: Optional[str] =
     files = RunDir(run_dir).eval_files("in2")
     curves = [depth_curve(step, files[step]) for step in sorted({min(files), max(files)})] if files else []
     lines = [f"# Run summary: {exp_name}", "", f"run directory: {run_dir}", "", *progress_lines(rows), "",
-             *accuracy_lines(curves), *jacobian_lines(rows), *file_lines(run_dir, start_model)]
+             *accuracy_lines(curves), *valprobing_lines(run_dir), *jacobian_lines(rows),
+             *file_lines(run_dir, start_model)]
     return "\n".join(lines) + "\n"
 
 
