@@ -34,7 +34,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from analysis.evaluation.checkpoints import CompareError, load_checkpoint_tokenizer, load_model, resolve_target
+from analysis.evaluation.checkpoints import (
+    CompareError,
+    load_checkpoint_tokenizer,
+    load_model,
+    resolve_target,
+)
 from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import Estimator, JacobianConfig, build_eval_sequences, measure_sets
 from analysis.measure.prior import fit_alpha, fit_alpha_w1, prior_profile, spearman

@@ -102,6 +102,7 @@ from analysis.evaluation.config import (
 from analysis.evaluation.interventions import Intervention, InterventionName
 from analysis.evaluation.result import ProbeResult, write_eval_json
 from analysis.evaluation.valprobing import report_lines as valprobing_report
+from analysis.evaluation.valprobing import scores_of as valprobing_scores
 from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
 from data_builders.files import atomic_write_text, json_safe
@@ -248,9 +249,10 @@ def summary_table(results: dict[str, ProbeResult]) -> str:
         by_position = "  ".join(f"{labels[p]}: {acc:.2f}" for p, acc in result.accuracy_by_position().items())
         lines.append(f"{probe:<8} {len(result.outcomes):>5} {result.mean:>6.3f}  {by_position}")
     lines += [f"{probe}: {describe_settings(result.settings)}" for probe, result in results.items()]
-    lines += [f"{s.task}: Avg {s.avg.value:.3f} [{s.avg.low:.3f}, {s.avg.high:.3f}], Gap {s.gap:.3f} (VaLProbing)"
+    lines += [f"{s.task}: Avg {s.avg.value:.3f} [{s.avg.low:.3f}, {s.avg.high:.3f}], Gap {s.gap:.3f} "
+              f"(VaLProbing, {s.score.label})"
               for probe, result in results.items() if Probe(probe).valprobing_task is not None
-              for s in [summarize_valprobing(result)]]
+              for score in valprobing_scores(result) for s in [summarize_valprobing(result, score=score)]]
     return "\n".join(lines)
 
 

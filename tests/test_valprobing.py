@@ -17,7 +17,7 @@ from analysis import stats
 from analysis.evaluation.config import EvalConfig, ValProbingConfig, check_probes, probe_metric
 from analysis.evaluation.generate import encode_prompt
 from analysis.evaluation.probes import build_probes
-from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.evaluation.scoring import label_or_description, name_in_output, word_recall
 from analysis.evaluation.valprobing import compare, report_lines, summarize
 from data_builders.valprobing import (
@@ -334,3 +334,45 @@ def test_compare_without_the_pieces_fails_before_loading(tmp_path, capsys):
 
     assert compare_cli.main(["no-such-model", "--probes", "valprobing_code", "--data-dir", str(tmp_path)]) == 1
     assert "--data-dir: " in capsys.readouterr().err
+
+
+def test_valprobing_during_training_and_in_the_run_summary(compose_cfg, data_dir, tmp_path):
+    from tests.conftest import TINY
+    from train import run
+
+    cfg = compose_cfg(*TINY, "trainer.max_steps=2", "eval.probes=[valprobing_database]", "eval.probe_every=2",
+                      f"eval.data_dir={data_dir}", "eval.valprobing.pieces=8", "eval.valprobing.sets=2",
+                      "eval.valprobing.bin_width=4", "eval.valprobing.max_new_tokens=2")
+    metrics = run(cfg, tmp_path)
+    assert "eval/valprobing_database/acc@0" in metrics and "eval/valprobing_database/acc@4" in metrics
+    result = ProbeResult.load_json(tmp_path / "eval" / "valprobing_database_step2.json")
+    assert len(result.outcomes) == 16 and all("loglik" in o for o in result.outcomes)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## VaLProbing (Avg and Gap)" in summary
+    assert "| database | FILM score x100 |" in summary and "| database | log p(gold), nats |" in summary
+
+
+def test_loglik_alone_answers_nothing_and_reports_the_likelihood(model_dir, data_dir, tmp_path, capsys):
+    from scripts import eval_checkpoint
+
+    args = ["probes=[valprobing_document]", f"data_dir={data_dir}", "valprobing.pieces=8", "valprobing.sets=2",
+            "valprobing.bin_width=4", "valprobing.answers=false", "device=cpu", f"out={tmp_path / 'ev'}"]
+    assert eval_checkpoint.main([str(model_dir), *args]) == 0
+    assert "document: Avg" in capsys.readouterr().out
+    saved = ProbeResult.load_json(tmp_path / "ev" / "eval" / "valprobing_document_step0.json")
+    assert all(math.isnan(o["correct"]) and o["prediction"] == "" and math.isfinite(o["loglik"])
+               for o in saved.outcomes)
+    assert saved.settings["answers"].startswith("not asked")
+    card = (tmp_path / "ev" / "eval" / "valprobing_step0.md").read_text()
+    assert "### By log p(gold answer), nats" in card and "### By FILM score" not in card
+    assert (tmp_path / "ev" / "plots" / "valprobing_step0_loglik.png").is_file()
+    assert not (tmp_path / "ev" / "plots" / "valprobing_step0.png").exists()
+    # the log-likelihood's own Avg: the mean of the cells (set x bin) of the saved values
+    s = summarize(saved, score=LOGLIK)
+    cells = {}
+    for o in saved.outcomes:
+        cells.setdefault((o["extra"]["set"], o["position"]), []).append(o["loglik"])
+    assert s.avg.value == pytest.approx(np.mean([np.mean(v) for v in cells.values()]))
+    with pytest.raises(ValueError, match="would measure nothing"):
+        check_probes(EvalConfig(probes=["valprobing_document"], data_dir=str(data_dir), loglik=False,
+                                valprobing=ValProbingConfig(answers=False)))

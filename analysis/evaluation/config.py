@@ -183,6 +183,9 @@ class ValProbingConfig:
     seed: int = 0  # which pieces each set draws
     path: Optional[str] = None  # folder of FILM's pieces files; None = <data_dir>/valprobing
     max_new_tokens: int = 128  # FILM's budget; the whole answer is scored
+    # false: the gold completion's log-likelihood alone (no answers, `correct` is nan): an 8K context's items
+    # then cost ~0.6 s each on 2 CPU cores instead of ~18 s for 128 greedy tokens (docs/VALPROBING.md)
+    answers: bool = True
     film_bins: bool = False  # summaries leave out each bin's last position, as FILM's plot.py does
 
 
@@ -272,6 +275,9 @@ def check_valprobing(cfg: EvalConfig, prefix: str = "eval.") -> None:
         return
     v = cfg.valprobing
     shape_of(v.preset, v.pieces, v.sets, v.bin_width, v.max_prompt_tokens, key=f"{prefix}valprobing")
+    if not v.answers and not cfg.loglik:
+        raise ValueError(f"{prefix}valprobing.answers=false with {prefix}loglik=false would measure nothing: "
+                         "turn one on")
     for key, path in valprobing_files(cfg, prefix).values():
         if not path.is_file():
             raise FileNotFoundError(f"{key}: {path} is not a file (FILM's VaLProbing pieces, "

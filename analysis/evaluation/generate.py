@@ -1,7 +1,9 @@
 """Greedy answers from a Hugging Face model: batched by prompt tokens, left-padded, stopped at the first
-complete line when only that is scored; optional chat-template prompts and attention calibration."""
+complete line when only that is scored; optional chat-template prompts and attention calibration; prompts that
+share a long context (VaLProbing's sets) answered over one cached prefill of it (`shared_prefix`)."""
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from contextlib import nullcontext
@@ -69,6 +71,50 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tens
     return ids, mask
 
 
+MIN_SHARED_PREFIX = 256  # tokens: a shorter common prefix is not worth a cache of its own
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def shared_prefix_groups(prompts: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_PREFIX
+                         ) -> list[tuple[int, list[int]]]:
+    """Runs of consecutive prompts that share their first `min_shared` or more tokens: (the run's common prefix
+    length, the prompts' indices). Every prompt keeps at least its last token out of the prefix, so that its own
+    pass gives the first answer token's logits; a prompt sharing too little is a run of its own."""
+    groups: list[tuple[int, list[int]]] = []
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        if groups:
+            shared, rows = groups[-1]
+            first = prompts[rows[0]]
+            n = min(shared, common_prefix_len(first, prompt), len(prompt) - 1)
+            if n >= min_shared:
+                groups[-1] = (n, rows + [i])
+                continue
+        groups.append((len(prompt) - 1, [i]))
+    return groups
+
+
+@torch.no_grad()
+def prefix_caches(model: PreTrainedModel, prompts: Sequence[Sequence[int]], progress: bool, desc: str
+                  ) -> Iterator[tuple[int, int, Any]]:
+    """(prompt index, shared prefix length, a fresh copy of that prefix's KV cache) for every prompt, in order: each
+    run of `shared_prefix_groups` is prefilled once and each of its prompts gets a deep copy to extend, so the
+    answers are those of full passes up to float rounding (a chunked prefill sums in another order)."""
+    groups = shared_prefix_groups(prompts)
+    with tqdm(total=len(prompts), desc=desc, disable=not progress) as bar:
+        for shared, rows in groups:
+            prefix = torch.tensor([list(prompts[rows[0]][:shared])], device=model.device)
+            cache = model(input_ids=prefix, use_cache=True, logits_to_keep=1).cache if shared else None
+            for i in rows:
+                yield i, shared, copy.deepcopy(cache)
+                bar.update(1)
+
+
 @torch.no_grad()
 def greedy_generate(
     model: PreTrainedModel,
@@ -80,6 +126,7 @@ def greedy_generate(
     first_line_only: bool = False,
     batch_tokens: int | None = None,
     batch_context: BatchContext | None = None,
+    shared_prefix: bool = False,
 ) -> list[str]:
     """Greedy continuations of token-id prompts, decoded without special tokens, in prompt order.
 
@@ -90,10 +137,16 @@ def greedy_generate(
     the scores are those of the full budget, for less compute). The model is put in eval mode and
     its previous mode restored. `batch_context(rows, width)`, when given, is entered around each batch's
     generate call (rows: the prompts' indices, width: the padded length), e.g. to calibrate attention.
+    With `shared_prefix`, consecutive prompts that share a long prefix are answered one at a time over one
+    cached prefill of it (`prefix_caches`; `batch_size`, `batch_tokens` and `batch_context` do not apply).
     """
     texts: list[str] = [""] * len(prompts)
-    for rows, new in _generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
-                               batch_tokens, batch_context):
+    if shared_prefix and batch_context is not None:
+        raise ValueError("shared_prefix answers without batches: it cannot take a batch_context")
+    answers = (_generate_shared(model, tokenizer, prompts, max_new_tokens, progress, first_line_only) if shared_prefix
+               else _generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                              batch_tokens, batch_context))
+    for rows, new in answers:
         for i, text in zip(rows, tokenizer.batch_decode(new, skip_special_tokens=True)):
             texts[i] = text
     return texts
@@ -138,11 +191,7 @@ def _generate(
     batch_context: BatchContext | None = None,
 ) -> Iterator[tuple[list[int], torch.Tensor]]:
     """(prompt indices, their new tokens (B, new)) of each batch, as `greedy_generate` documents it."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    too_long = sum(len(p) + max_new_tokens > limit for p in prompts) if limit else 0
-    if too_long:
-        log.warning("%d of %d prompts plus %d new tokens exceed the model's max_position_embeddings=%d: "
-                    "their answers test length extrapolation", too_long, len(prompts), max_new_tokens, limit)
+    _warn_too_long(model, prompts, max_new_tokens)
     pad = _pad_id(tokenizer)
     eos = _stop_ids(model, tokenizer)
     batches = _length_batches(prompts, batch_size, batch_tokens)
@@ -153,24 +202,53 @@ def _generate(
             ids, mask = _left_padded([prompts[i] for i in rows], pad)  # (B, L) each
             width = ids.shape[1]
             with batch_context(rows, width) if batch_context is not None else nullcontext():
-                out = model.generate(
-                    input_ids=ids.to(model.device),
-                    attention_mask=mask.to(model.device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    num_beams=1,
-                    # Hub generation configs may set penalties (Qwen2-Instruct: repetition_penalty=1.05)
-                    # that generate() would apply; pinned off so this stays plain argmax.
-                    repetition_penalty=1.0,
-                    no_repeat_ngram_size=0,
-                    pad_token_id=pad,
-                    eos_token_id=eos or None,
-                    stopping_criteria=StoppingCriteriaList([FirstLineComplete(tokenizer, width)]) if first_line_only
-                    else None,
-                )  # (B, L + new)
+                out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                     **_greedy_kwargs(tokenizer, max_new_tokens, pad, eos, first_line_only, width))
             yield rows, out[:, width:]  # (B, new)
     finally:
         model.train(was_training)
+
+
+def _greedy_kwargs(tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, pad: int, eos: list[int],
+                   first_line_only: bool, width: int) -> dict[str, Any]:
+    """`model.generate`'s settings for plain argmax decoding of prompts `width` tokens wide."""
+    return dict(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        # Hub generation configs may set penalties (Qwen2-Instruct: repetition_penalty=1.05) that generate() would
+        # apply; pinned off so this stays plain argmax.
+        repetition_penalty=1.0, no_repeat_ngram_size=0, pad_token_id=pad, eos_token_id=eos or None,
+        stopping_criteria=StoppingCriteriaList([FirstLineComplete(tokenizer, width)]) if first_line_only else None)
+
+
+def _generate_shared(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    progress: bool,
+    first_line_only: bool,
+) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """`_generate`'s (rows, new tokens) one prompt at a time, each continuing a copy of its run's prefix cache."""
+    _warn_too_long(model, prompts, max_new_tokens)
+    pad, eos = _pad_id(tokenizer), _stop_ids(model, tokenizer)
+    was_training = model.training
+    model.eval()
+    try:
+        for i, _, cache in prefix_caches(model, prompts, progress, "generate (shared prefix)"):
+            ids = torch.tensor([list(prompts[i])], device=model.device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                 **_greedy_kwargs(tokenizer, max_new_tokens, pad, eos, first_line_only, ids.shape[1]))
+            yield [i], out[:, ids.shape[1]:]
+    finally:
+        model.train(was_training)
+
+
+def _warn_too_long(model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    too_long = sum(len(p) + max_new_tokens > limit for p in prompts) if limit else 0
+    if too_long:
+        log.warning("%d of %d prompts plus %d new tokens exceed the model's max_position_embeddings=%d: "
+                    "their answers test length extrapolation", too_long, len(prompts), max_new_tokens, limit)
 
 
 def encode_prompt(
@@ -196,16 +274,20 @@ def model_generate_fn(
     first_line_only: bool = False,
     batch_tokens: int | None = None,
     calibration: AttnCalibration | None = None,
+    shared_prefix: bool = False,
 ) -> GenerateFn:
     """A `generate_fn` for `run_probe` that answers items with `greedy_generate` on `model`; text prompts go
     through the chat template when `chat_template`, token-id prompts (in2) never do. With `calibration` (an
-    installed `models.attention.attn_calibration`), each batch is answered with its items' segments calibrated."""
+    installed `models.attention.attn_calibration`), each batch is answered with its items' segments calibrated;
+    with `shared_prefix`, items in a row that share a long context are answered over one prefill of it."""
+    if shared_prefix and calibration is not None:
+        raise ValueError("attention calibration answers in batches: it cannot share a prefix cache")
 
     def generate(items: Sequence[ProbeItem]) -> list[str]:
         if calibration is None:
             prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
             return greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
-                                   batch_tokens)
+                                   batch_tokens, shared_prefix=shared_prefix)
         encoded = [calibration.encode(it.prompt, it.segments or [], chat_template) if isinstance(it.prompt, str)
                    else (list(it.prompt), []) for it in items]
         prompts, spans = [ids for ids, _ in encoded], [s for _, s in encoded]

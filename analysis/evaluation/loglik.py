@@ -19,13 +19,13 @@ IN2 items carry the answer tokens they were trained on (`ProbeItem.targets`), wh
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.evaluation.generate import encode_prompt
+from analysis.evaluation.generate import encode_prompt, prefix_caches
 from data_builders.probes import ProbeItem
 from models.training.loss import at_least_fp32
 
@@ -53,11 +53,14 @@ def _targets(item: ProbeItem, tokenizer: PreTrainedTokenizerBase, chat_template:
 
 
 @torch.no_grad()
-def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Sequence[Sequence[int]]) -> list[float]:
+def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Sequence[Sequence[int]],
+                      cache: Any = None, cached: int = 0) -> list[float]:
     """log p(target | prompt) summed over each target's tokens: one pass over the prompt, then every target
-    as one right-padded batch over its cache (a causal model's padding after a sequence cannot reach it)."""
+    as one right-padded batch over its cache (a causal model's padding after a sequence cannot reach it).
+    `cache`: the KV cache of the prompt's first `cached` tokens, which the pass then continues (it is extended)."""
     device = model.device
-    out = model(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([list(prompt[cached:])], device=device), cache=cache, use_cache=True,
+                logits_to_keep=1)
     first = torch.log_softmax(at_least_fp32(out.logits[0, -1]), dim=-1)  # (V,)
     scores = [float(first[t[0]]) if len(t) else math.nan for t in targets]
     longer = [i for i, t in enumerate(targets) if len(t) > 1]
@@ -78,13 +81,20 @@ def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Se
 
 def answer_logliks(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: Sequence[ProbeItem], chat_template: bool = False,
-    n_aliases: int = N_ALIASES, progress: bool = True,
+    n_aliases: int = N_ALIASES, progress: bool = True, shared_prefix: bool = False,
 ) -> list[list[float]]:
     """log p(alias | prompt) of the first `n_aliases` aliases of every item (nats, summed over the alias's
-    tokens), in item order. The model is put in eval mode and its previous mode restored."""
+    tokens), in item order. With `shared_prefix`, items in a row that share a long context continue one prefill
+    of it (`analysis.evaluation.generate.prefix_caches`). The model is put in eval mode and its previous mode
+    restored."""
     was_training = model.training
     model.eval()
     try:
+        if shared_prefix:
+            prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
+            return [sequence_logprobs(model, prompts[i], _targets(items[i], tokenizer, chat_template, n_aliases),
+                                      cache, cached)
+                    for i, cached, cache in prefix_caches(model, prompts, progress, "log-likelihood (shared prefix)")]
         return [sequence_logprobs(model, encode_prompt(tokenizer, it.prompt, chat_template),
                                   _targets(it, tokenizer, chat_template, n_aliases))
                 for it in tqdm(items, desc="log-likelihood", disable=not progress)]
@@ -93,9 +103,9 @@ def answer_logliks(
 
 
 def model_loglik_fn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, chat_template: bool = False,
-                    n_aliases: int = N_ALIASES, progress: bool = True) -> LoglikFn:
+                    n_aliases: int = N_ALIASES, progress: bool = True, shared_prefix: bool = False) -> LoglikFn:
     """A `loglik_fn` for `run_probe`: `answer_logliks` on `model`."""
-    return lambda items: answer_logliks(model, tokenizer, items, chat_template, n_aliases, progress)
+    return lambda items: answer_logliks(model, tokenizer, items, chat_template, n_aliases, progress, shared_prefix)
 
 
 def best(logliks: Sequence[float]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -64,7 +65,7 @@ def _answer_details(item: ProbeItem, prediction: str) -> dict[str, Any]:
 
 
 def run_probe(
-    items: Sequence[ProbeItem], generate_fn: GenerateFn, metric: Metric, settings: Mapping[str, Any] | None = None,
+    items: Sequence[ProbeItem], generate_fn: GenerateFn | None, metric: Metric, settings: Mapping[str, Any] | None = None,
     loglik_fn: LoglikFn | None = None,
 ) -> ProbeResult:
     """Answer every item with `generate_fn` and score each answer against the item's answers with `metric`.
@@ -72,23 +73,29 @@ def run_probe(
     Each outcome also holds `extra["answer"]` (`_answer_details`) and, with `loglik_fn`, `loglik`: the best
     teacher-forced log-likelihood of the item's first answers (`analysis.evaluation.loglik`), each alias's in
     `extra["loglik_aliases"]`. The result's settings are `settings` with the metric's name and definition.
+    Without `generate_fn` nothing is answered (the log-likelihood alone, which it then needs): every prediction
+    is empty and `correct` nan.
     """
     if not items:
         raise ValueError("run_probe needs at least one item")
-    predictions = generate_fn(items)
+    if generate_fn is None and loglik_fn is None:
+        raise ValueError("run_probe without answers needs a loglik_fn: it would measure nothing")
+    predictions = generate_fn(items) if generate_fn is not None else [None] * len(items)
     if len(predictions) != len(items):
         raise ValueError(f"generate_fn returned {len(predictions)} answers for {len(items)} items")
     logliks = loglik_fn(items) if loglik_fn is not None else [None] * len(items)
     outcomes = []
     for it, pred, values in zip(items, predictions, logliks):
-        outcome = {"id": it.id, "query": it.query, "position": it.position, "label": it.label, "prediction": pred,
-                   "answers": it.answers, "correct": float(metric.score(pred, it.answers)),
-                   "extra": {**it.extra, "answer": _answer_details(it, pred)}}
+        outcome = {"id": it.id, "query": it.query, "position": it.position, "label": it.label, "prediction": pred or "",
+                   "answers": it.answers, "correct": math.nan if pred is None else float(metric.score(pred, it.answers)),
+                   "extra": {**it.extra, **({} if pred is None else {"answer": _answer_details(it, pred)})}}
         if values is not None:
             outcome["loglik"] = best(values)
             outcome["extra"]["loglik_aliases"] = values
         outcomes.append(outcome)
     settings = {"metric": metric.name, "metric_definition": metric.definition, **(settings or {})}
+    if generate_fn is None:
+        settings["answers"] = "not asked: the log-likelihood alone (correct is nan)"
     if loglik_fn is not None:
         settings["loglik"] = LOGLIK_DEFINITION
     return ProbeResult(items[0].probe, outcomes, settings)
@@ -173,12 +180,15 @@ def evaluate_probes(
     metrics of all probes and the result of each. `calibration`: answer with attention calibration (whose
     per-batch segments the log-likelihood pass does not install: it is left out then)."""
     results = {}
-    loglik = (model_loglik_fn(model, tokenizer, cfg.chat_template, cfg.loglik_aliases)
-              if cfg.loglik and calibration is None else None)
     for name, items in probes.items():
-        generate = model_generate_fn(model, tokenizer, probe_budget(name, cfg), cfg.batch_size,
-                                     cfg.chat_template, first_line_only=name == "mdqa", batch_tokens=cfg.batch_tokens,
-                                     calibration=calibration)
+        # VaLProbing asks every position of one long context: its items share that context's prefill
+        valprobing = Probe(name).valprobing_task is not None
+        shared = valprobing and calibration is None
+        loglik = (model_loglik_fn(model, tokenizer, cfg.chat_template, cfg.loglik_aliases, shared_prefix=shared)
+                  if cfg.loglik and calibration is None else None)
+        generate = None if valprobing and not cfg.valprobing.answers else model_generate_fn(
+            model, tokenizer, probe_budget(name, cfg), cfg.batch_size, cfg.chat_template, first_line_only=name == "mdqa",
+            batch_tokens=cfg.batch_tokens, calibration=calibration, shared_prefix=shared)
         results[name] = run_probe(items, generate, probe_metric(name, cfg), probe_settings(name, cfg, items), loglik)
     metrics = {k: v for result in results.values() for k, v in result.to_metrics("eval").items()}
     return metrics, results

@@ -163,8 +163,13 @@ class ProbeResult:
 
     @classmethod
     def load_json(cls, path: str | Path) -> ProbeResult:
-        """Read back a file written by `save_json`."""
+        """Read back a file written by `save_json`; a score saved as null (a nan: not asked or not finite) reads
+        back as nan."""
         data = json.loads(Path(path).read_text(encoding="utf-8"))
+        for o in data["outcomes"]:
+            for name in ("correct", LOGLIK.field):
+                if name in o and o[name] is None:
+                    o[name] = math.nan
         return cls(data["probe"], data["outcomes"], data.get("settings", {}))
 
 

@@ -10,7 +10,14 @@ the wandb keys of the design; `prefixed` inserts the evaluation set, e.g. ``vall
 
 import numpy as np
 
-from analysis.measure.prior import FLOOR_REL, anchor_mass, fit_alpha, fit_alpha_w1, log10_profile, prior_profile
+from analysis.measure.prior import (
+    FLOOR_REL,
+    anchor_mass,
+    fit_alpha,
+    fit_alpha_w1,
+    log10_profile,
+    prior_profile,
+)
 
 METRIC_KEYS = (
     "valley/peak_to_trough_log10",

@@ -15,6 +15,7 @@ import numpy as np
 
 from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import LOGLIK, ProbeResult
+from analysis.evaluation.valprobing import scores_of as valprobing_scores
 from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num
@@ -127,22 +128,28 @@ def accuracy_lines(curves: Sequence[DepthCurve]) -> list[str]:
 
 
 def valprobing_lines(run_dir: Path) -> list[str]:
-    """VaLProbing's Avg and Gap (x100) of each probe the run asked, at its first and last probe step."""
+    """VaLProbing's Avg and Gap of each probe the run asked (by FILM's score, x100, and by the gold's
+    log-likelihood where measured, nats), at its first and last probe step."""
     rows, steps = [], None
     for task in Task:
         files = RunDir(run_dir).eval_files(task.probe)
         if not files:
             continue
         steps = sorted({min(files), max(files)})
-        cells = []
-        for step in steps:
-            s = summarize_valprobing(ProbeResult.load_json(files[step]))
-            cells += [f"{100 * s.avg.value:.1f} [{100 * s.avg.low:.1f}, {100 * s.avg.high:.1f}]", f"{100 * s.gap:.1f}"]
-        rows.append([str(task), *cells])
+        results = [ProbeResult.load_json(files[step]) for step in steps]
+        for score in (ACCURACY, LOGLIK):
+            if not all(score in valprobing_scores(r) for r in results):
+                continue
+            k = 100.0 if score.rate else 1.0
+            cells = []
+            for r in results:
+                s = summarize_valprobing(r, score=score)
+                cells += [f"{k * s.avg.value:.1f} [{k * s.avg.low:.1f}, {k * s.avg.high:.1f}]", f"{k * s.gap:.1f}"]
+            rows.append([str(task), "FILM score x100" if score.rate else "log p(gold), nats", *cells])
     if not rows:
         return []
-    header = ["task", *(f"{name} step {step}" for step in steps for name in ("Avg", "Gap"))]
-    return ["## VaLProbing (Avg and Gap, x100)", "", *markdown_table(header, rows), "",
+    header = ["task", "score", *(f"{name} step {step}" for step in steps for name in ("Avg", "Gap"))]
+    return ["## VaLProbing (Avg and Gap)", "", *markdown_table(header, rows), "",
             "Avg: the mean over bins of each bin's mean over sets (95% interval over items); Gap: best bin minus worst "
             "(analysis.evaluation.valprobing).", ""]
 
