@@ -758,8 +758,10 @@ def run_probes(run: Run, step: int) -> dict[str, float]:
         for name, result in results.items():
             log.info("step %d: %s accuracy %.3f over %d questions", step, name, result.mean, len(result.outcomes))
             write_eval_json(run.run_dir, step, name, result)
+            score = result.position_score
             png = plot_position_accuracy({f"step {step}": result}, run.paths.plot(f"{name}_accuracy_step{step}"),
-                                         title=f"{run.cfg.exp_name}: {name} accuracy by gold position, step {step}")
+                                         title=f"{run.cfg.exp_name}: {name} {score.label} by gold position, step {step}",
+                                         score=score)
             log_accuracy(run, name, result, step, png)
         if "needle" in results:
             grid = plot_needle_grid({f"step {step}": results["needle"]}, run.paths.plot(f"needle_grid_step{step}"),

@@ -226,9 +226,10 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     metrics: dict[str, float] = {}
     for probe, result in results.items():
         write_eval_json(out, step, probe, result)
+        score = result.position_score
         plot_position_accuracy({target.label: result}, run.plot(f"{probe}_accuracy_step{step}"),
-                               f"{target.label}, step {step}: {probe} accuracy by gold position",
-                               POSITION_AXIS[probe])
+                               f"{target.label}, step {step}: {probe} {score.label} by gold position",
+                               POSITION_AXIS[probe], score)
         metrics.update(result.to_metrics("eval"))
     if Probe.needle in results:
         plot_needle_grid({target.label: results[Probe.needle]}, run.plot(f"needle_grid_step{step}"),
@@ -242,12 +243,14 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
 
 
 def summary_table(results: dict[str, ProbeResult]) -> str:
-    """Plain-text table: probe, items, mean accuracy, accuracy at each gold position; then each probe's settings."""
+    """Plain-text table: probe, items, mean accuracy, accuracy at each gold position (the log-likelihood where
+    nothing was answered); then each probe's settings."""
     lines = [f"{'probe':<8} {'items':>5} {'mean':>6}  accuracy by position"]
     for probe, result in results.items():
-        labels = result.labels()
-        by_position = "  ".join(f"{labels[p]}: {acc:.2f}" for p, acc in result.accuracy_by_position().items())
-        lines.append(f"{probe:<8} {len(result.outcomes):>5} {result.mean:>6.3f}  {by_position}")
+        labels, score = result.labels(), result.position_score
+        by_position = "  ".join(f"{labels[p]}: {v:.2f}" for p, v in result.accuracy_by_position(score).items())
+        unit = "" if score.rate else f"  ({score.label}: nothing answered)"
+        lines.append(f"{probe:<8} {len(result.outcomes):>5} {result.mean_of(score):>6.3f}  {by_position}{unit}")
     lines += [f"{probe}: {describe_settings(result.settings)}" for probe, result in results.items()]
     lines += [f"{s.task}: Avg {s.avg.value:.3f} [{s.avg.low:.3f}, {s.avg.high:.3f}], Gap {s.gap:.3f} "
               f"(VaLProbing, {s.score.label})"

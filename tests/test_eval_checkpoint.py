@@ -66,9 +66,9 @@ def generate_calls(monkeypatch) -> list[dict]:
     calls: list[dict] = []
 
     def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True, first_line_only=False,
-                      batch_tokens=None):
+                      batch_tokens=None, shared_prefix=False):
         calls.append({"prompts": [list(p) for p in prompts], "attn": model.config._attn_implementation,
-                      "dtype": model.dtype})
+                      "dtype": model.dtype, "shared_prefix": shared_prefix})
         return [""] * len(prompts)
 
     monkeypatch.setattr(generation, "greedy_generate", fake_generate)

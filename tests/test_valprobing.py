@@ -358,7 +358,8 @@ def test_loglik_alone_answers_nothing_and_reports_the_likelihood(model_dir, data
     args = ["probes=[valprobing_document]", f"data_dir={data_dir}", "valprobing.pieces=8", "valprobing.sets=2",
             "valprobing.bin_width=4", "valprobing.answers=false", "device=cpu", f"out={tmp_path / 'ev'}"]
     assert eval_checkpoint.main([str(model_dir), *args]) == 0
-    assert "document: Avg" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "document: Avg" in printed and "(log p(gold answer), nats: nothing answered)" in printed
     saved = ProbeResult.load_json(tmp_path / "ev" / "eval" / "valprobing_document_step0.json")
     assert all(math.isnan(o["correct"]) and o["prediction"] == "" and math.isfinite(o["loglik"])
                for o in saved.outcomes)

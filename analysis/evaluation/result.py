@@ -114,6 +114,17 @@ class ProbeResult:
         return False
 
     @property
+    def answered(self) -> bool:
+        """Some item was answered (`correct` finite): false when only the log-likelihood was measured."""
+        return any(math.isfinite(o["correct"]) for o in self.outcomes)
+
+    @property
+    def position_score(self) -> stats.Score:
+        """The score a position curve of this result shows: accuracy, or the log-likelihood when nothing was
+        answered."""
+        return stats.ACCURACY if self.answered or not self.has_loglik else LOGLIK
+
+    @property
     def has_loglik(self) -> bool:
         """Every outcome holds the teacher-forced log-likelihood of its answer (`analysis.evaluation.loglik`)."""
         return bool(self.outcomes) and all(LOGLIK.field in o for o in self.outcomes)

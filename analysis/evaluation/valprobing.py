@@ -20,7 +20,6 @@ extreme over bins, which gets no interval but a paired permutation test (`stats.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -159,12 +158,7 @@ def compare(base: ProbeResult, tuned: ProbeResult, film_bins: bool = False, scor
 
 def scores_of(result: ProbeResult) -> list[stats.Score]:
     """What a result can be summarized by: FILM's score when it answered, the gold's log-likelihood when measured."""
-    found = []
-    if any(math.isfinite(o["correct"]) for o in result.outcomes):
-        found.append(stats.ACCURACY)
-    if result.outcomes and all("loglik" in o for o in result.outcomes):
-        found.append(LOGLIK)
-    return found
+    return [score for score, measured in ((stats.ACCURACY, result.answered), (LOGLIK, result.has_loglik)) if measured]
 
 
 def table_lines(summaries: Mapping[str, Sequence[Summary]], percent: bool = True) -> list[str]:
