@@ -75,7 +75,6 @@ from analysis.evaluation.config import (
 )
 from analysis.evaluation.interventions import Intervention, by_final_position
 from analysis.evaluation.result import LOGLIK, ProbeResult, paired_delta
-from analysis.evaluation.valprobing import report_lines as valprobing_report
 from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.measure.rollout import (
@@ -91,6 +90,7 @@ from analysis.report.figures import PathProfile, plot_needle_grid, plot_position
 from analysis.report.metrics_log import LoggerConfig, LoggerMode, log_report, read_metrics, shorten
 from analysis.report.position_tables import answers_table, contrast_table
 from analysis.report.tables import deltas_to_first, markdown_table, paired_cell, with_delta
+from analysis.report.valprobing import report_lines as valprobing_report
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
 from data_builders.probes import ProbeItem

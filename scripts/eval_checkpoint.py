@@ -101,10 +101,10 @@ from analysis.evaluation.config import (
 )
 from analysis.evaluation.interventions import Intervention, InterventionName
 from analysis.evaluation.result import ProbeResult, write_eval_json
-from analysis.evaluation.valprobing import report_lines as valprobing_report
 from analysis.evaluation.valprobing import scores_of as valprobing_scores
 from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
+from analysis.report.valprobing import report_lines as valprobing_report
 from data_builders.files import atomic_write_text, json_safe
 from data_builders.probes import Order
 from data_builders.question_split import check_split

@@ -19,7 +19,8 @@ from analysis.evaluation.generate import encode_prompt
 from analysis.evaluation.probes import build_probes
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.evaluation.scoring import label_or_description, name_in_output, word_recall
-from analysis.evaluation.valprobing import compare, report_lines, summarize
+from analysis.evaluation.valprobing import compare, summarize
+from analysis.report.valprobing import report_lines
 from data_builders.valprobing import (
     PIECES_DIR,
     PIECES_FILES,
@@ -151,6 +152,7 @@ def test_a_context_too_long_for_the_model_fails_naming_the_setting(data_dir, tok
         build_task(Task.document, _pool(data_dir, Task.document), shape, tokenizer)
 
 
+@pytest.mark.slow  # 32K-token prompts, 12 of them, tokenized with offsets: ~35 s
 def test_film32k_preset_item_counts_on_films_pieces(tokenizer):
     pieces = {t: read_pieces(t, shared_data_file(f"{PIECES_DIR}/{PIECES_FILES[t]}")) for t in Task}
     shape = PRESETS["film32k"]
@@ -377,3 +379,14 @@ def test_loglik_alone_answers_nothing_and_reports_the_likelihood(model_dir, data
     with pytest.raises(ValueError, match="would measure nothing"):
         check_probes(EvalConfig(probes=["valprobing_document"], data_dir=str(data_dir), loglik=False,
                                 valprobing=ValProbingConfig(answers=False)))
+
+
+def test_the_card_command_writes_the_card_and_items(model_dir, data_dir, tmp_path, capsys):
+    from scripts import build_valprobing
+
+    out = tmp_path / "card"
+    assert build_valprobing.main(["--tokenizer", str(model_dir), "--data-dir", str(data_dir), "--tasks", "code",
+                                  "--pieces", "12", "--sets", "2", "--bin-width", "4", "--out", str(out)]) == 0
+    assert "| code | 0 | 12 |" in (out / "card.md").read_text() and "items: code 22 (2 skipped)" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
+    assert len(rows) == 22 and {r["bin"] for r in rows} == {0, 1, 2}
