@@ -266,9 +266,10 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     if info.world_size > 1 and not t.deepspeed:
         raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
     validate_sequence_parallel(cfg, info)
-    if cfg.eval.reuse_step0 and info.world_size > 1 and info.is_main_process:
+    if cfg.eval.resume and info.world_size > 1 and info.is_main_process:
         # Sharded (ZeRO-3) weights cannot be hashed whole on one rank: every rank answers, as without it.
-        log.warning("eval.reuse_step0 is single-process only: the %d processes evaluate step 0", info.world_size)
+        log.info("eval.resume is single-process only: the %d processes answer every evaluation in full",
+                 info.world_size)
     for key in ("plot_every", "chart_every"):  # cadences of measured steps
         if getattr(jac, key) < 1:
             raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
@@ -722,13 +723,17 @@ def heldout_loss(run: Run) -> float:
     return total / max(1, count)
 
 
+def answer_records(run: Run) -> Optional[Path]:
+    """Where evaluations record their answers (`eval.resume`), None with several processes: sharded weights
+    cannot be hashed whole on one rank."""
+    return default_cache_dir() if run.cfg.eval.resume and run.info.world_size == 1 else None
+
+
 def depth_accuracy(run: Run, step: int) -> dict[str, float]:
     """Exact match by gold depth on the held-out IN2 records (nothing without questions)."""
     if not run.has_questions:
         return {}
-    reuse = step == 0 and run.cfg.eval.reuse_step0 and run.info.world_size == 1
-    metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval,
-                                   reuse_dir=default_cache_dir() if reuse else None)
+    metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval, answer_records(run))
     if run.is_main:
         log.info("step %d: in2 exact match %.3f over %d held-out questions, by depth bin %s", step,
                  metrics["eval/in2/acc_mean"], len(result.outcomes),
@@ -753,7 +758,8 @@ def log_accuracy(run: Run, name: str, result: ProbeResult, step: int, png: Optio
 def run_probes(run: Run, step: int) -> dict[str, float]:
     """Position probes (kv, mdqa, needle) on fixed queries: metrics, per-query JSON, curve plot (and the
     needle's length x depth grid)."""
-    metrics, results = evaluate_probes(run.model, run.tokenizer, run.probe_items, run.cfg.eval)
+    metrics, results = evaluate_probes(run.model, run.tokenizer, run.probe_items, run.cfg.eval,
+                                       record_dir=answer_records(run))
     if run.is_main:
         for name, result in results.items():
             log.info("step %d: %s accuracy %.3f over %d questions", step, name, result.mean, len(result.outcomes))

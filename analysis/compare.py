@@ -94,6 +94,7 @@ from analysis.report.valprobing import report_lines as valprobing_report
 from data_builders.files import atomic_write_text
 from data_builders.mdqa import Distractors
 from data_builders.probes import ProbeItem
+from data_builders.tokenizer import default_cache_dir
 from data_builders.valprobing import PRESETS as VALPROBING_PRESETS
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
@@ -290,6 +291,9 @@ class CompareConfig:
     # eval.chat_template (no run among the PATHs: plain prompts)
     chat_template: bool | None = None
     loglik: bool = True  # also score each item's gold answer by its teacher-forced log-likelihood
+    # record every answer as it is made (analysis.evaluation.answer_record): the same command after a kill answers
+    # only what is missing
+    resume: bool = True
     seq_len: int | None = None  # L of measured Jacobian profiles; None = the reference run's jacobian.seq_len (256)
     device: str = "auto"
     dtype: DType = DType.float32
@@ -387,17 +391,22 @@ def set_profiles(entry: Entry, profiles: JacobianProfiles) -> None:
 
 
 def answer_interventions(entry: Entry, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                         plan: ComparePlan) -> None:
-    """Answer the probes each intervention changes, with its bank of items (always evaluated: nothing records
-    them), into `entry`."""
+                         plan: ComparePlan, records: Path | None = None) -> None:
+    """Answer the probes each intervention changes, with its bank of items (no run records them), into `entry`;
+    `records`: the answer records' folder (`answer_checkpoint`)."""
     for intervention, bank in plan.interventions:
         asked = {p: its for p in intervention.changes(plan.probes) if (its := bank.items(p, tokenizer))}
         results, seconds = answer_checkpoint(model, tokenizer, asked, bank.cfg, intervention,
-                                             f"{entry.target.path}: intervention {intervention.tag}")
+                                             f"{entry.target.path}: intervention {intervention.tag}", records)
         entry.interventions[intervention.tag] = results
         entry.intervention_seconds[intervention.tag] = seconds
         entry.notes.append(f"intervention {intervention.tag}: " + ", ".join(f"{p} answered in {s:.1f} s"
                                                                             for p, s in seconds.items()))
+
+
+def answer_records(cfg: CompareConfig) -> Path | None:
+    """Where the answers are recorded as they are made (`cfg.resume`), else None."""
+    return default_cache_dir() if cfg.resume else None
 
 
 def evaluate_target(target: Target, tokenizer: PreTrainedTokenizerBase, plan: ComparePlan, cfg: CompareConfig
@@ -411,7 +420,8 @@ def evaluate_target(target: Target, tokenizer: PreTrainedTokenizerBase, plan: Co
     if pending or profiles is None or plan.interventions:
         model = load_model(target, cfg.device, cfg.dtype)
     if pending:
-        results, entry.plain_seconds = answer_checkpoint(model, tokenizer, pending, plan.bank.cfg)
+        results, entry.plain_seconds = answer_checkpoint(model, tokenizer, pending, plan.bank.cfg,
+                                                         record_dir=answer_records(cfg))
         entry.results.update(results)
         for probe, items in pending.items():
             entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to "
@@ -419,7 +429,7 @@ def evaluate_target(target: Target, tokenizer: PreTrainedTokenizerBase, plan: Co
     if profiles is None:
         profiles = measure_profiles(model, tokenizer, plan.jacobian, cfg.data_dir)
     set_profiles(entry, profiles)
-    answer_interventions(entry, model, tokenizer, plan)
+    answer_interventions(entry, model, tokenizer, plan, answer_records(cfg))
     return entry
 
 
@@ -844,6 +854,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)")
     parser.add_argument("--loglik", action=argparse.BooleanOptionalAction, default=True,
                         help="also score each item's gold answer by its teacher-forced log-likelihood (default: on)")
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                        help="record every answer as it is made ($POSDEBIAS_CACHE/evaluations/answered): the same "
+                             "command run again after a kill answers only what is missing (default: on)")
     parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap kv, mdqa and needle prompts in each tokenizer's chat template (instruct models); "
                              "default: as the first run among the PATHs was evaluated (eval.chat_template)")
@@ -884,7 +897,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     sets=args.valprobing_sets, bin_width=args.valprobing_bin_width,
                                     path=args.valprobing_path, film_bins=args.film_bins),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chat_template=args.chat_template,
-        loglik=args.loglik, seq_len=args.seq_len,
+        loglik=args.loglik, resume=args.resume, seq_len=args.seq_len,
         device=args.device, dtype=DType(args.dtype), use_wandb=args.wandb, log_wandb=args.wandb_log,
         interventions=args.interventions, ms_poe=MsPoEConfig(layers=args.ms_poe_layers),
         calibration=AttnCalibrationConfig(layers=args.calibration_layers),

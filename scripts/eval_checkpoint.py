@@ -33,6 +33,9 @@ of `mdqa.split` (data_builders.question_split), `mdqa.questions=dev` or `test` o
 settings on dev, report on test); a run trained on NQ (`data.source=nq`) must be asked one of these, with
 `mdqa.split` equal to its `data.nq_split`, or it fails before loading, naming the keys. Every item's gold answer
 is also scored by its teacher-forced log-likelihood (`loglik=false` turns it off; analysis.evaluation.loglik).
+Every answer is recorded as it is made (`$POSDEBIAS_CACHE/evaluations/answered`, keyed by the weights, the items
+and every setting): the same command run again after a kill answers only what is missing, and its results equal an
+uninterrupted run's (`resume=false` answers everything and records nothing).
 
 kv and mdqa default to the setup of Liu et al. 2023 (Lost in the Middle), so their numbers sit next to the
 published curves: 100 new tokens, the reference's metrics and gold positions, any of its data files as
@@ -108,6 +111,7 @@ from analysis.report.valprobing import report_lines as valprobing_report
 from data_builders.files import atomic_write_text, json_safe
 from data_builders.probes import Order
 from data_builders.question_split import check_split
+from data_builders.tokenizer import default_cache_dir
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
 from models.build import DType
@@ -137,6 +141,9 @@ class EvalCheckpointConfig:
     attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
     loglik: bool = True  # also score each item's gold answer by its teacher-forced log-likelihood (one prompt pass)
+    # record every answer as it is made ($POSDEBIAS_CACHE/evaluations/answered): the same command run again after a
+    # kill answers only what is missing (false: answer everything, record nothing)
+    resume: bool = True
     trust_remote_code: bool = False  # run the model repository's own code (hub models that need it)
     # reorder | truncate | query_aware | ms_poe | attn_calibration (see above)
     intervention: InterventionName = InterventionName.none
@@ -215,7 +222,7 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
         print(f"{probe}: skipped (mdqa needs data_dir or mdqa.path)", file=sys.stderr)
     model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
     results, _ = answer_checkpoint(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg,
-                                   intervention, str(ckpt))
+                                   intervention, str(ckpt), default_cache_dir() if cfg.resume else None)
 
     step = 0 if target.step is None else target.step
     default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")

@@ -61,8 +61,10 @@ def hub_cache(model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def generate_calls(monkeypatch) -> list[dict]:
-    """Replace generation with a stub that records what reaches the model: prompts, attention, dtype."""
+def generate_calls(monkeypatch, tmp_path) -> list[dict]:
+    """Replace generation with a stub that records what reaches the model: prompts, attention, dtype. The stub's
+    answers are recorded in a cache of this test's own, where no real evaluation reads them back."""
+    monkeypatch.setenv("POSDEBIAS_CACHE", str(tmp_path / "stub-cache"))
     calls: list[dict] = []
 
     def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True, first_line_only=False,

@@ -244,6 +244,7 @@ def answer_checkpoint(
     cfg: EvalConfig,
     intervention: Intervention | None = None,
     label: str = "the model",
+    record_dir: Path | None = None,
 ) -> tuple[dict[str, ProbeResult], dict[str, float]]:
     """Greedy answers to every probe's items with `intervention` installed on the model, scored (each probe with
     its budget and metric in `cfg`), and the wall seconds each probe's answers took.
@@ -251,7 +252,9 @@ def answer_checkpoint(
     `cfg` is the probes' settings the intervention made (`Intervention.configure`), their items built with it.
     Each result's settings record the intervention (`Intervention.settings`); None: the model as it is and its
     results' settings as `evaluate_probes` makes them. Raises CompareError `<label>: <why>` before anything is
-    answered when the intervention cannot change the model.
+    answered when the intervention cannot change the model. `record_dir`: record the answers there as they are
+    made and read back those of an earlier evaluation with the same key, the intervention's settings part of it
+    (`evaluate_probes`).
     """
     if intervention is not None:
         try:
@@ -264,7 +267,8 @@ def answer_checkpoint(
     with installed as calibration:
         for probe, items in probes.items():
             started = time.perf_counter()
-            results.update(evaluate_probes(model, tokenizer, {probe: items}, cfg, calibration)[1])
+            results.update(evaluate_probes(model, tokenizer, {probe: items}, cfg, calibration, record_dir,
+                                           {"intervention": repr(intervention)})[1])
             seconds[probe] = time.perf_counter() - started
         recorded = {} if intervention is None else intervention.settings(model, calibration)
     for result in results.values():

@@ -204,9 +204,10 @@ class EvalConfig:
     probe_examples: int = 20  # queries per probe; each is asked once per gold position
     data_dir: Optional[str] = None  # folder of the kv / nq files; None = synthetic kv and filler, no mdqa
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
-    # Step 0's IN2 answers are read from the cache (<POSDEBIAS_CACHE>/evaluations) when another run already
-    # asked the same weights the same questions (analysis.evaluation.reuse); single process only.
-    reuse_step0: bool = False
+    # Every answer recorded as it is made (<POSDEBIAS_CACHE>/evaluations/answered, analysis.evaluation.answer_record)
+    # and read back by any later evaluation of the same weights on the same items with the same settings: a killed
+    # or resumed run answers only what is missing, a study's jobs answer step 0 once. Single process only.
+    resume: bool = True
     # The teacher-forced log-likelihood of every item's gold answer (`loglik` in each outcome, analysis.evaluation
     # .loglik): position without answer format, one extra prompt pass an item; of the first loglik_aliases aliases.
     loglik: bool = True

@@ -12,8 +12,9 @@ import itertools
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, Sequence
 
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_builders.probes import (
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from models.attention.attn_calibration import AttnCalibration
 
 from analysis.evaluation.answer_kinds import describe_answer, gold_segment_index, segment_texts
+from analysis.evaluation.answer_record import AnswerRecord, chunks_of, record_path
 from analysis.evaluation.comparability import probe_settings
 from analysis.evaluation.config import (
     METRICS,
@@ -46,7 +48,7 @@ from analysis.evaluation.config import (
 from analysis.evaluation.generate import GenerateFn, model_generate_fn
 from analysis.evaluation.loglik import LOGLIK_DEFINITION, LoglikFn, best, model_loglik_fn
 from analysis.evaluation.result import ProbeResult
-from analysis.evaluation.reuse import evaluation_key, reused_or_run
+from analysis.evaluation.reuse import evaluation_key
 from analysis.evaluation.scoring import exact_match, first_line, whole_word_subspan_em
 from data_builders.valprobing import build_task, read_pieces, shape_of
 
@@ -64,9 +66,21 @@ def _answer_details(item: ProbeItem, prediction: str) -> dict[str, Any]:
             "whole_word": whole_word_subspan_em(line, item.answers)}
 
 
+def _outcome(item: ProbeItem, prediction: str | None, metric: Metric, values: list[float] | None) -> dict[str, Any]:
+    outcome = {"id": item.id, "query": item.query, "position": item.position, "label": item.label,
+               "prediction": prediction or "", "answers": item.answers,
+               "correct": math.nan if prediction is None else float(metric.score(prediction, item.answers)),
+               "extra": {**item.extra, **({} if prediction is None else {"answer": _answer_details(item, prediction)})}}
+    if values is not None:
+        outcome["loglik"] = best(values)
+        outcome["extra"]["loglik_aliases"] = values
+    return outcome
+
+
 def run_probe(
     items: Sequence[ProbeItem], generate_fn: GenerateFn | None, metric: Metric, settings: Mapping[str, Any] | None = None,
-    loglik_fn: LoglikFn | None = None,
+    loglik_fn: LoglikFn | None = None, record: AnswerRecord | None = None,
+    group: Callable[[ProbeItem], Hashable] | None = None,
 ) -> ProbeResult:
     """Answer every item with `generate_fn` and score each answer against the item's answers with `metric`.
 
@@ -75,24 +89,37 @@ def run_probe(
     `extra["loglik_aliases"]`. The result's settings are `settings` with the metric's name and definition.
     Without `generate_fn` nothing is answered (the log-likelihood alone, which it then needs): every prediction
     is empty and `correct` nan.
+
+    Items are answered in the chunks of `answer_record.chunks_of` (`group`: keep each group's run of items in one
+    chunk), recorded one by one in `record` when given: the chunks it holds already are read back, not answered.
     """
     if not items:
         raise ValueError("run_probe needs at least one item")
     if generate_fn is None and loglik_fn is None:
         raise ValueError("run_probe without answers needs a loglik_fn: it would measure nothing")
-    predictions = generate_fn(items) if generate_fn is not None else [None] * len(items)
-    if len(predictions) != len(items):
-        raise ValueError(f"generate_fn returned {len(predictions)} answers for {len(items)} items")
-    logliks = loglik_fn(items) if loglik_fn is not None else [None] * len(items)
-    outcomes = []
-    for it, pred, values in zip(items, predictions, logliks):
-        outcome = {"id": it.id, "query": it.query, "position": it.position, "label": it.label, "prediction": pred or "",
-                   "answers": it.answers, "correct": math.nan if pred is None else float(metric.score(pred, it.answers)),
-                   "extra": {**it.extra, **({} if pred is None else {"answer": _answer_details(it, pred)})}}
-        if values is not None:
-            outcome["loglik"] = best(values)
-            outcome["extra"]["loglik_aliases"] = values
-        outcomes.append(outcome)
+    chunks = chunks_of(items, group=group)
+    done = record.read_back() if record is not None else {}
+    read_back = sum(len(chunks[c]) for c in done)
+    if read_back:
+        log.info("%s: %d of %d answers read back from %s (the same weights, items and settings)", items[0].probe,
+                 read_back, len(items), record.path)
+    outcomes: list[dict[str, Any]] = []
+    with tqdm(total=len(items), initial=read_back, desc=f"{items[0].probe} answered", unit="item",
+              postfix={"read back": read_back} if record is not None else None) as bar:
+        for c, rows in enumerate(chunks):
+            if c in done:
+                outcomes += done[c]
+                continue
+            chunk = [items[i] for i in rows]
+            predictions = generate_fn(chunk) if generate_fn is not None else [None] * len(chunk)
+            if len(predictions) != len(chunk):
+                raise ValueError(f"generate_fn returned {len(predictions)} answers for {len(chunk)} items")
+            logliks = loglik_fn(chunk) if loglik_fn is not None else [None] * len(chunk)
+            fresh = [_outcome(it, p, metric, v) for it, p, v in zip(chunk, predictions, logliks)]
+            if record is not None:
+                record.append(c, fresh)
+            outcomes += fresh
+            bar.update(len(chunk))
     settings = {"metric": metric.name, "metric_definition": metric.definition, **(settings or {})}
     if generate_fn is None:
         settings["answers"] = "not asked: the log-likelihood alone (correct is nan)"
@@ -106,29 +133,34 @@ def evaluate_in2(
     tokenizer: PreTrainedTokenizerBase,
     records: Iterable[Mapping[str, Any]],
     cfg: EvalConfig,
-    reuse_dir: Path | None = None,
+    record_dir: Path | None = None,
 ) -> tuple[dict[str, float], ProbeResult]:
     """Exact-match accuracy on the first `cfg.num_examples` held-out IN2 records, by gold-depth bin.
 
     Metric keys: `eval/in2/acc_mean` and `eval/in2/acc@<lower bin edge>` (`acc@0.0` ... `acc@0.9` for
-    10 bins); a bin without records has no key. With `reuse_dir`, the answers of another run that asked the
-    same weights the same questions are read from there instead (`analysis.evaluation.reuse`).
+    10 bins); a bin without records has no key. With `record_dir` (a cache folder), every answer is recorded there
+    as it is made, and the answers recorded by any earlier evaluation of the same weights on the same questions
+    with the same settings are read back instead (`analysis.evaluation.answer_record`).
     """
     items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
     generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, batch_tokens=cfg.batch_tokens)
     settings = probe_settings("in2", cfg, items)
     loglik = model_loglik_fn(model, tokenizer, n_aliases=cfg.loglik_aliases) if cfg.loglik else None
-
-    def answer() -> ProbeResult:
-        return run_probe(items, generate, METRICS["exact_match"], settings, loglik)
-
-    if reuse_dir is None:
-        result = answer()
-    else:
-        batching = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": "exact_match",
-                    "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases}
-        result = reused_or_run(evaluation_key(model, items, {**settings, **batching}), reuse_dir, answer)
+    how = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": "exact_match",
+           "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases}
+    record = _record(model, items, {**settings, **how}, record_dir)
+    result = run_probe(items, generate, METRICS["exact_match"], settings, loglik, record)
     return result.to_metrics("eval"), result
+
+
+def _record(model: PreTrainedModel, items: Sequence[ProbeItem], how: Mapping[str, Any], record_dir: Path | None,
+            group: Callable[[ProbeItem], Hashable] | None = None) -> AnswerRecord | None:
+    """The answer record of asking `model` `items` answered as `how` says, in `record_dir` (None: no record)."""
+    if record_dir is None:
+        return None
+    chunks = [[items[i].id for i in rows] for rows in chunks_of(items, group=group)]
+    key = evaluation_key(model, items, {**how, "chunks": [len(c) for c in chunks]})
+    return AnswerRecord(record_path(record_dir, key), key, chunks)
 
 
 def build_probes(cfg: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, list[ProbeItem]]:
@@ -175,10 +207,14 @@ def evaluate_probes(
     probes: Mapping[str, Sequence[ProbeItem]],
     cfg: EvalConfig,
     calibration: AttnCalibration | None = None,
+    record_dir: Path | None = None,
+    record_settings: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, float], dict[str, ProbeResult]]:
     """Run the probes from `build_probes` (and in2 items) on `model`, each with its budget and metric;
     metrics of all probes and the result of each. `calibration`: answer with attention calibration (whose
-    per-batch segments the log-likelihood pass does not install: it is left out then)."""
+    per-batch segments the log-likelihood pass does not install: it is left out then). With `record_dir`, the
+    answers are recorded and read back as `evaluate_in2` says; `record_settings`: what else changes the answers
+    that the weights and items do not show (an installed intervention), part of the record's key."""
     results = {}
     for name, items in probes.items():
         # VaLProbing asks every position of one long context: its items share that context's prefill
@@ -186,9 +222,22 @@ def evaluate_probes(
         shared = valprobing and calibration is None
         loglik = (model_loglik_fn(model, tokenizer, cfg.chat_template, cfg.loglik_aliases, shared_prefix=shared)
                   if cfg.loglik and calibration is None else None)
-        generate = None if valprobing and not cfg.valprobing.answers else model_generate_fn(
-            model, tokenizer, probe_budget(name, cfg), cfg.batch_size, cfg.chat_template, first_line_only=name == "mdqa",
-            batch_tokens=cfg.batch_tokens, calibration=calibration, shared_prefix=shared)
-        results[name] = run_probe(items, generate, probe_metric(name, cfg), probe_settings(name, cfg, items), loglik)
+        answers = not valprobing or cfg.valprobing.answers
+        budget = probe_budget(name, cfg)
+        generate = model_generate_fn(
+            model, tokenizer, budget, cfg.batch_size, cfg.chat_template, first_line_only=name == "mdqa",
+            batch_tokens=cfg.batch_tokens, calibration=calibration, shared_prefix=shared) if answers else None
+        metric, settings = probe_metric(name, cfg), probe_settings(name, cfg, items)
+        group = _shared_context if shared else None
+        how = {**settings, "budget": budget, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens,
+               "chat_template": cfg.chat_template, "metric": metric.name, "answers": answers, "shared_prefix": shared,
+               "loglik": loglik is not None, "loglik_aliases": cfg.loglik_aliases, **(record_settings or {})}
+        record = _record(model, items, how, record_dir, group)
+        results[name] = run_probe(items, generate, metric, settings, loglik, record, group)
     metrics = {k: v for result in results.values() for k, v in result.to_metrics("eval").items()}
     return metrics, results
+
+
+def _shared_context(item: ProbeItem) -> Any:
+    """The VaLProbing set an item's context is (its items answer over one prefill of it)."""
+    return item.extra["set"]

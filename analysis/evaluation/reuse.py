@@ -1,11 +1,11 @@
-"""Reusing an evaluation across runs that ask the same function the same questions.
+"""The key of an evaluation: what its answers depend on, and nothing else. `analysis.evaluation.answer_record`
+files each evaluation's answers under it, so a killed evaluation continues, and the jobs of a study, which all
+start from the same checkpoint, answer step 0 once (SmolLM2: ~4 min for 50 questions at 1K tokens).
 
-Every job of a study starts from the same checkpoint, and on a real model its step-0 IN2 evaluation costs
-minutes (SmolLM2: ~4 min for 50 questions at 1K tokens). The answers depend only on the function the weights
-compute and on the encoded prompts and generation settings, so the key hashes exactly those: every parameter
-and buffer (name, dtype, shape, bytes), the model config, each item's token ids, answers and position, the
-probe settings, the batching (left padding changes float rounding), the torch version, the device type, the
-autocast dtype and the attention implementation.
+The answers depend only on the function the weights compute and on the encoded prompts and generation settings,
+so the key hashes exactly those: every parameter and buffer (name, dtype, shape, bytes), the model config, each
+item's token ids, answers and position, the probe settings, the batching (left padding changes float rounding),
+the torch version, the device type, the autocast dtype and the attention implementation.
 A LoRA adapter whose B is all zero adds exactly 0 (x A^T B^T with B = 0), so its A is left out: runs whose
 only difference is the adapters' random init share the key. Anything else that differs (a seed-drawn
 parameter, one changed weight) makes another key, so a hit is always the same answers, never stale ones.
@@ -14,18 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from analysis.evaluation.result import ProbeResult
 from data_builders.probes import ProbeItem
-
-log = logging.getLogger(__name__)
-
-CACHE_SUBDIR = "evaluations"
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -84,14 +77,3 @@ def evaluation_key(model: torch.nn.Module, items: Sequence[ProbeItem], settings:
         digest.update(json.dumps([it.id, it.prompt, it.answers, it.position, it.label, it.query],
                                  default=str).encode())
     return digest.hexdigest()[:32]
-
-
-def reused_or_run(key: str, cache_dir: Path, run: Callable[[], ProbeResult]) -> ProbeResult:
-    """The result stored under `key` in `cache_dir/evaluations/`, else `run()`'s, stored there for the next run."""
-    path = Path(cache_dir) / CACHE_SUBDIR / f"{key}.json"
-    if path.exists():
-        log.info("evaluation reused from %s: the same weights were asked the same questions", path)
-        return ProbeResult.load_json(path)
-    result = run()
-    result.save_json(path)  # atomic: two jobs finishing at once write the same answers
-    return result
