@@ -96,6 +96,7 @@ from models.build import (
     validate_model,
 )
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
+from models.training import run_lock
 from models.training.checkpoint import (
     atomic_checkpoint,
     check_resume_rope,
@@ -933,12 +934,14 @@ def cleanup(run: Run) -> None:
 
 
 def run(cfg: DictConfig | TrainConfig, run_dir: Path) -> dict[str, float]:
-    """Train as configured, writing everything into `run_dir`; returns the last logged metrics."""
-    state = setup(as_train_config(cfg), Path(run_dir))
-    try:
-        return train(state)
-    finally:
-        cleanup(state)
+    """Train as configured, writing everything into `run_dir` (the one process that does: its lock is held,
+    `models.training.run_lock`); returns the last logged metrics."""
+    with run_lock.holding(run_dir, "give another hydra.run.dir"):
+        state = setup(as_train_config(cfg), Path(run_dir))
+        try:
+            return train(state)
+        finally:
+            cleanup(state)
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

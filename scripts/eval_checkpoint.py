@@ -78,10 +78,12 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from transformers import PreTrainedTokenizerBase
 
 from analysis.evaluation.checkpoints import (
     CompareError,
     ProbeBank,
+    Target,
     answer_checkpoint,
     build_in2_items,
     check_unseen_mdqa,
@@ -109,12 +111,13 @@ from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
 from analysis.report.valprobing import report_lines as valprobing_report
 from data_builders.files import atomic_write_text, json_safe
-from data_builders.probes import Order
+from data_builders.probes import Order, ProbeItem
 from data_builders.question_split import check_split
 from data_builders.tokenizer import default_cache_dir
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
 from models.build import DType
+from models.training import run_lock
 from models.training.distributed import Device
 from models.training.run_dir import EVAL_DIR, RunDir
 
@@ -220,15 +223,27 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
     for probe in [p for p, its in items.items() if not its]:
         print(f"{probe}: skipped (mdqa needs data_dir or mdqa.path)", file=sys.stderr)
-    model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
-    results, _ = answer_checkpoint(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg,
-                                   intervention, str(ckpt), default_cache_dir() if cfg.resume else None)
-
-    step = 0 if target.step is None else target.step
     default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")
     out = Path(cfg.out) if cfg.out else target.run_dir or default_out
     if intervention.name != InterventionName.none:
         out = out / "interventions" / intervention.tag  # beside the plain results, never over them
+    # one writer per run directory: the run's own when `out` is inside it (a training still going writes it)
+    inside_run = target.run_dir is not None and out.resolve().is_relative_to(target.run_dir.resolve())
+    try:
+        with run_lock.holding(target.run_dir if inside_run else out, "give out=<another folder>"):
+            return out, answer_and_write(target, cfg, tokenizer, items, eval_cfg, intervention, out)
+    except run_lock.RunDirInUse as err:
+        raise CompareError(str(err)) from err
+
+
+def answer_and_write(target: Target, cfg: EvalCheckpointConfig, tokenizer: PreTrainedTokenizerBase,
+                     items: dict[str, list[ProbeItem] | None], eval_cfg: EvalConfig, intervention: Intervention,
+                     out: Path) -> dict[str, ProbeResult]:
+    """Load the model, answer the probes and write their JSONs, metrics and figures into `out`."""
+    model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
+    results, _ = answer_checkpoint(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg,
+                                   intervention, target.path, default_cache_dir() if cfg.resume else None)
+    step = 0 if target.step is None else target.step
     run = RunDir(out)
     metrics: dict[str, float] = {}
     for probe, result in results.items():
@@ -246,7 +261,7 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     if valprobing:
         atomic_write_text(run.eval / f"valprobing_step{step}.md", "\n".join(valprobing))
     atomic_write_text(run.eval_metrics(step), json.dumps(json_safe(metrics), indent=1))
-    return out, results
+    return results
 
 
 def summary_table(results: dict[str, ProbeResult]) -> str:

@@ -14,6 +14,7 @@
       summary.md                           the end-of-run summary (analysis.report.run_summary)
       distill_responses.json               debias=pos2distill: the answers at the strong slot, kept or not, counted
       wandb_run.json, wandb/               the wandb run the directory logs to, and wandb's own files
+      .lock                                held by the one process writing the directory (models.training.run_lock)
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ TOKENIZER_DIR = "tokenizer"
 SUMMARY = "summary.md"
 DISTILL_RESPONSES = "distill_responses.json"
 WANDB_RUN = "wandb_run.json"
+LOCK = ".lock"
 TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder: what marks it as complete
 
 EVAL_FILE = re.compile(r"^(?P<probe>\w+?)_step(?P<step>\d+)\.json$")
