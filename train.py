@@ -731,12 +731,13 @@ def answer_records(run: Run) -> Optional[Path]:
 
 
 def depth_accuracy(run: Run, step: int) -> dict[str, float]:
-    """Exact match by gold depth on the held-out IN2 records (nothing without questions)."""
+    """Accuracy (eval.in2_metric) by gold depth on the held-out IN2 records (nothing without questions)."""
     if not run.has_questions:
         return {}
     metrics, result = evaluate_in2(run.model, run.tokenizer, run.eval_records, run.cfg.eval, answer_records(run))
     if run.is_main:
-        log.info("step %d: in2 exact match %.3f over %d held-out questions, by depth bin %s", step,
+        log.info("step %d: in2 %s %.3f over %d held-out questions, by depth bin %s", step,
+                 run.cfg.eval.in2_metric.replace("_", " "),
                  metrics["eval/in2/acc_mean"], len(result.outcomes),
                  " ".join(f"{acc:.2f}" for acc in result.accuracy_by_position().values()))
         write_eval_json(run.run_dir, step, "in2", result)
@@ -895,7 +896,7 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     if run.has_questions:
         run.accuracy_curves[f"step {final}"] = depth_curve(acc)
         png = plot_depth_accuracy(run.accuracy_curves, run.paths.plot("in2_accuracy_by_depth"),
-                                  title=f"{cfg.exp_name}: exact match by gold depth")
+                                  title=f"{cfg.exp_name}: {cfg.eval.in2_metric.replace('_', ' ')} by gold depth")
         if run.logger.wandb_run is not None:
             run.logger.log_media({"eval/in2/accuracy_plot": run.logger.image(png)}, step=final)
     if run.recorder is not None:

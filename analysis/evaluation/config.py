@@ -123,6 +123,14 @@ class MDQAQuestions(StrEnum):
         return EvaluationPart(self.value) if self in (MDQAQuestions.dev, MDQAQuestions.test) else None
 
 
+class In2Metric(StrEnum):
+    """How the held-out IN2 answers are scored (`eval.in2_metric`): each scores the answer's first line."""
+
+    exact_match = "exact_match"  # the line is an answer: a model trained to answer alone (the default)
+    best_subspan_em = "best_subspan_em"  # an answer is in the line: mdqa's metric, for data.in2.layout=mdqa
+    whole_word_subspan_em = "whole_word_subspan_em"  # an answer is whole words of the line
+
+
 class QAMetric(StrEnum):
     best_subspan_em = "best_subspan_em"  # the reference's metric (default): comparable with published curves
     whole_word_subspan_em = "whole_word_subspan_em"  # whole-word variant, stricter
@@ -195,6 +203,9 @@ class EvalConfig:
     num_examples: int = 200  # held-out IN2 questions scored for accuracy by depth (at start and end); 0 = none
     bins: int = 10  # equal-width gold-depth bins of the IN2 accuracy curve
     max_new_tokens: int = 8  # greedy answer length of IN2 questions, in tokens
+    # The IN2 answers' metric: exact_match, or best_subspan_em (with the mdqa probe's 100 tokens) for samples in the
+    # mdqa evaluation's own prompt (data.in2.layout=mdqa), whose model may answer in a sentence, as the probe allows
+    in2_metric: In2Metric = In2Metric.exact_match
     batch_size: int = 16  # prompts per generate call
     # Padded prompt tokens per generate call: long prompts go in smaller batches (attention memory grows
     # with batch x length^2: 16 kv prompts of 140 pairs would need tens of GB on a CPU).
@@ -322,10 +333,12 @@ def with_budget(cfg: EvalConfig, max_new_tokens: int) -> EvalConfig:
 
 
 def probe_metric(name: str, cfg: EvalConfig) -> Metric:
-    """The metric a probe is scored with: substring_match (kv, needle), eval.mdqa.metric, exact_match (in2)."""
+    """The metric a probe is scored with: substring_match (kv, needle), eval.mdqa.metric, eval.in2_metric."""
     if name == "mdqa":
         return METRICS[str(cfg.mdqa.metric)]
+    if name == "in2":
+        return METRICS[str(cfg.in2_metric)]
     task = Probe(name).valprobing_task
     if task is not None:
         return METRICS[VALPROBING_METRIC[task]]
-    return METRICS["exact_match" if name == "in2" else "substring_match"]
+    return METRICS["substring_match"]

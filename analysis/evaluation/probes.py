@@ -36,7 +36,6 @@ from analysis.evaluation.answer_kinds import describe_answer, gold_segment_index
 from analysis.evaluation.answer_record import AnswerRecord, chunks_of, record_path
 from analysis.evaluation.comparability import probe_settings
 from analysis.evaluation.config import (
-    METRICS,
     EvalConfig,
     Metric,
     Probe,
@@ -135,7 +134,8 @@ def evaluate_in2(
     cfg: EvalConfig,
     record_dir: Path | None = None,
 ) -> tuple[dict[str, float], ProbeResult]:
-    """Exact-match accuracy on the first `cfg.num_examples` held-out IN2 records, by gold-depth bin.
+    """Accuracy (`cfg.in2_metric` on the answer's first line) on the first `cfg.num_examples` held-out IN2 records,
+    by gold-depth bin.
 
     Metric keys: `eval/in2/acc_mean` and `eval/in2/acc@<lower bin edge>` (`acc@0.0` ... `acc@0.9` for
     10 bins); a bin without records has no key. With `record_dir` (a cache folder), every answer is recorded there
@@ -143,13 +143,16 @@ def evaluate_in2(
     with the same settings are read back instead (`analysis.evaluation.answer_record`).
     """
     items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
-    generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, batch_tokens=cfg.batch_tokens)
+    # every in2 metric scores the first line: generation stops there, with the scores of the whole budget
+    generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, first_line_only=True,
+                                 batch_tokens=cfg.batch_tokens)
     settings = probe_settings("in2", cfg, items)
+    metric = probe_metric("in2", cfg)
     loglik = model_loglik_fn(model, tokenizer, n_aliases=cfg.loglik_aliases) if cfg.loglik else None
-    how = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": "exact_match",
-           "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases}
+    how = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": metric.name,
+           "first_line_only": True, "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases}
     record = _record(model, items, {**settings, **how}, record_dir)
-    result = run_probe(items, generate, METRICS["exact_match"], settings, loglik, record)
+    result = run_probe(items, generate, metric, settings, loglik, record)
     return result.to_metrics("eval"), result
 
 

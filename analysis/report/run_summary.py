@@ -40,10 +40,11 @@ MISSING = "—"  # the cell of a number the run did not log, or logged as nan or
 
 @dataclass
 class DepthCurve:
-    """Held-out IN2 exact match by gold depth bin at one step, and its position-fairness numbers; the same for
-    the gold answer's log-likelihood when the evaluation kept it, and how long the answers' first lines were."""
+    """Held-out IN2 accuracy (`metric`) by gold depth bin at one step, and its position-fairness numbers; the same
+    for the gold answer's log-likelihood when the evaluation kept it, and how long the answers' first lines were."""
 
     step: int
+    metric: str  # how the answers were scored (eval.in2_metric)
     by_bin: dict[str, float]  # bin label (its lower depth edge) -> accuracy
     fairness: dict[str, float]
     loglik_by_bin: dict[str, float] | None = None  # bin label -> mean log p(answer), nats
@@ -66,7 +67,8 @@ def depth_curve(step: int, path: Path) -> DepthCurve:
     by_bin, fair = curve(ACCURACY)
     loglik_by_bin, loglik_fair = curve(LOGLIK) if result.has_loglik else (None, None)
     words = [o["extra"]["answer"]["first_line_words"] for o in outcomes if "answer" in o["extra"]]
-    return DepthCurve(step, by_bin, fair, loglik_by_bin, loglik_fair, float(np.median(words)) if words else None)
+    return DepthCurve(step, str(result.settings.get("metric", "exact_match")), by_bin, fair, loglik_by_bin,
+                      loglik_fair, float(np.median(words)) if words else None)
 
 
 def _steps_of(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, Any]]:
@@ -109,13 +111,14 @@ def accuracy_lines(curves: Sequence[DepthCurve]) -> list[str]:
     rows = [[label, *(num(c.by_bin.get(label), missing=MISSING) for c in curves)] for label in curves[0].by_bin]
     rows += [[f"**{name}**", *(num(c.fairness.get(key), missing=MISSING) for c in curves)]
              for key, name in FAIRNESS_ROWS.items()]
-    lines = ["## Accuracy by gold depth (held-out IN2, exact match)", "",
+    metrics = " / ".join(dict.fromkeys(c.metric.replace("_", " ") for c in curves))
+    lines = [f"## Accuracy by gold depth (held-out IN2, {metrics})", "",
              *markdown_table(header, rows), "",
              "middle: gold depth in [0.25, 0.75); gap: best bin minus worst bin.", ""]
     if all(c.median_words is not None for c in curves):
         lines += ["Answers' first line, median length in words: "
                   + ", ".join(f"step {c.step}: {c.median_words:g}" for c in curves)
-                  + " (a change here is a change of answer format, which exact match also scores).", ""]
+                  + f" (a change here is a change of answer format, which {metrics} also scores).", ""]
     if all(c.loglik_by_bin is not None for c in curves):
         rows = [[label, *(num(c.loglik_by_bin.get(label), missing=MISSING) for c in curves)]
                 for label in curves[0].loglik_by_bin]
