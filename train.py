@@ -110,6 +110,7 @@ from models.training.debias import (
     DebiasObjective,
     Objective,
     validate_debias,
+    validate_objective_choice,
     validate_pos2distill,
 )
 from models.training.distributed import (
@@ -294,6 +295,7 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
         check_probes(cfg.eval)
     if Probe.mdqa in cfg.eval.probes and probe_source(Probe.mdqa, cfg.eval) is not None:
         check_mdqa_questions(cfg.eval.mdqa, built_with(cfg.data))
+    validate_objective_choice(cfg.debias)
     validate_pos2distill(cfg.debias, cfg.data, built_with(cfg.data), cfg.peft.method, cfg.model.attention)
     validate_debias(cfg.debias, jac.every, t.sequence_parallel, cfg.data.format == DataFormat.in2)
     validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)

@@ -39,9 +39,9 @@ from models.training.debias import (
 from models.training.distill import sample_kl
 from models.training.distributed import DistInfo
 from scripts.synthetic_oracle import oracle_records
+from tests.test_answer_record import _model as _reuse_model
 from tests.test_debias import _tiny_model
 from tests.test_distill import np_reference
-from tests.test_eval_reuse import _model as _reuse_model
 from tests.test_train import SMOKE as SMOKE_SIZES
 from train import as_train_config, run, validate
 
@@ -282,8 +282,11 @@ SMOKE = SMOKE_SIZES["in2_smol_distill"]  # the tiny model, 3 documents, its wron
     (["debias.needle_mix.share=0.25"], r"debias.needle_mix.share=0.25"),
     (["debias.bins=5", "debias.eta=0.1"], r"with debias.bins=5, debias.eta=0.1: these weight the answer-token NLL"),
     (["debias.prior_alpha=0.5"], r"debias.prior_alpha=0.5"),
-    # a list whose last objective preset is another one: pos2distill's data setting is left over, and named
-    (["debias=[pos2distill,group_dro]"], r"data.in2.teacher_slot=-1 set with debias.objective=group_dro"),
+    # two objectives in one list, in either order: the last would replace the other silently
+    (["debias=[pos2distill,group_dro]"], r"debias=\[...\] names 2 objectives \(group_dro, pos2distill\)"),
+    (["debias=[group_dro,pos2distill]"], r"debias=\[...\] names 2 objectives \(group_dro, pos2distill\)"),
+    (["debias=[loss_weight,depth_weight,pos2distill]"], r"names 3 objectives \(depth_weight, loss_weight, "),
+    (["debias.objective=group_dro"], r"debias.objective=group_dro with debias=pos2distill"),
     (["debias=none", "debias.distill.guard=0.5"], r"debias.distill.guard=0.5 set with debias.objective=mean"),
     # data-level arms: the mdqa layout refuses them
     (["debias=[depth_sampling,pos2distill]"], r"data.in2.layout=mdqa does not use data.in2.depth_law=valley"),

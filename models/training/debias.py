@@ -114,10 +114,25 @@ class DebiasConfig:
     loss_ema: float = 0.1  # loss_weight: the share of a micro-batch's bin loss in the bin's moving average
     needle_mix: NeedleMixConfig = field(default_factory=NeedleMixConfig)
     distill: Pos2DistillConfig = field(default_factory=Pos2DistillConfig)  # pos2distill
+    # Filled by the conf/debias/ options that choose an objective, one key each: dicts merge where `objective`
+    # would be silently replaced, so debias=[group_dro,pos2distill] names both and is refused (one at a time).
+    objective_options: dict[str, bool] = field(default_factory=dict)
 
     @property
     def needs_depths(self) -> bool:
         return self.objective != Objective.mean
+
+
+def validate_objective_choice(cfg: DebiasConfig) -> None:
+    """Fail at start-up when the debias= options name more than one objective, or another than debias.objective."""
+    named = sorted(cfg.objective_options)
+    if len(named) > 1:
+        raise ValueError(f"debias=[...] names {len(named)} objectives ({', '.join(named)}): the last would replace "
+                         "the others; one objective at a time (combine it with depth_sampling, middle_ramp, "
+                         "needle_mix or diff_retrofit)")
+    if named and cfg.objective != named[0]:
+        raise ValueError(f"debias.objective={cfg.objective} with debias={named[0]}, whose objective is {named[0]}: "
+                         "choose one")
 
 
 def validate_debias(cfg: DebiasConfig, jacobian_every: int, sequence_parallel: int, has_depths: bool) -> None:
