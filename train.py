@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional, Sequence
 
 import hydra
 import numpy as np
@@ -28,6 +28,7 @@ from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -96,12 +97,13 @@ from models.build import (
     validate_model,
 )
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
-from models.training import run_lock
+from models.training import renamed_keys, run_lock
 from models.training.checkpoint import (
     atomic_checkpoint,
     check_resume_rope,
     list_checkpoints,
     newest_checkpoint,
+    newest_intact,
     remove_stale_temporaries,
     resolve_checkpoint,
 )
@@ -182,6 +184,9 @@ class TrainConfig:
     debias: DebiasConfig = field(default_factory=DebiasConfig)  # position-targeted objectives (conf/debias/)
     seed: int = 0
     exp_name: str = "default"  # names the run directory outputs/<exp_name>/<time>
+    # The directory of a killed `-m` sweep: the same command with resume_sweep=<dir> skips the jobs that finished
+    # (finished.json), continues the interrupted one from its newest intact checkpoint and starts the rest.
+    resume_sweep: Optional[str] = None
 
 
 def launch_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
@@ -235,23 +240,47 @@ def newest_run_checkpoint(exp_name: str) -> str:
     return str(ckpt)
 
 
+def sweep_dir(resume_sweep: Optional[str], new_dir: str) -> str:
+    """`${sweep_dir:${resume_sweep},<new dir>}`, conf/train.yaml's hydra.sweep.dir: the sweep to resume, checked to be
+    one (Hydra would create a missing folder and run the whole sweep in it), else a new one."""
+    if resume_sweep is None:
+        return new_dir
+    if not Path(resume_sweep).is_dir():
+        raise ValueError(f"resume_sweep={resume_sweep}: no such directory; give the directory of the killed `-m` "
+                         "sweep (outputs/<exp_name>/multirun_<time>, printed as it started)")
+    if not (Path(resume_sweep) / "multirun.yaml").is_file():
+        raise ValueError(f"resume_sweep={resume_sweep}: not the directory of a `-m` sweep (no multirun.yaml in it)")
+    return str(resume_sweep)
+
+
 def register_configs() -> None:
     """Typed schemas: the composed config must match `TrainConfig`, unknown keys fail at composition."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("newest_checkpoint", newest_run_checkpoint, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
-    """The config `python train.py <overrides>` runs with (for scripts and tests), not yet converted."""
+    """The config `python train.py <overrides>` runs with (for scripts and tests), not yet converted; a renamed key
+    fails naming its new name (`models.training.renamed_keys`)."""
     register_configs()
+    renamed_keys.check_overrides(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+        try:
+            return compose(config_name="train", overrides=list(overrides))
+        except ConfigCompositionException as err:
+            renamed_keys.check_composition_error(err)
+            raise
 
 
 def as_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
-    """The typed config, converted once (`OmegaConf.to_object`)."""
-    return cfg if isinstance(cfg, TrainConfig) else OmegaConf.to_object(cfg)
+    """The typed config, converted once (`OmegaConf.to_object`); a key TrainConfig does not have (a renamed one, or
+    one appended with `+key=...`) fails naming it, where the conversion would drop it."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    renamed_keys.check_keys(cfg, TrainConfig)
+    return OmegaConf.to_object(cfg)
 
 
 def validate(cfg: TrainConfig, info: DistInfo) -> None:
@@ -268,10 +297,6 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     if info.world_size > 1 and not t.deepspeed:
         raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
     validate_sequence_parallel(cfg, info)
-    if cfg.eval.resume and info.world_size > 1 and info.is_main_process:
-        # Sharded (ZeRO-3) weights cannot be hashed whole on one rank: every rank answers, as without it.
-        log.info("eval.resume is single-process only: the %d processes answer every evaluation in full",
-                 info.world_size)
     for key in ("plot_every", "chart_every"):  # cadences of measured steps
         if getattr(jac, key) < 1:
             raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
@@ -382,6 +407,7 @@ class Run:
     accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
     zero3: Any = None  # under ZeRO-3: keeps transformers partitioning models at load (dropped by cleanup)
     rollout_recorder: Optional[JacobianRecorder] = None  # main process only: rollout.npz
+    finished: bool = False  # set by `finish` on the main process: `run` then writes finished.json
 
     @property
     def is_main(self) -> bool:
@@ -483,6 +509,8 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     info, ds_config = init_processes(cfg)
     seed_everything(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if info.is_main_process:  # a run writing this directory has not finished until it says so again
+        RunDir(run_dir).finished.unlink(missing_ok=True)
 
     bundle = load_data(cfg, info)
     tokenizer = bundle.tokenizer
@@ -499,6 +527,10 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     stream = build_stream(cfg, bundle, tokenizer, info, probe_items)
     if info.is_main_process:
         log_setup(cfg, run_dir, bundle, model, info)
+        if cfg.eval.resume and info.world_size > 1:
+            # Sharded (ZeRO-3) weights cannot be hashed whole on one rank: every rank answers, as without it.
+            log.info("eval.resume is single-process only: the %d processes answer every evaluation in full",
+                     info.world_size)
     seqs, recorder, rollout_recorder = build_recorders(cfg, run_dir, bundle, info)
     ckpt = find_checkpoint(cfg, run_dir, info, engine.device)
     logger = open_logger(cfg, run_dir, info, ckpt)
@@ -914,6 +946,7 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
                                       title=f"{cfg.exp_name}: step-0 Jacobian profile ({name}), the prior and "
                                             "the rollouts", rollouts=curves)
     report_end(run)
+    run.finished = True
     return {**metrics, **acc}
 
 
@@ -939,12 +972,97 @@ def cleanup(run: Run) -> None:
 def run(cfg: DictConfig | TrainConfig, run_dir: Path) -> dict[str, float]:
     """Train as configured, writing everything into `run_dir` (the one process that does: its lock is held,
     `models.training.run_lock`); returns the last logged metrics."""
+    cfg = as_train_config(cfg)
+    validate(cfg, dist_info())  # a config that cannot run fails before its run directory exists
     with run_lock.holding(run_dir, "give another hydra.run.dir"):
-        state = setup(as_train_config(cfg), Path(run_dir))
+        state = setup(cfg, Path(run_dir))
         try:
-            return train(state)
+            metrics = train(state)
         finally:
             cleanup(state)
+        if state.finished:  # the last act: a run that ends (or is killed) before it has not finished
+            atomic_write_text(state.paths.finished, json.dumps({"step": state.cfg.trainer.max_steps}) + "\n")
+        return metrics
+
+
+SweepAction = Literal["skip", "resume", "start"]
+
+
+def job_overrides(task: Sequence[str]) -> list[str]:
+    """A `-m` job's task overrides as job_overrides.json keeps them: without the `resume_sweep=` a rerun adds."""
+    return [o for o in task if o.partition("=")[0].lstrip("+~") != "resume_sweep"]
+
+
+def check_resume_sweep(resume_sweep: Optional[str], resume_from: Optional[str], sweep: Optional[str]) -> None:
+    """resume_sweep's start-up checks (`sweep`: this `-m` job's hydra.sweep.dir, None for a single run); errors
+    name the keys. That the directory is a sweep's `sweep_dir` checks, as Hydra resolves it."""
+    if resume_sweep is None:
+        return
+    if sweep is None:
+        raise ValueError(f"resume_sweep={resume_sweep} continues a `-m` sweep: rerun the sweep's command, with -m; a "
+                         "single run continues with trainer.resume_from=latest hydra.run.dir=<its directory>")
+    if resume_from:
+        raise ValueError(f"resume_sweep={resume_sweep} with trainer.resume_from={resume_from}: resume_sweep continues "
+                         "each job from its own newest checkpoint; drop one of them")
+    if Path(sweep).resolve() != Path(resume_sweep).resolve():
+        raise ValueError(f"resume_sweep={resume_sweep} with hydra.sweep.dir={sweep}: resume_sweep sets the sweep "
+                         "directory; drop the hydra.sweep.dir override")
+
+
+def sweep_job_action(run_dir: Path, overrides: list[str]) -> SweepAction:
+    """What a job of a sweep rerun with resume_sweep does: `skip` when it finished (finished.json), `resume` from its
+    newest intact checkpoint when it has one, else `start`. ValueError naming the directory and both lists when the
+    job's overrides are not those it first started with (job_overrides.json): the command changed."""
+    paths = RunDir(run_dir)
+    if paths.job_overrides.is_file():
+        recorded = json.loads(paths.job_overrides.read_text(encoding="utf-8"))
+        if recorded != overrides:
+            raise ValueError(f"resume_sweep: {run_dir} is the job of overrides {recorded} ({paths.job_overrides}), "
+                             f"this job's are {overrides}: the command changed; rerun the sweep's own command (same "
+                             "values in the same order) with resume_sweep=<its directory>")
+    if paths.finished.is_file():
+        return "skip"
+    return "resume" if newest_intact(list_checkpoints(run_dir)) is not None else "start"
+
+
+def log_to_console_only(run_dir: Path) -> None:
+    """Detach Hydra's handler of `run_dir`'s train.log: a finished job that a resumed sweep skips or refuses keeps
+    its log as it ended (analysis.study times a job from its log's first line to its last)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).resolve().parent == run_dir.resolve():
+            root.removeHandler(handler)
+            handler.close()
+
+
+def begin_job(cfg: DictConfig, task: Sequence[str], run_dir: Path, sweep: Optional[str], info: DistInfo) -> bool:
+    """Ready a job of `python train.py` (`sweep`: hydra.sweep.dir of a `-m` job, else None); False: skip it.
+
+    A `-m` job records its task overrides (job_overrides.json: Hydra rewrites .hydra/ at every start). With
+    resume_sweep (`sweep_job_action`) a finished job is skipped without writing anything, an interrupted one
+    continues from its newest intact checkpoint (trainer.resume_from=latest), any other starts afresh.
+    """
+    check_resume_sweep(cfg.resume_sweep, cfg.trainer.resume_from, sweep)
+    if sweep is None:
+        return True
+    overrides, paths = job_overrides(task), RunDir(run_dir)
+    action: SweepAction = "start"
+    if cfg.resume_sweep is not None:
+        if paths.finished.is_file():
+            log_to_console_only(run_dir)
+        action = sweep_job_action(run_dir, overrides)
+        if info.is_main_process:
+            log.info("resume_sweep: job %s %s", run_dir, {
+                "skip": f"finished ({paths.finished}): skipped",
+                "resume": "was interrupted: continuing from its newest intact checkpoint",
+                "start": "has no checkpoint: starting it"}[action])
+    if action == "skip":
+        return False
+    if action == "resume":
+        cfg.trainer.resume_from = "latest"
+    if info.is_main_process and (cfg.resume_sweep is None or not paths.job_overrides.is_file()):
+        atomic_write_text(paths.job_overrides, json.dumps(overrides) + "\n")
+    return True
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -960,7 +1078,8 @@ def main(cfg: DictConfig) -> None:
     cfg.logger.group = cfg.logger.group or group
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run(cfg, run_dir)
+        if begin_job(cfg, list(hydra_cfg.overrides.task), run_dir, sweep_dir, info):
+            run(cfg, run_dir)
     except Exception as exc:
         # With several ranks, say which one failed: the launcher interleaves their output.
         if info.world_size > 1:
@@ -980,5 +1099,6 @@ def _strip_launcher_args() -> None:
 
 if __name__ == "__main__":
     _strip_launcher_args()
+    renamed_keys.exit_on_renamed_overrides(sys.argv[1:])
     register_configs()
     main()

@@ -1,24 +1,45 @@
-"""Files: writes a crash cannot leave half-done, JSON without NaN, and JSON-lines and glob reads.
+"""Files: writes a crash cannot leave half-done, JSON without NaN, and text, JSON-lines and glob reads.
 
 Crash-safe writes go beside the target, are flushed to disk, then renamed: the one implementation of
 write-to-temp-then-rename for the whole project (checkpoints, built datasets, trained tokenizers,
-jacobian.npz). `json_safe` is the one rule for numbers JSON cannot hold (NaN, inf: null). It all lives in
-the lowest layer so that every other package can use it.
+jacobian.npz). `json_safe` is the one rule for numbers JSON cannot hold (NaN, inf: null). `text_lines` is the one
+reader of a user's text files: a file that is not UTF-8, or whose compression is damaged (cut short by a download or
+a full disk), fails naming the file and the line. It all lives in the lowest layer so that every other package can
+use it.
 """
 from __future__ import annotations
 
+import bz2
+import errno
 import glob
 import gzip
 import json
+import lzma
 import math
 import os
 import shutil
 import socket
 import tempfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # compressed files, read line by line
+# what a damaged or cut-short compressed file raises (gzip.BadGzipFile and bz2's bad stream are OSErrors)
+DAMAGED = (EOFError, OSError, zlib.error, lzma.LZMAError)
+NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a write that failed for lack of room
+
+
+def out_of_space(err: BaseException) -> bool:
+    """A write failed for lack of room: an OSError with ENOSPC, EFBIG or EDQUOT, or a library's error around
+    one (safetensors reports the io error in its message)."""
+    if isinstance(err, OSError):
+        return err.errno in NO_SPACE
+    said = str(err)
+    return any(os.strerror(code) in said for code in NO_SPACE) or any(
+        kind in said for kind in ("StorageFull", "FileTooLarge", "QuotaExceeded"))  # Rust's io::ErrorKind
 
 
 def fsync_tree(folder: Path) -> None:
@@ -118,28 +139,52 @@ def json_safe(value: Any) -> Any:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file, gzipped when the name ends in .gz; a bad line fails naming file and line."""
+    """Records of a JSON-lines file (`read_jsonl_lines`); a bad line fails naming file and line."""
     return [rec for _, rec in read_jsonl_lines(path)]
 
 
+def text_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line of a UTF-8 text file, decompressed by its suffix (.gz, .bz2, .xz); a
+    line's \\r\\n end is read as \\n, as text mode reads it.
+
+    ValueError naming the file and line for text that is not UTF-8, and naming the file and how far it read for
+    a compressed file that is damaged or cut short (a half-finished download, a copy onto a full disk).
+    """
+    path = Path(path)
+    line_no = 0
+    with OPENERS.get(path.suffix, open)(path, "rb") as f:
+        try:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{path}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start}): "
+                                     "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                yield line_no, (text[:-2] + "\n" if text.endswith("\r\n") else text)
+        except DAMAGED as err:
+            raise ValueError(f"{path}: damaged or cut short after {line_no} lines ({err}): fetch or copy the "
+                             "file again") from None
+
+
 def read_jsonl_lines(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) of every non-blank line of a JSON-lines file (.gz: gzipped)."""
+    """(line number, record) of every non-blank line of a JSON-lines file (.gz, .bz2, .xz: compressed); a bad
+    line, text that is not UTF-8, a damaged file or one without any record fails naming the file (and line)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    opener = gzip.open if path.suffix == ".gz" else open
     out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not a JSON object: {err}") from err
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
-            out.append((line_no, rec))
+    for line_no, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_no}: not a JSON object: {err}") from err
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
+        out.append((line_no, rec))
+    if not out:
+        raise ValueError(f"{path}: empty: no records in it (a file written or copied only in part?)")
     return out
 
 

@@ -517,7 +517,15 @@ def synthetic_filler(n_sentences: int = 2000, seed: int = 0) -> list[str]:
 
 def nq_filler(path: str | Path) -> list[str]:
     """Real English filler: the annotated long-answer paragraphs of the NQ-Open oracle file."""
-    return [r["nq_annotated_gold"]["long_answer"] for r in read_jsonl(path)]
+    texts = []
+    for line_no, rec in read_jsonl_lines(path):
+        gold = rec.get("nq_annotated_gold")
+        text = gold.get("long_answer") if isinstance(gold, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{line_no}: no nq_annotated_gold.long_answer text (the needle probe's filler is "
+                             f"the NQ-Open oracle file of Liu et al. 2023, {NQ_FILE}, as it is released)")
+        texts.append(text)
+    return texts
 
 
 def needle_probe(

@@ -9,10 +9,12 @@ import importlib.util
 import inspect
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import SafetensorError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.attention.diff_attention import convert_to_diff_attention
@@ -20,6 +22,7 @@ from models.attention.nope import NOPE_KEY, disable_rope, is_nope
 from models.wheel_models import is_wheel_model, local_pretrained, wheel_model_name
 
 DIFF_ARCHS = ("qwen2", "llama", "mistral")
+WEIGHT_FILES = ("*.safetensors", "*.bin")  # what `from_pretrained` reads: whole, sharded, or LoRA adapters
 
 
 class Attention(StrEnum):
@@ -104,6 +107,8 @@ def validate_model(cfg: ModelConfig) -> None:
                          "model.init has none (set model.dtype=float32, bfloat16 or float16)")
     if is_wheel_model(cfg.pretrained):
         wheel_model_name(cfg.pretrained)  # an unknown name fails here, before anything is fetched
+    elif cfg.pretrained:
+        check_model_folder(cfg.pretrained, "model.pretrained")
     if cfg.pretrained:
         return
     if cfg.arch not in CONFIG_MAPPING:
@@ -117,6 +122,24 @@ def validate_model(cfg: ModelConfig) -> None:
     if stray:
         raise ValueError(f"model.init: {', '.join(stray)} not a setting of {config_cls.__name__} "
                          f"(model.arch={cfg.arch}); known: {', '.join(sorted(declared - {'self', 'kwargs'}))}")
+
+
+def check_model_folder(name_or_path: str, key: str | None = None) -> None:
+    """ValueError naming the folder (as `key=folder` when given) when a local model folder cannot be loaded: a file, a
+    folder without config.json, or one without weights (found before any data is built or anything loads). A path
+    that is not there is left to loading (a hub id, or a checkpoint that a run before this one writes)."""
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        return
+    what = f"{key}={name_or_path}" if key else name_or_path
+    if not path.is_dir():
+        raise ValueError(f"{what}: not a folder (give a save_pretrained folder or a hub id)")
+    if not ((path / "config.json").is_file() or (path / "adapter_config.json").is_file()):
+        raise ValueError(f"{what}: no config.json in it: not a save_pretrained folder")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        held = ", ".join(sorted(p.name for p in path.iterdir())[:6])
+        raise ValueError(f"{what}: no weights in it (no *.safetensors or *.bin file; it holds {held}): copy the "
+                         "weights in, or save the model again with save_pretrained")
 
 
 def differs_from_pretrained(cfg: ModelConfig) -> bool:
@@ -144,14 +167,27 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
     if cfg.pretrained:
         # Importing models.attention.diff_attention registers the diff model types with the Auto classes, so a
         # checkpoint saved with differential attention restores its diff layers (and weights) here.
-        model = AutoModelForCausalLM.from_pretrained(
-            local_pretrained(cfg.pretrained), dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=attention,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                local_pretrained(cfg.pretrained), dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                attn_implementation=attention,
+            )
+        except SafetensorError as err:
+            raise ValueError(f"model.pretrained={cfg.pretrained}: a weights file is damaged or cut short ({err}): "
+                             "copy the folder again, or save the model again") from err
+        embeddings = model.get_input_embeddings().num_embeddings
+        if vocab_size > embeddings:  # token ids past the embedding table: an IndexError at the first forward
+            which = f"model.tokenizer={cfg.tokenizer}" if cfg.tokenizer else "the data's tokenizer"
+            raise ValueError(f"model.pretrained={cfg.pretrained} embeds {embeddings} tokens, {which} has {vocab_size}: "
+                             "it is not the model's; use the tokenizer the model was trained with")
     else:
         config = AutoConfig.for_model(cfg.arch, vocab_size=vocab_size, pad_token_id=pad_token_id, **_plain(cfg.init))
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     already_diff = getattr(model.config, "diff_attention", None) is not None
+    if cfg.attention != Attention.standard and not already_diff and model.config.model_type not in DIFF_ARCHS:
+        raise ValueError(f"model.attention={cfg.attention}: model.pretrained={cfg.pretrained} is a "
+                         f"{model.config.model_type} model, and differential attention is swapped into "
+                         f"{', '.join(DIFF_ARCHS)} models only: use model.attention=standard, or one of those")
     if cfg.attention != Attention.standard and not already_diff:
         convert_to_diff_attention(
             model,

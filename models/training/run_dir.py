@@ -12,6 +12,8 @@
       base_model/                          the saved base of a LoRA run started from a changed architecture
       tokenizer/                           the run's tokenizer
       summary.md                           the end-of-run summary (analysis.report.run_summary)
+      finished.json                        {"step": N}: written last, once a run reached trainer.max_steps and its end
+      job_overrides.json                   a `-m` job's task overrides as it first started (Hydra rewrites .hydra/)
       distill_responses.json               debias=pos2distill: the answers at the strong slot, kept or not, counted
       wandb_run.json, wandb/               the wandb run the directory logs to, and wandb's own files
       .lock                                held by the one process writing the directory (models.training.run_lock)
@@ -35,6 +37,8 @@ CHECKPOINTS_DIR = "checkpoints"
 BASE_MODEL = "base_model"
 TOKENIZER_DIR = "tokenizer"
 SUMMARY = "summary.md"
+FINISHED = "finished.json"  # the marker of a finished run: a sweep resumed with resume_sweep skips its job
+JOB_OVERRIDES = "job_overrides.json"  # what resume_sweep and analysis.study read as the job's overrides
 DISTILL_RESPONSES = "distill_responses.json"
 WANDB_RUN = "wandb_run.json"
 LOCK = ".lock"
@@ -109,6 +113,14 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.root / SUMMARY
+
+    @property
+    def finished(self) -> Path:
+        return self.root / FINISHED
+
+    @property
+    def job_overrides(self) -> Path:
+        return self.root / JOB_OVERRIDES
 
     @property
     def distill_responses(self) -> Path:
