@@ -127,19 +127,21 @@ class HydraRunLock(Callback):
     its `.hydra/` files there. The run directory is resolved once and pinned, so the job writes the one locked."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        with read_write(config.hydra.run):
-            config.hydra.run.dir = str(config.hydra.run.dir)
-        if is_main_rank():
-            _acquire_or_exit(config.hydra.run.dir, "give another hydra.run.dir")
+        _pin_and_lock(config.hydra.run, "give another hydra.run.dir")
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         release(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        with read_write(config.hydra.sweep):
-            config.hydra.sweep.dir = str(config.hydra.sweep.dir)
-        if is_main_rank():
-            _acquire_or_exit(config.hydra.sweep.dir, "give another hydra.sweep.dir")
+        _pin_and_lock(config.hydra.sweep, "give another hydra.sweep.dir")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         release(config.hydra.sweep.dir)
+
+
+def _pin_and_lock(node: DictConfig, advice: str) -> None:
+    """`node.dir` (hydra.run or hydra.sweep) resolved once and pinned, then locked by the main rank."""
+    with read_write(node):
+        node.dir = str(node.dir)
+    if is_main_rank():
+        _acquire_or_exit(node.dir, advice)
