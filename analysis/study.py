@@ -6,7 +6,10 @@
 A study is one `-m` sweep directory with one job directory per (arm, seed): `<sweep>/<n>/` holding
 `.hydra/overrides.yaml` (the arm is the `debias=` override, `a+b` for `debias=[a,b]`, `none` without one;
 the seed is `seed=`, 0 without one), `eval/in2_step0.json` and `eval/in2_step<N>.json` (the final step is
-the largest N; any other N is a saved checkpoint scored by `scripts.eval_checkpoint`), and `metrics.jsonl`.
+the largest N; any other N is a saved checkpoint scored by `scripts.eval_checkpoint`), `metrics.jsonl`, and
+`finished.json`, which `train.py` writes last: a job without it was killed or is still running, and the study
+names it and stops (`--skip-incomplete`: leave it out, named in the report) rather than take its last evaluation
+for a final one. `python train.py -m <the sweep's command> resume_sweep=<sweep>` finishes such jobs.
 Every job asks the same held-out IN2 questions (same data seed), so arms are compared paired by question id,
 and seed k of every arm starts from the same initialisation and data order (`--seeds shared`, the default).
 Every statistic comes from `analysis.stats` (docs/STATISTICS.md):
@@ -37,7 +40,7 @@ import math
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,7 @@ from analysis.report.figures import ScatterPanel, plot_depth_intervals, plot_val
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num, with_ci
 from data_builders.files import atomic_write_text, json_safe
-from models.training.run_dir import OVERRIDES, RunDir
+from models.training.run_dir import FINISHED, OVERRIDES, STEP_DIR, RunDir
 
 REFERENCE_ARM = "none"  # the arm of jobs without a debias override
 START = "start"  # the checkpoint every job fine-tunes, as its step-0 evaluation scored it (a row of the table)
@@ -90,9 +93,21 @@ class Job:
     wall_s: float | None = None  # first to last line of its train.log (set-up, evaluations, Jacobian included)
 
 
+@dataclass(frozen=True)
+class LeftOutJob:
+    """A job of the sweep left out by `--skip-incomplete`: it did not finish (no finished.json), or it shares its
+    seed with one that did not (the arms of the crossed design must share their seeds)."""
+
+    path: Path
+    arm: str
+    seed: int
+    reason: str
+
+
 @dataclass
 class Study:
-    """The jobs of a sweep, and the held-out questions they share (sorted by id)."""
+    """The finished jobs of a sweep, the held-out questions they share (sorted by id), and the jobs left out
+    because they did not finish."""
 
     sweep_dir: Path
     jobs: list[Job]
@@ -102,6 +117,7 @@ class Study:
     n_bins: int
     labels: dict[int, str]  # bin -> its lower edge as written in the eval JSONs
     score: stats.Score = stats.ACCURACY  # the outcome field compared, and which way is better
+    left_out: list[LeftOutJob] = field(default_factory=list)
 
     @property
     def arms(self) -> list[str]:
@@ -187,6 +203,20 @@ def _log_wall_s(log_path: Path) -> float | None:
     return (last - first).total_seconds()
 
 
+def _job_status(job_dir: Path) -> LeftOutJob:
+    """The job at `job_dir` with why it did not finish when it has no finished.json (reason "": it finished)."""
+    paths = RunDir(job_dir)
+    overrides = _read_overrides(paths.overrides)
+    reason = ""
+    if not paths.finished.is_file():
+        folder = paths.checkpoints
+        steps = sorted(int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name))) \
+            if folder.is_dir() else []
+        reached = f"its newest checkpoint is step-{steps[-1]}" if steps else "it saved no checkpoint"
+        reason = f"no {FINISHED}: killed or still running; {reached}"
+    return LeftOutJob(job_dir, arm_name(overrides), seed_of(overrides), reason)
+
+
 def _load_job(job_dir: Path) -> Job:
     paths = RunDir(job_dir)
     overrides = _read_overrides(paths.overrides)
@@ -236,12 +266,15 @@ def _job_order(path: Path) -> tuple[int, str]:
     return (int(path.name), "") if path.name.isdigit() else (sys.maxsize, path.name)
 
 
-def load_study(sweep_dir: str | Path, score: stats.Score = stats.ACCURACY) -> Study:
+def load_study(sweep_dir: str | Path, score: stats.Score = stats.ACCURACY, skip_incomplete: bool = False) -> Study:
     """Read every job of a sweep (subdirectories with `.hydra/overrides.yaml`), comparing `score`.
 
-    Raises StudyError naming the path when a job has no step-0 or final eval JSON, when two jobs share an
-    (arm, seed), when an eval JSON of any step asked other questions than the first job's final one (ids, or
-    a question's depth), or when its outcomes lack the score's field.
+    A job without finished.json did not finish: StudyError naming every such job, or with `skip_incomplete`
+    it is left out, with its seed in every arm (the crossed design pairs seed k across arms), each job left out
+    listed in `Study.left_out` with why. Raises StudyError naming the path when a finished job has
+    no step-0 or final eval JSON, when two jobs share an (arm, seed), when an eval JSON of any step asked other
+    questions than the first job's final one (ids, or a question's depth), or when its outcomes lack the score's
+    field.
     """
     sweep = Path(sweep_dir)
     if not sweep.is_dir():
@@ -249,7 +282,22 @@ def load_study(sweep_dir: str | Path, score: stats.Score = stats.ACCURACY) -> St
     job_dirs = sorted((p.parents[1] for p in sweep.glob(f"*/{OVERRIDES}")), key=_job_order)
     if not job_dirs:
         raise StudyError(f"{sweep}: no job directories (subdirectories with {OVERRIDES})")
-    jobs = [_load_job(d) for d in job_dirs]
+    every = [_job_status(d) for d in job_dirs]
+    unfinished = [job for job in every if job.reason]
+    if unfinished and not skip_incomplete:
+        named = "; ".join(f"{job.path} (arm {job.arm}, seed {job.seed}): {job.reason}" for job in unfinished)
+        raise StudyError(f"{sweep}: {len(unfinished)} of {len(job_dirs)} jobs did not finish: {named}. Finish them "
+                         f"by rerunning the sweep's command with resume_sweep={sweep}, or leave them out "
+                         "(--skip-incomplete)")
+    dropped_seeds = {job.seed: job.path for job in unfinished}
+    left_out = unfinished + [
+        replace(job, reason=f"finished, left out with seed {job.seed}: {dropped_seeds[job.seed]} did not finish "
+                            "(the arms must share their seeds)")
+        for job in every if not job.reason and job.seed in dropped_seeds]
+    jobs = [_load_job(job.path) for job in every if job.seed not in dropped_seeds]
+    if not jobs:
+        raise StudyError(f"{sweep}: no seed of which every job finished ({len(unfinished)} of {len(job_dirs)} jobs "
+                         f"have no {FINISHED})")
     seen: dict[tuple[str, int], Path] = {}
     for job in jobs:
         other = seen.setdefault((job.arm, job.seed), job.path)
@@ -284,7 +332,8 @@ def load_study(sweep_dir: str | Path, score: stats.Score = stats.ACCURACY) -> St
         raise StudyError(f"{first_path}: outcomes without extra['depth'] (the middle/ends split needs it)")
     labels = dict(sorted({int(o["position"]): str(o["label"]) for o in first.values()}.items()))
     n_bins = max(_n_bins(list(first.values())), int(bins.max()) + 1)
-    return Study(sweep, jobs, ids, bins, depths, n_bins, labels, score)
+    left_out.sort(key=lambda job: _job_order(job.path))
+    return Study(sweep, jobs, ids, bins, depths, n_bins, labels, score, left_out)
 
 
 # ---------------------------------------------------------------------------------------------- fairness
@@ -567,6 +616,8 @@ def analyse(
         "seed": seed,
         "n_questions": int(finite.sum()),
         "nonfinite_questions": int((~finite).sum()),
+        "left_out": [{"job": str(job.path), "arm": job.arm, "seed": job.seed, "reason": job.reason}
+                     for job in study.left_out],
         "middle": list(MIDDLE),
         "arms": {arm: {
             "seeds": study.seeds(arm),
@@ -798,6 +849,10 @@ def report_lines(numbers: Mapping[str, Any]) -> list[str]:
     widths = ", ".join(f"{arm} ±{num(w)}" for arm, w in res["mean_diff_halfwidth"].items()) or "no other arm"
     dropped = (f" {numbers['nonfinite_questions']} questions with a non-finite score in some job are left out of "
                "every arm." if numbers["nonfinite_questions"] else "")
+    left_out = numbers.get("left_out", [])
+    unfinished = ([f"Left out (`--skip-incomplete`, {len(left_out)} jobs):", "",
+                   *(f"- `{job['job']}` (arm {job['arm']}, seed {job['seed']}): {job['reason']}" for job in left_out),
+                   ""] if left_out else [])
     lines = [
         "# Debias study", "",
         f"Sweep: `{numbers['sweep_dir']}`", "",
@@ -806,6 +861,7 @@ def report_lines(numbers: Mapping[str, Any]) -> list[str]:
         f"({'higher' if score['higher_is_better'] else 'lower'} is better).{dropped}", "",
         *markdown_table(["arm", "seeds", "final step", f"mean {score['field']} per seed", "wall time per seed (min)"],
                         arm_rows), "",
+        *unfinished,
         "Wall time: a job's train.log from its first line to its last (set-up, evaluations and the per-step "
         "Jacobian included).", "",
         "## Position fairness", "",
@@ -979,6 +1035,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mde-simulations", type=positive_int, default=MDE_SIMULATIONS,
                         help=f"simulated studies behind the worst-bin MDE (default {MDE_SIMULATIONS})")
     parser.add_argument("--seed", type=int, default=stats.RNG_SEED, help="random seed (default 0)")
+    parser.add_argument("--skip-incomplete", action="store_true",
+                        help=f"leave out the jobs that did not finish (no {FINISHED}) and their seeds in every arm, "
+                             "naming them in the report (default: stop, naming them)")
     return parser
 
 
@@ -996,7 +1055,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     score = stats.Score(args.score, not args.lower_is_better, rate=args.score == stats.ACCURACY.field,
                         label=args.score)
     try:
-        study = load_study(args.sweep_dir, score)
+        study = load_study(args.sweep_dir, score, args.skip_incomplete)
         report = write_report(study, out, args.reference, stats.Seeds(args.seeds), args.n_perm, seed=args.seed,
                               n_sim=args.mde_simulations)
     except StudyError as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,7 @@ def _write_job(job: Path, overrides: list[str], start: ProbeResult, final: Probe
     final.save_json(job / "eval" / f"in2_step{final_step}.json")
     if metrics is not None:
         (job / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics))
+    (job / "finished.json").write_text(json.dumps({"step": final_step}) + "\n")  # train.py's last act
 
 
 def _valley_rows(seed: int, deepen: float) -> list[dict]:
@@ -434,6 +436,7 @@ def test_missing_eval_names_the_path(tmp_path: Path):
     _write_job(tmp_path / "0", [], _result(questions, START_PROBS, rng), _result(questions, START_PROBS, rng), None)
     (tmp_path / "1" / ".hydra").mkdir(parents=True)
     (tmp_path / "1" / ".hydra" / "overrides.yaml").write_text("- debias=group_dro\n")
+    (tmp_path / "1" / "finished.json").write_text('{"step": 200}\n')
     with pytest.raises(StudyError, match=r"1/eval/in2_step0\.json: missing"):
         load_study(tmp_path)
     _result(questions, START_PROBS, rng).save_json(tmp_path / "1" / "eval" / "in2_step0.json")
@@ -441,6 +444,37 @@ def test_missing_eval_names_the_path(tmp_path: Path):
         load_study(tmp_path)
     with pytest.raises(StudyError, match="no job directories"):
         load_study(tmp_path / "0" / "eval")
+
+
+def test_an_unfinished_job_is_named_not_averaged_in(sweep: Path, tmp_path: Path, capsys):
+    """A job killed after a mid-run evaluation has eval JSONs that look final; without finished.json the study
+    stops naming it, or with --skip-incomplete leaves it and its seed out of every arm, named in the report."""
+    copied = tmp_path / "sweep"
+    shutil.copytree(sweep, copied)  # jobs 0-5: none, depth_weight, group_dro at seeds 0 and 1
+    (copied / "3" / "finished.json").unlink()
+    (copied / "3" / "checkpoints" / "step-120").mkdir(parents=True)
+    with pytest.raises(StudyError) as err:
+        load_study(copied)
+    assert str(copied / "3") in str(err.value) and "arm depth_weight, seed 1" in str(err.value)
+    assert "newest checkpoint is step-120" in str(err.value) and f"resume_sweep={copied}" in str(err.value)
+    assert main([str(copied), "--out", str(tmp_path / "refused"), "--n-perm", "50", "--mde-simulations", "20"]) == 1
+    assert "did not finish" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+    study = load_study(copied, skip_incomplete=True)
+    assert [job.path.name for job in study.jobs] == ["0", "2", "4"]
+    assert [(job.path.name, job.arm, job.seed) for job in study.left_out] == [
+        ("1", "none", 1), ("3", "depth_weight", 1), ("5", "group_dro", 1)]
+    assert main([str(copied), "--out", str(tmp_path / "out"), "--n-perm", "50", "--mde-simulations", "20",
+                 "--skip-incomplete"]) == 0
+    numbers = json.loads((tmp_path / "out" / "study.json").read_text())
+    assert all(info["seeds"] == [0] for info in numbers["arms"].values())
+    assert [job["job"] for job in numbers["left_out"]] == [str(copied / n) for n in ("1", "3", "5")]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"`{copied / '3'}` (arm depth_weight, seed 1): no finished.json" in report
+    assert f"`{copied / '1'}` (arm none, seed 1): finished, left out with seed 1: {copied / '3'} did not" in report
+    (copied / "0" / "finished.json").unlink()
+    with pytest.raises(StudyError, match="no seed of which every job finished"):
+        load_study(copied, skip_incomplete=True)
 
 
 def test_per_seed_reanalysis_of_an_old_study_json(stats: dict, tmp_path: Path, capsys):
