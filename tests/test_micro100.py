@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from train import run
@@ -14,6 +15,7 @@ CPU_SCALE = [
 ]
 
 
+@pytest.mark.slow  # all 100 steps, measured at each; test_every_experiment_runs_two_steps runs micro100 by default
 def test_micro100_cpu_scale_writes_paper_shaped_arrays(compose_cfg, tmp_path):
     cfg = compose_cfg(*CPU_SCALE)
     assert cfg.trainer.max_steps == 100 and cfg.trainer.micro_batch_size == 1
