@@ -1065,8 +1065,13 @@ def begin_job(cfg: DictConfig, task: Sequence[str], run_dir: Path, sweep: Option
     return True
 
 
+_job_started = False  # set as Hydra calls `main`: a failure before it is one of composing the config
+
+
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    global _job_started
+    _job_started = True
     info = dist_info()
     if not info.is_main_process:
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story; the others warn and fail
@@ -1097,8 +1102,26 @@ def _strip_launcher_args() -> None:
             sys.argv.remove(arg)
 
 
+def explain_composition_failure(argv: Sequence[str]) -> None:
+    """After Hydra refused to compose the config (its own report printed), one more line when a config file sets a
+    renamed key: its new name and the file (`renamed_keys.check_composition_error`). The sweep's comma lists are
+    left out: composing their first values is not needed to find a key."""
+    overrides = [a for a in argv if not a.startswith("-") and "," not in a.partition("=")[2]]
+    try:
+        compose_config(overrides)
+    except renamed_keys.UnknownKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
+    except Exception:  # noqa: BLE001 - any other cause Hydra has already reported
+        pass
+
+
 if __name__ == "__main__":
     _strip_launcher_args()
     renamed_keys.exit_on_renamed_overrides(sys.argv[1:])
     register_configs()
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code not in (0, None) and not _job_started:
+            explain_composition_failure(sys.argv[1:])
+        raise

@@ -171,6 +171,19 @@ def test_a_typo_on_the_command_line_fails_right_after_the_imports(tmp_path):
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing was built
 
 
+def test_the_cli_names_the_new_name_of_a_renamed_key_in_a_config_file(tmp_path):
+    """Hydra refuses an old key set by an experiment file with a report of its own (`Key 'alpha' not in
+    'DebiasConfig'`); train.py adds the line naming the new key and the file, for a sweep too."""
+    (tmp_path / "conf" / "exp").mkdir(parents=True)
+    (tmp_path / "conf" / "exp" / "old_prior.yaml").write_text("# @package _global_\ndebias:\n  alpha: 0.5\n")
+    out = subprocess.run([sys.executable, "train.py", "-m", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                          "+exp=old_prior", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == "error: debias.alpha was renamed: use debias.prior_alpha, in exp/old_prior.yaml"
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_unknown_model_init_key_fails_before_any_work(compose_cfg, tmp_path):
     with pytest.raises(ValueError, match="rope_thetaa.*Qwen2Config"):
         run(compose_cfg(*TINY, "+model.init.rope_thetaa=1"), tmp_path / "run")
