@@ -36,7 +36,7 @@ READER = [o for o in FROM_CHECKPOINT if not o.startswith("debias.")] + [
     "data.context_len=256", "debias.needle_mix.pool=16"]
 # +exp=in2_smol on the tiny model and a synthetic NQ-format file (`synthetic_nq`): no wheel, no ../shared
 SMOL = ["model=qwen2_tiny", *TINY, "data.in2.context_len_min=64", "data.in2.segment_len=32", "peft.r=4"]
-READS_NQ = ("in2_smol", "debias_study_smol", "in2_smol_mdqa", "in2_smol_distill")
+READS_NQ = ("in2_smol", "debias_study_smol", "in2_smol_mdqa", "in2_smol_distill", "reads_middle")
 SMOKE = {
     "biased_start": TINY,
     "in2_smol": SMOL,
@@ -46,6 +46,8 @@ SMOKE = {
     "in2_smol_distill": ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4",
                          "debias.distill.keep_wrong=true", "debias.distill.max_new_tokens=4"],
     "debias_study_smol": [*SMOL, "data.in2.prior_layers=2"],
+    # its default arm (debias=none) at in2_smol_mdqa's size; the other arms run in tests/test_probe_study.py
+    "reads_middle": ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4"],
     "debias_study": FROM_CHECKPOINT,
     "mdqa_reader": READER,
     "in2": TINY,

@@ -1,0 +1,251 @@
+"""analysis.probe_study (an experiment's arms x seeds of probe evaluations against its starting model) and
+scripts.reads_middle (the experiment's plan, scheduler and, in the slow tier, a tiny run end to end)."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis import probe_study, stats
+from analysis.evaluation.result import LOGLIK, ProbeResult
+from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
+from data_builders.mdqa import write_jsonl_gz
+from scripts import reads_middle
+from scripts.synthetic_oracle import oracle_records
+
+QUESTIONS = ("q0", "q1", "q2", "q3")
+POSITIONS = (-1, 0, 1, 2)
+
+
+def result(correct, loglik=None, probe="mdqa", kinds=None) -> ProbeResult:
+    """A ProbeResult from {question: {position: score}} tables (and log-likelihoods, answer kinds alike)."""
+    outcomes = []
+    for q, row in correct.items():
+        for p, c in row.items():
+            o = {"id": f"{q}@{p}", "query": q, "position": p, "label": str(p), "prediction": "x", "answers": ["a"],
+                 "correct": float(c), "extra": {}}
+            if loglik is not None:
+                o["loglik"] = float(loglik[q][p])
+            if kinds is not None:
+                o["extra"]["answer"] = {"kind": kinds, "first_line_words": 3, "short_em": 0.0, "whole_word": 1.0,
+                                        "copies_gold": None}
+            outcomes.append(o)
+    return ProbeResult(probe, outcomes, {"metric": "best_subspan_em"})
+
+
+def table(seed: int, lift: float = 0.0, strong_drop: float = 0.0, questions=QUESTIONS):
+    """Accuracy and log-likelihood tables: the strong end (position 2) better than the others."""
+    rng = np.random.default_rng(seed)
+    acc = {q: {p: float(rng.random() < (0.8 - strong_drop if p == 2 else 0.2 + lift)) for p in POSITIONS}
+           for q in questions}
+    ll = {q: {p: float(-5.0 + (2.0 if p == 2 else lift) + rng.normal()) for p in POSITIONS} for q in questions}
+    return acc, ll
+
+
+def test_position_estimates_are_the_hand_computed_means_changes_and_contrasts():
+    base_acc, base_ll = table(0)
+    arms = {"a": [result(*table(s, lift=0.5)) for s in (1, 2)], "b": [result(*table(s)) for s in (3, 4)]}
+    t = probe_study.score_table(result(base_acc, base_ll), arms, LOGLIK)
+    assert t.positions == [-1, 0, 1, 2] and t.questions == list(QUESTIONS) and t.y.shape == (2, 2, 4, 4)
+    est = probe_study.position_estimates(t, strong=2)
+    y = np.array([[[table(s, lift=0.5)[1][q][p] for p in POSITIONS] for q in QUESTIONS] for s in (1, 2)])
+    b = np.array([[base_ll[q][p] for p in POSITIONS] for q in QUESTIONS])
+    row = est["arms"]["a"]["0"]
+    assert row["value"]["value"] == pytest.approx(y[..., 1].mean())
+    assert row["change"]["value"] == pytest.approx((y[..., 1] - b[:, 1]).mean())
+    assert row["contrast"]["value"] == pytest.approx((y[..., 1] - y[..., 3]).mean())
+    assert row["contrast_change"]["value"] == pytest.approx(((y[..., 1] - y[..., 3]) - (b[:, 1] - b[:, 3])).mean())
+    assert row["vs_first_arm"] is None and est["arms"]["b"]["0"]["vs_first_arm"] is not None
+    assert est["arms"]["a"]["2"]["contrast"] is None  # the strong end has no contrast to itself
+    assert est["base"]["0"]["contrast"]["value"] == pytest.approx((b[:, 1] - b[:, 3]).mean())
+    low, high = row["change"]["low"], row["change"]["high"]
+    assert low < row["change"]["value"] < high and "crossed design: 2 seeds" in row["change"]["method"]
+    assert row["change"]["mde"] > 0
+
+
+def test_a_question_with_a_nonfinite_score_is_left_out_and_counted():
+    base_acc, base_ll = table(0)
+    arm_acc, arm_ll = table(1)
+    arm_ll["q2"][1] = -math.inf
+    t = probe_study.score_table(result(base_acc, base_ll), {"a": [result(arm_acc, arm_ll)]}, LOGLIK)
+    assert t.questions == ["q0", "q1", "q3"] and t.dropped == 1
+
+
+def test_results_that_asked_other_questions_are_refused():
+    base_acc, base_ll = table(0)
+    acc, ll = table(1)
+    del acc["q3"], ll["q3"]
+    with pytest.raises(ProbeStudyError, match="other questions"):
+        probe_study.score_table(result(base_acc, base_ll), {"a": [result(acc, ll)]}, stats.ACCURACY)
+
+
+def test_the_mde_is_the_80_percent_power_effect_of_the_interval():
+    iv = stats.Interval(0.0, -1.0, 1.0, 100, "t", df=1e6)
+    assert probe_study._mde(iv) == pytest.approx((1.959964 + 0.841621) / 1.959964, rel=1e-4)
+
+
+def test_goals_read_the_estimates():
+    many = [f"q{i}" for i in range(40)]
+    base_acc, base_ll = table(0, questions=many)
+    good = [result(*table(s, lift=1.0, questions=many)) for s in (1, 2)]  # weak positions answered, +1 nat
+    est = {}
+    for score in (stats.ACCURACY, LOGLIK):
+        est[score.field] = probe_study.position_estimates(
+            probe_study.score_table(result(base_acc, base_ll), {"good": good}, score), strong=2)
+    goals = {g.what: g for g in probe_study.goals(est, None, "good")}
+    assert goals["mdqa accuracy at gold 0"].met and goals["mdqa accuracy at gold 1"].met
+    assert goals["mdqa accuracy at gold 2"].met  # the strong end kept: its rate is 0.8 in every table
+    assert goals["kv worst position's accuracy"].met is None
+    dropped = [result(*table(s, strong_drop=0.6, questions=many)) for s in (1, 2)]
+    est = {score.field: probe_study.position_estimates(
+        probe_study.score_table(result(base_acc, base_ll), {"dropped": dropped}, score), strong=2)
+        for score in (stats.ACCURACY, LOGLIK)}
+    goals = {g.what: g for g in probe_study.goals(est, None, "dropped")}
+    assert not goals["mdqa accuracy at gold 0"].met and not goals["mdqa accuracy at gold 2"].met
+    assert "gold 1 - gold 2" in next(k for k in goals if "log-likelihood" in k)
+
+
+def write_experiment(folder: Path, dev_scores: dict[tuple[str, str, int], float], test: bool = True) -> None:
+    """A plan of arms x settings x seeds with dev (and test) evaluation JSONs whose dev accuracy is the given mean."""
+    runs = [{"n": n, "arm": arm, "setting": setting, "seed": seed, "overrides": [f"debias={arm}", f"seed={seed}"]}
+            for n, (arm, setting, seed) in enumerate(dev_scores)]
+    evaluations = {"mdqa_dev": {"probe": "mdqa", "part": "dev", "args": []},
+                   "mdqa_test": {"probe": "mdqa", "part": "test", "args": []}}
+    (folder).mkdir(parents=True, exist_ok=True)
+    (folder / PLAN).write_text(json.dumps({"runs": runs, "evaluations": evaluations, "dev": "mdqa_dev"}))
+
+    def save(evaluation, target, score):
+        acc = {q: {p: float(i < score * len(QUESTIONS)) for p in POSITIONS} for i, q in enumerate(QUESTIONS)}
+        ll = {q: {p: -3.0 + score for p in POSITIONS} for q in QUESTIONS}
+        out = folder / "evals" / evaluation / target / "eval"
+        out.mkdir(parents=True, exist_ok=True)
+        result(acc, ll, kinds="gold").save_json(out / "mdqa_step0.json")
+    save("mdqa_dev", BASE, 0.25)
+    save("mdqa_test", BASE, 0.25)
+    for n, (key, score) in enumerate(dev_scores.items()):
+        save("mdqa_dev", run_target(n), score)
+        if test:
+            save("mdqa_test", run_target(n), score)
+
+
+def test_each_arm_gets_the_setting_of_its_best_dev_mean_and_the_headline_is_the_best_arm(tmp_path):
+    write_experiment(tmp_path, {("none", "lr=1", 0): 0.25, ("none", "lr=1", 1): 0.25,
+                                ("none", "lr=2", 0): 0.5, ("none", "lr=2", 1): 0.25,
+                                ("kd", "lr=1", 0): 0.75, ("kd", "lr=1", 1): 0.75,
+                                ("kd", "lr=2", 0): 0.5, ("kd", "lr=2", 1): 0.5})
+    chosen = probe_study.choose(probe_study.read_plan(tmp_path))
+    assert {a: v["setting"] for a, v in chosen["arms"].items()} == {"none": "lr=2", "kd": "lr=1"}
+    assert chosen["headline"] == "kd" and chosen["base_dev_score"] == pytest.approx(0.25)
+    assert chosen["arms"]["none"]["dev_scores"] == {"lr=1": 0.25, "lr=2": 0.375}
+
+
+def test_a_setting_with_a_run_missing_its_dev_evaluation_is_left_out_by_name(tmp_path):
+    write_experiment(tmp_path, {("none", "lr=1", 0): 0.25, ("none", "lr=2", 0): 0.75})
+    missing = tmp_path / "evals" / "mdqa_dev" / run_target(1)
+    for f in (missing / "eval").iterdir():
+        f.unlink()
+    chosen = probe_study.choose(probe_study.read_plan(tmp_path))
+    assert chosen["arms"]["none"]["setting"] == "lr=1" and chosen["incomplete"] == {"none lr=2": [1]}
+
+
+def test_the_report_shows_the_chosen_arms_against_the_starting_model(tmp_path):
+    write_experiment(tmp_path, {("none", "lr=1", 0): 0.5, ("none", "lr=1", 1): 0.5,
+                                ("kd", "lr=1", 0): 0.75, ("kd", "lr=1", 1): 0.75})
+    (tmp_path / SELECTION).write_text(json.dumps(probe_study.choose(probe_study.read_plan(tmp_path))))
+    study = probe_study.study_numbers(tmp_path)
+    report = probe_study.write_report(study, tmp_path / "report").read_text()
+    assert "headline arm: **kd**" in report and "## mdqa_test: mdqa, test questions" in report
+    assert list(study.numbers["evaluations"]["mdqa_test"]["correct"]["arms"]) == ["kd", "none"]  # headline first
+    assert (tmp_path / "report" / "mdqa_test_loglik.png").is_file()
+    kd = study.numbers["evaluations"]["mdqa_test"]["loglik"]["arms"]["kd"]["0"]
+    assert kd["change"]["value"] == pytest.approx(0.5)  # -3 + 0.75 against -3 + 0.25 at every position
+    assert study.numbers["goals"]["kd"] and [r["changes"] for r in study.numbers["runs"]][0]["middle"] == 1
+
+
+def test_the_plan_is_the_product_of_the_experiments_sweep(tmp_path):
+    grid = reads_middle.sweep_grid("reads_middle", ["trainer.lr=1e-3"])
+    assert grid == {"debias": ["none", "pos2distill", "pos2distill_guard"], "trainer.lr": ["1e-3"], "seed": ["0", "1"]}
+    plan = reads_middle.make_plan(tmp_path, "reads_middle", reads_middle.sweep_grid("reads_middle", []))
+    assert len(plan["runs"]) == 12 and plan["dev"] == "mdqa_dev"
+    assert plan["runs"][3] == {"n": 3, "arm": "none", "setting": "trainer.lr=0.001", "seed": 1,
+                               "overrides": ["debias=none", "trainer.lr=0.001", "seed=1"]}
+
+
+def _job(tmp_path, name, code, after=(), wait_for=None):
+    return reads_middle.Job(name, [sys.executable, "-c", code], tmp_path / f"{name}.log", tuple(after),
+                            wait_for=wait_for)
+
+
+def test_the_scheduler_waits_for_what_a_job_needs_and_fails_its_dependants(tmp_path):
+    marker = tmp_path / "answers.json"
+    order = tmp_path / "order.txt"
+    log = f"open({str(order)!r}, 'a').write('{{}}\\n')"
+    jobs = [
+        _job(tmp_path, "leader", f"import time; time.sleep(0.5); {log.format('leader')}; open({str(marker)!r}, 'w')"),
+        _job(tmp_path, "follower", log.format("follower"), wait_for=(marker, "leader")),
+        _job(tmp_path, "broken", "raise SystemExit(3)"),
+        _job(tmp_path, "after_broken", log.format("after_broken"), after=["broken"]),
+    ]
+    scheduler = reads_middle.Scheduler(parallel=4)
+    scheduler.run(jobs)
+    assert order.read_text().split() == ["leader", "follower"]
+    assert scheduler.failed["broken"].startswith("exit 3")
+    assert "broken failed" in scheduler.failed["after_broken"]
+
+
+def _kv_file(path: Path, records: int = 12, pairs: int = 12) -> Path:
+    rng = random.Random(0)
+    rows = []
+    for _ in range(records):
+        kv = [[str(uuid.UUID(int=rng.getrandbits(128))), str(uuid.UUID(int=rng.getrandbits(128)))] for _ in range(pairs)]
+        k = rng.randrange(pairs)
+        rows.append({"ordered_kv_records": kv, "key": kv[k][0], "value": kv[k][1]})
+    return write_jsonl_gz(path, rows)
+
+
+@pytest.mark.slow
+def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_path):
+    """The whole of scripts.reads_middle on a tiny checkpoint and synthetic NQ and kv files (~3 min on 2 cores): every
+    run trained, the settings chosen on dev, the chosen runs evaluated on test and kv, the report written; run again,
+    it starts nothing."""
+    from tests.conftest import TINY
+    from train import compose_config, run
+
+    data = tmp_path / "data"
+    write_jsonl_gz(data / "nq-open-oracle.jsonl.gz", oracle_records(160, seed=3))
+    _kv_file(data / "kv-retrieval-75_keys.jsonl.gz")
+    run(compose_config(["+exp=biased_start", *TINY, "trainer.max_steps=1", "trainer.save_every=0"]), tmp_path / "tiny")
+    distill = ["debias.distill.keep_wrong=true", "debias.distill.max_new_tokens=4"]
+    command = [
+        sys.executable, "-m", "scripts.reads_middle", str(tmp_path / "exp"), "--parallel", "2",
+        "--sweep", "debias=none,pos2distill_guard", "trainer.lr=1e-3,2e-3", "seed=0,1", "--data-dir", str(data),
+        "--train-args", "model=trained_tiny", f"model.pretrained={tmp_path / 'tiny' / 'checkpoints' / 'step-1'}",
+        f"data.path={data / 'nq-open-oracle.jsonl.gz'}", "data.context_len=512", "data.in2.n_docs=3",
+        "data.num_train=16", "data.num_eval=4", "eval.num_examples=4", "peft.r=4", "trainer.max_steps=2",
+        "trainer.save_every=2", "eval.every=2", "logger.mode=disabled", "jacobian.seq_len=32", "jacobian.chunk_len=16",
+        "data.in2.heldout_doc_len=64",
+        "--arm-args", *[f"pos2distill_guard:{o}" for o in distill],
+        "--eval-args", "chat_template=false", "examples=4", "mdqa.n_docs=3", "kv.n_pairs=4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    exp = tmp_path / "exp"
+    selection = json.loads((exp / SELECTION).read_text())
+    assert set(selection["arms"]) == {"none", "pos2distill_guard"}
+    chosen = {n for info in selection["arms"].values() for n in info["runs"]}
+    assert len(chosen) == 4
+    for n in range(8):
+        assert (exp / "evals" / "mdqa_dev" / run_target(n) / "eval" / "mdqa_step2.json").is_file()
+        assert (exp / "evals" / "kv" / run_target(n) / "eval" / "kv_step2.json").is_file() == (n in chosen)
+    report = (exp / "report" / "report.md").read_text()
+    assert "## kv: kv" in report and "valley" in report
+    teacher_logs = [(exp / "logs" / f"train_{n}.log").read_text() for n in range(4, 8)]
+    assert sum("answers reused" in t for t in teacher_logs) == 3  # one run answers the teacher prompts, three read them
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "start:" not in again.stdout
