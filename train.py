@@ -45,12 +45,15 @@ from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_prob
 from analysis.evaluation.result import ProbeResult, write_eval_json
 from analysis.measure.jacobian import (
     ChunkedSource,
+    Estimator,
     JacobianConfig,
     JacobianRecorder,
+    ProbeWindow,
     ProfileResult,
     build_eval_sequences,
     excerpts_per_sequence,
     measure_sets,
+    measure_window,
 )
 from analysis.measure.rollout import (
     RolloutVariant,
@@ -59,7 +62,7 @@ from analysis.measure.rollout import (
     record_name,
     rollout_set_metrics,
 )
-from analysis.measure.topology import prefixed, topology_metrics
+from analysis.measure.topology import prefixed, topology_metrics, valley_metrics
 from analysis.report.figures import (
     plot_depth_accuracy,
     plot_evolution,
@@ -304,6 +307,15 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     for key in ("n_vanilla", "n_chunked"):
         if getattr(jac, key) < 0:
             raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 0 (0 leaves the set out)")
+    if jac.window < 1:
+        raise ValueError(f"jacobian.window={jac.window} must be >= 1 (1: each step's own probes alone)")
+    if jac.every > 0 and jac.estimator == Estimator.hutchinson and (
+            jac.num_probes < 1 or (jac.window == 1 and jac.num_probes < 2)):
+        raise ValueError(f"jacobian.num_probes={jac.num_probes} with jacobian.window={jac.window}: hutchinson needs 2 "
+                         "probes a step for its standard error, or 1 a step pooled over a window (jacobian.window > 1)")
+    if jac.every > 0 and jac.window > 1 and jac.estimator != Estimator.hutchinson:
+        raise ValueError(f"jacobian.window={jac.window} pools hutchinson probes over steps; jacobian.estimator="
+                         f"{jac.estimator} draws none: set jacobian.window=1")
     if jac.every > 0 and jac.n_vanilla == jac.n_chunked == 0:
         # A profile of nothing is a mistake, not a way to turn it off: say how to.
         raise ValueError(f"jacobian.n_vanilla=0 and jacobian.n_chunked=0 with jacobian.every={jac.every}: nothing to "
@@ -408,6 +420,7 @@ class Run:
     accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
     zero3: Any = None  # under ZeRO-3: keeps transformers partitioning models at load (dropped by cleanup)
     rollout_recorder: Optional[JacobianRecorder] = None  # main process only: rollout.npz
+    probe_window: Optional[ProbeWindow] = None  # jacobian.window > 1: the probes of the last measured steps
     finished: bool = False  # set by `finish` on the main process: `run` then writes finished.json
 
     @property
@@ -539,7 +552,8 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
               engine=engine, stream=stream, objective=objective, logger=logger,
               jacobian_seqs={k: v.to(engine.device) for k, v in seqs.items()}, recorder=recorder,
               eval_records=bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
-              probe_items=probe_items, zero3=zero3, rollout_recorder=rollout_recorder)
+              probe_items=probe_items, zero3=zero3, rollout_recorder=rollout_recorder,
+              probe_window=ProbeWindow(cfg.jacobian.window) if seqs and cfg.jacobian.window > 1 else None)
     if ckpt is not None:
         resume(run, ckpt)
     return run
@@ -694,6 +708,8 @@ def resume(run: Run, ckpt: Path) -> None:
     run.start_step, run.stream.position, run.checkpoint = state.step, state.stream_position, ckpt
     if run.objective is not None:
         run.objective.load_state_dict(state.debias or {})
+    if run.probe_window is not None:
+        run.probe_window.load_state_dict(state.jacobian_window or {})  # an older checkpoint: the window starts anew
     if run.is_main:
         log.info("resumed from %s at step %d", ckpt, run.start_step)
     step0 = RunDir(ckpt.parents[1]).eval_json("in2", 0)
@@ -714,9 +730,20 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
     """Profiles of every set and their topology metrics; recorded (and charted) by the main process."""
     # Every rank measures (ZeRO-3 gathers weights collectively); the main process records.
     started = time.perf_counter()
-    results = measure_sets(run.model, run.jacobian_seqs, run.cfg.jacobian)
-    profiles = {name: res.profile.mean(axis=0) for name, res in results.items()}
     metrics: dict[str, float] = {}
+    if run.probe_window is None:
+        results = measure_sets(run.model, run.jacobian_seqs, run.cfg.jacobian)
+    else:
+        # The logged profile pools the probes of the last jacobian.window steps; the step's own estimate is logged
+        # beside it under step/ (README, "Metric names").
+        pooled = measure_window(run.model, run.jacobian_seqs, run.cfg.jacobian, step, run.probe_window)
+        results = {name: res.window for name, res in pooled.items()}
+        for name, res in pooled.items():
+            own = valley_metrics(res.step.profile.mean(axis=0))
+            metrics.update({f"step/valley/{name}/{k.removeprefix('valley/')}": v for k, v in own.items()})
+            metrics[f"jacobian/{name}/probes"] = res.probes
+            metrics[f"jacobian/{name}/rel_stderr"] = float(np.mean(res.window.stderr / res.window.profile))
+    profiles = {name: res.profile.mean(axis=0) for name, res in results.items()}
     for name, profile in profiles.items():
         metrics.update(prefixed(topology_metrics(profile, run.n_layers), name))
     rolls = measure_rollouts(run.model, run.jacobian_seqs) if run.cfg.jacobian.rollout else {}
@@ -837,7 +864,8 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
         # here continues it
         state = TrainerState(step=step, stream_position=run.stream.position, metrics_bytes=metrics_bytes,
                              debias=run.objective.state_dict() if run.objective is not None else None,
-                             wandb_run_id=run.logger.run_id)
+                             wandb_run_id=run.logger.run_id,
+                             jacobian_window=run.probe_window.state_dict() if run.probe_window is not None else None)
         state.save(folder, run.info.rank)
 
     folder = atomic_checkpoint(run.run_dir, step, write, run.cfg.trainer.keep_last_n, run.is_main, barrier)

@@ -72,7 +72,11 @@ class JacobianConfig:
     exact_chunk: int = 64  # VJPs per batched backward (exact and hutchinson); bounds memory
     plot_every: int = 50  # with wandb on: redraw plots/jacobian_heatmap_<set>.png and log it every N measured steps
     chart_every: int = 1  # wandb line chart of the profile every N measured steps (~0.1 s each on CPU)
-    seed: int = 0  # probe generator seed; the same probes at every step (common random numbers)
+    seed: int = 0  # probe generator seed; the same probes at every step (common random numbers) when window = 1
+    # hutchinson: the profile logged at a step is the mean over the probes of the last `window` measured steps
+    # (`ProbeWindow`), each step drawing num_probes fresh ones (the first, with no history, num_probes x window):
+    # about the variance of num_probes x window probes at the cost of num_probes. 1 = the step's own probes alone.
+    window: int = 1
     # Also the attention rollouts of the measured sequences (analysis.measure.rollout): rollout/<set>/<variant>/*
     # against the measured profile, every measured step, and rollout.npz beside jacobian.npz.
     rollout: bool = True
@@ -164,6 +168,40 @@ def _vjp_sq_norms(
         yield g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum(-1).double()  # (n, B, L)
 
 
+def _probe_squares(y: torch.Tensor, embeds: torch.Tensor, num_probes: int, chunk: int,
+                   generator: torch.Generator | None) -> torch.Tensor:
+    """(k, B, L) float64: ``||J_j^T u_i||^2`` of k Gaussian probes u_i (B, d) drawn on the CPU from `generator`
+    (None: a fresh one seeded 0); each is unbiased for rho^2(j)."""
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    u = torch.randn(num_probes, y.shape[0], y.shape[-1], generator=gen, dtype=torch.float64)  # (k, B, d)
+    return torch.cat(list(_vjp_sq_norms(y, embeds, u.to(y.device).split(chunk))))  # (k, B, L)
+
+
+def _delta_stderr(se_sq: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """The standard error of rho from that of rho^2 (delta method: d rho = d(rho^2) / (2 rho)); rho = 0 only where
+    every probe gave 0, so its error is 0 there."""
+    return se_sq / (2 * rho).clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def hutchinson_squares(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    num_probes: int,
+    target: JacobianTarget | str = JacobianTarget.last_hidden,
+    chunk: int = 64,
+    generator: torch.Generator | None = None,
+) -> np.ndarray:
+    """Each probe's ``||J_j^T u_i||^2``, (k, B, L) float64 for `input_ids` (B, L): the terms whose mean
+    `jacobian_profile`'s hutchinson estimate squares, for estimates that pool probes over steps (`ProbeWindow`)."""
+    if num_probes < 1 or chunk < 1:
+        raise ValueError(f"need num_probes >= 1 and chunk >= 1, got {num_probes} and {chunk}")
+    emb_layer = _input_embeddings(model)
+    with eval_mode(model), torch.enable_grad():
+        embeds = emb_layer(input_ids.to(emb_layer.weight.device)).detach().requires_grad_(True)  # (B, L, D)
+        y = _target(model, embeds, JacobianTarget(target), Estimator.hutchinson)  # (B, d)
+        return _probe_squares(y, embeds, num_probes, chunk, generator).detach().cpu().numpy()
+
+
 def jacobian_profile(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -204,13 +242,10 @@ def jacobian_profile(
             basis = [eye[s:s + chunk, None, :].expand(-1, B, -1) for s in range(0, d, chunk)]  # [(n, B, d)]
             rho = sum(sq.sum(0) for sq in _vjp_sq_norms(y, embeds, basis)).sqrt()  # (B, L)
         else:
-            gen = generator if generator is not None else torch.Generator().manual_seed(0)
-            u = torch.randn(num_probes, B, y.shape[-1], generator=gen, dtype=torch.float64)  # (k, B, d)
-            q = torch.cat(list(_vjp_sq_norms(y, embeds, u.to(y.device).split(chunk))))  # (k, B, L)
+            q = _probe_squares(y, embeds, num_probes, chunk, generator)  # (k, B, L)
             rho = q.mean(0).sqrt()  # (B, L)
             se_sq = q.std(0) / math.sqrt(num_probes)  # (B, L): standard error of the rho^2 estimate
-            # delta method: d rho = d(rho^2) / (2 rho); rho = 0 only where every probe gave 0, so se = 0
-            stderr = (se_sq / (2 * rho).clamp_min(torch.finfo(torch.float64).tiny)).cpu().numpy()
+            stderr = _delta_stderr(se_sq, rho).cpu().numpy()
     profile = rho.detach().cpu().numpy()
     if squeeze:
         profile = profile[0]
@@ -238,6 +273,109 @@ def measure_sets(
         name: ProfileResult(both.profile[lo:hi], None if both.stderr is None else both.stderr[lo:hi])
         for name, lo, hi in zip(seqs, bounds[:-1], bounds[1:])
     }
+
+
+class ProbeWindow:
+    """Hutchinson probes pooled over the last `steps` measured steps, per set: the streamed estimator.
+
+    The profile changes little from one step to the next, so the probes of recent steps estimate it together:
+    ``rho^2(j)`` = the mean of every pooled probe's ``||J_j^T u_i||^2``. On a profile that does not move it is
+    unbiased, and its standard error (the pooled probes' spread over sqrt(count), delta method for rho) is that
+    of one step with all those probes: ``rho ± t(0.975, count - 1) x stderr`` covers the exact rho ~95% of the time
+    (tests/test_jacobian_window.py). On a moving profile it is the window's average, ~steps/2 behind, and the
+    spread includes the movement. Each step keeps (its step, count, sum, sum of squares) of its probes per position,
+    so the state is small and is saved with a checkpoint (`state_dict`): a resumed run logs what an uninterrupted
+    one does. A step at or before one the window holds replaces it and what came after (a resumed run measures its
+    first step again).
+    """
+
+    def __init__(self, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"jacobian.window={steps} must be >= 1")
+        self.steps = steps
+        self._sums: dict[str, list[tuple[int, int, np.ndarray, np.ndarray]]] = {}  # (step, n, sum, sum of squares)
+
+    def _kept(self, name: str, before: int | None = None) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        kept = self._sums.get(name, [])
+        return kept if before is None else [entry for entry in kept if entry[0] < before]
+
+    def probes_for(self, name: str, num_probes: int, step: int | None = None) -> int:
+        """Probes `step` draws: num_probes, or num_probes x steps while the window holds no earlier step."""
+        return num_probes if self._kept(name, step) else num_probes * self.steps
+
+    def add(self, name: str, squares: np.ndarray, step: int) -> None:
+        """One step's per-probe squared norms (k, B, L); the oldest step leaves a full window."""
+        q = np.asarray(squares, dtype=np.float64)
+        kept = self._kept(name, step) + [(step, q.shape[0], q.sum(0), (q * q).sum(0))]
+        self._sums[name] = kept[-self.steps:]
+
+    def probes(self, name: str) -> int:
+        """Probes the set's estimate pools."""
+        return sum(n for _, n, _, _ in self._kept(name))
+
+    def estimate(self, name: str) -> ProfileResult:
+        """The pooled profile of `name` and its standard error (B, L); the error is 0 with a single probe."""
+        kept = self._kept(name)
+        n = sum(k for _, k, _, _ in kept)
+        total, squares = sum(t for _, _, t, _ in kept), sum(q for _, _, _, q in kept)
+        mean = total / n
+        var = np.maximum(squares - n * mean * mean, 0.0) / (n - 1) if n > 1 else np.zeros_like(mean)
+        rho = np.sqrt(mean)
+        stderr = np.sqrt(var / n) / np.maximum(2 * rho, np.finfo(np.float64).tiny)
+        return ProfileResult(rho, stderr)
+
+    def state_dict(self) -> dict[str, list]:
+        return {name: [[step, n, t.tolist(), q.tolist()] for step, n, t, q in kept]
+                for name, kept in self._sums.items()}
+
+    def load_state_dict(self, state: Mapping[str, list]) -> None:
+        self._sums = {name: [(int(step), int(n), np.asarray(t, dtype=np.float64), np.asarray(q, dtype=np.float64))
+                             for step, n, t, q in kept][-self.steps:] for name, kept in state.items()}
+
+
+@dataclass
+class WindowResult:
+    """One set at one step: the step's own probes' estimate and the window's (`ProbeWindow.estimate`)."""
+
+    step: ProfileResult  # its standard error is None when the step drew a single probe
+    window: ProfileResult
+    probes: int  # probes the window's estimate pools
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The probe generator of one step: every step draws its own probes (a window pools independent ones), the
+    same step always the same (a resumed run measures what an uninterrupted one does)."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step]).generate_state(1)[0]))
+
+
+def measure_window(
+    model: nn.Module, seqs: Mapping[str, torch.Tensor], cfg: JacobianConfig, step: int, window: ProbeWindow
+) -> dict[str, WindowResult]:
+    """Fresh hutchinson probes of every set at `step` (`ProbeWindow.probes_for`), added to `window`; each set's
+    own estimate and the window's. Sets of one length share one batched forward and backward, as in
+    `measure_sets`."""
+    def own(q: np.ndarray) -> ProfileResult:
+        rho = np.sqrt(q.mean(0))
+        if q.shape[0] < 2:
+            return ProfileResult(rho, None)
+        se_sq = q.std(0, ddof=1) / math.sqrt(q.shape[0])
+        return ProfileResult(rho, se_sq / np.maximum(2 * rho, np.finfo(np.float64).tiny))
+
+    names = list(seqs)
+    counts = {name: window.probes_for(name, cfg.num_probes, step) for name in names}
+    if len({ids.shape[-1] for ids in seqs.values()}) == 1 and len(set(counts.values())) == 1:
+        q = hutchinson_squares(model, torch.cat(list(seqs.values())), counts[names[0]], cfg.target, cfg.exact_chunk,
+                               step_generator(cfg.seed, step))
+        bounds = np.cumsum([0] + [len(ids) for ids in seqs.values()])
+        squares = {name: q[:, lo:hi] for name, lo, hi in zip(names, bounds[:-1], bounds[1:])}
+    else:
+        squares = {name: hutchinson_squares(model, seqs[name], counts[name], cfg.target, cfg.exact_chunk,
+                                            step_generator(cfg.seed, step)) for name in names}
+    out = {}
+    for name in names:
+        window.add(name, squares[name], step)
+        out[name] = WindowResult(own(squares[name]), window.estimate(name), window.probes(name))
+    return out
 
 
 def excerpts_per_sequence(seq_len: int, chunk_len: int) -> int:

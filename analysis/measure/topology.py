@@ -137,6 +137,24 @@ def topology_metrics(profile, H) -> dict:
     dict
         str -> float.
     """
+    valley = valley_metrics(profile)  # checks the profile first
+    rho = np.asarray(profile, dtype=np.float64)
+    fit = fit_alpha(rho, H)
+    alpha_w1, w1 = fit_alpha_w1(rho, H, candidates=(fit.alpha,))
+    return {
+        **valley,
+        "prior/alpha": fit.alpha,
+        "prior/rmse_log10": fit.rmse_log10,
+        "prior/spearman": fit.spearman,
+        "prior/w1": w1,
+        "prior/alpha_w1": alpha_w1,
+        "prior/w1_logfit": fit.w1,
+        "prior/anchor_mass": anchor_mass(prior_profile(len(rho), H, fit.alpha)),
+    }
+
+
+def valley_metrics(profile) -> dict:
+    """The ``valley/*`` metrics of `topology_metrics` alone (no prior fit): what a profile's shape says."""
     log_rho = log10_profile(profile)
     rho = np.asarray(profile, dtype=np.float64)
     L = len(rho)
@@ -152,8 +170,6 @@ def topology_metrics(profile, H) -> dict:
     sag_at = lo + int(np.argmax(sag >= sag.max() - tie))  # the first of the (near-)deepest
     first = np.maximum(rho[:max(1, L // 100)], FLOOR_REL * rho.max())
     mid_lo, mid_hi = band(L, 25, 75)
-    fit = fit_alpha(rho, H)
-    alpha_w1, w1 = fit_alpha_w1(rho, H, candidates=(fit.alpha,))
     return {
         "valley/peak_to_trough_log10": float(log_rho.max() - floor),
         "valley/anchor_to_trough_log10": float(log_rho[-1] - floor),
@@ -161,13 +177,6 @@ def topology_metrics(profile, H) -> dict:
         "valley/trough_x": sag_at / (L - 1),
         "valley/middle_mass": float(rho[mid_lo:mid_hi + 1].sum() / rho.sum()),
         "valley/anchor_mass": anchor_mass(rho),
-        "prior/alpha": fit.alpha,
-        "prior/rmse_log10": fit.rmse_log10,
-        "prior/spearman": fit.spearman,
-        "prior/w1": w1,
-        "prior/alpha_w1": alpha_w1,
-        "prior/w1_logfit": fit.w1,
-        "prior/anchor_mass": anchor_mass(prior_profile(L, H, fit.alpha)),
     }
 
 
