@@ -62,6 +62,7 @@ from analysis.measure.rollout import (
     record_name,
     rollout_set_metrics,
 )
+from analysis.measure.step import measure_step
 from analysis.measure.topology import prefixed, topology_metrics, valley_metrics
 from analysis.report.figures import (
     plot_depth_accuracy,
@@ -731,22 +732,26 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
     # Every rank measures (ZeRO-3 gathers weights collectively); the main process records.
     started = time.perf_counter()
     metrics: dict[str, float] = {}
-    if run.probe_window is None:
-        results = measure_sets(run.model, run.jacobian_seqs, run.cfg.jacobian)
+    jac, seqs = run.cfg.jacobian, run.jacobian_seqs
+    if jac.estimator == Estimator.hutchinson and len({ids.shape[-1] for ids in seqs.values()}) == 1:
+        # one forward pass gives the profile and the rollouts (analysis.measure.step)
+        measured = measure_step(run.model, seqs, jac, step, run.probe_window, jac.rollout)
+        results, pooled, rolls = measured.profiles, measured.pooled, measured.rollouts
     else:
-        # The logged profile pools the probes of the last jacobian.window steps; the step's own estimate is logged
-        # beside it under step/ (README, "Metric names").
-        pooled = measure_window(run.model, run.jacobian_seqs, run.cfg.jacobian, step, run.probe_window)
-        results = {name: res.window for name, res in pooled.items()}
-        for name, res in pooled.items():
-            own = valley_metrics(res.step.profile.mean(axis=0))
-            metrics.update({f"step/valley/{name}/{k.removeprefix('valley/')}": v for k, v in own.items()})
-            metrics[f"jacobian/{name}/probes"] = res.probes
-            metrics[f"jacobian/{name}/rel_stderr"] = float(np.mean(res.window.stderr / res.window.profile))
+        pooled = measure_window(run.model, seqs, jac, step, run.probe_window) if run.probe_window else None
+        results = ({name: res.window for name, res in pooled.items()} if pooled
+                   else measure_sets(run.model, seqs, jac))
+        rolls = measure_rollouts(run.model, seqs) if jac.rollout else {}
+    # With a window the logged profile pools the probes of the last jacobian.window steps; the step's own estimate
+    # is logged beside it under step/ (README, "Metric names").
+    for name, res in (pooled or {}).items():
+        own = valley_metrics(res.step.profile.mean(axis=0))
+        metrics.update({f"step/valley/{name}/{k.removeprefix('valley/')}": v for k, v in own.items()})
+        metrics[f"jacobian/{name}/probes"] = res.probes
+        metrics[f"jacobian/{name}/rel_stderr"] = float(np.mean(res.window.stderr / res.window.profile))
     profiles = {name: res.profile.mean(axis=0) for name, res in results.items()}
     for name, profile in profiles.items():
         metrics.update(prefixed(topology_metrics(profile, run.n_layers), name))
-    rolls = measure_rollouts(run.model, run.jacobian_seqs) if run.cfg.jacobian.rollout else {}
     metrics.update(rollout_set_metrics(profiles, rolls))
     metrics["jacobian/wall_s"] = time.perf_counter() - started  # profiles, fits and rollouts: what it costs a step
     if run.objective is not None:
@@ -757,7 +762,7 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
     if run.rollout_recorder is not None:
         run.rollout_recorder.add(step, {record_name(name, v): ProfileResult(rows, None)
                                         for name, by_variant in rolls.items() for v, rows in by_variant.items()})
-    n_measured, jac = len(run.recorder.steps), run.cfg.jacobian
+    n_measured = len(run.recorder.steps)
     if run.logger.wandb_run is not None:
         if (n_measured - 1) % jac.chart_every == 0:  # step 0, then every chart_every
             alphas = {name: metrics[f"prior/{name}/alpha"] for name in results}

@@ -177,10 +177,21 @@ def _probe_squares(y: torch.Tensor, embeds: torch.Tensor, num_probes: int, chunk
     return torch.cat(list(_vjp_sq_norms(y, embeds, u.to(y.device).split(chunk))))  # (k, B, L)
 
 
-def _delta_stderr(se_sq: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """The standard error of rho from that of rho^2 (delta method: d rho = d(rho^2) / (2 rho)); rho = 0 only where
-    every probe gave 0, so its error is 0 there."""
-    return se_sq / (2 * rho).clamp_min(torch.finfo(torch.float64).tiny)
+def probe_estimate(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rho (B, L) from k probes' squared norms q (k >= 2, B, L), and its standard error: that of rho^2 (the probes'
+    spread over sqrt(k)) through the delta method, d rho = d(rho^2) / (2 rho); rho = 0 only where every probe gave
+    0, so its error is 0 there."""
+    rho = q.mean(0).sqrt()
+    return rho, q.std(0) / math.sqrt(q.shape[0]) / (2 * rho).clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def own_estimate(q: np.ndarray) -> ProfileResult:
+    """`probe_estimate` of one step's probes (k, B, L); a single probe has no standard error (None)."""
+    q = np.asarray(q, dtype=np.float64)
+    if q.shape[0] < 2:
+        return ProfileResult(np.sqrt(q[0]), None)
+    rho, stderr = probe_estimate(torch.from_numpy(q))
+    return ProfileResult(rho.numpy(), stderr.numpy())
 
 
 def hutchinson_squares(
@@ -242,10 +253,8 @@ def jacobian_profile(
             basis = [eye[s:s + chunk, None, :].expand(-1, B, -1) for s in range(0, d, chunk)]  # [(n, B, d)]
             rho = sum(sq.sum(0) for sq in _vjp_sq_norms(y, embeds, basis)).sqrt()  # (B, L)
         else:
-            q = _probe_squares(y, embeds, num_probes, chunk, generator)  # (k, B, L)
-            rho = q.mean(0).sqrt()  # (B, L)
-            se_sq = q.std(0) / math.sqrt(num_probes)  # (B, L): standard error of the rho^2 estimate
-            stderr = _delta_stderr(se_sq, rho).cpu().numpy()
+            rho, se = probe_estimate(_probe_squares(y, embeds, num_probes, chunk, generator))  # (B, L) each
+            stderr = se.cpu().numpy()
     profile = rho.detach().cpu().numpy()
     if squeeze:
         profile = profile[0]
@@ -354,13 +363,6 @@ def measure_window(
     """Fresh hutchinson probes of every set at `step` (`ProbeWindow.probes_for`), added to `window`; each set's
     own estimate and the window's. Sets of one length share one batched forward and backward, as in
     `measure_sets`."""
-    def own(q: np.ndarray) -> ProfileResult:
-        rho = np.sqrt(q.mean(0))
-        if q.shape[0] < 2:
-            return ProfileResult(rho, None)
-        se_sq = q.std(0, ddof=1) / math.sqrt(q.shape[0])
-        return ProfileResult(rho, se_sq / np.maximum(2 * rho, np.finfo(np.float64).tiny))
-
     names = list(seqs)
     counts = {name: window.probes_for(name, cfg.num_probes, step) for name in names}
     if len({ids.shape[-1] for ids in seqs.values()}) == 1 and len(set(counts.values())) == 1:
@@ -374,7 +376,7 @@ def measure_window(
     out = {}
     for name in names:
         window.add(name, squares[name], step)
-        out[name] = WindowResult(own(squares[name]), window.estimate(name), window.probes(name))
+        out[name] = WindowResult(own_estimate(squares[name]), window.estimate(name), window.probes(name))
     return out
 
 

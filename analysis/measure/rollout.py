@@ -15,7 +15,8 @@ head adds to the residual stream (its slice of ``o_proj``), normalized over the 
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Mapping
@@ -105,16 +106,16 @@ def _head_strengths(o_proj: nn.Module, heads_in: torch.Tensor, n_heads: int) -> 
     """(B, n_heads): the mean norm over positions of what each head adds to the residual stream.
 
     Head h's part is o_proj of its slice alone, less o_proj of nothing (a bias). Calling the module, not
-    reading its weight, keeps this right for LoRA-wrapped and ZeRO-3-partitioned projections alike.
+    reading its weight, keeps this right for LoRA-wrapped and ZeRO-3-partitioned projections alike; the heads go
+    through it as one batch of n_heads inputs, each holding one head's slice.
     """
     split = heads_in.unflatten(-1, (n_heads, -1))  # (B, L, nh, dv)
     base = _wide(o_proj(torch.zeros_like(heads_in)))  # (B, L, d)
-    strengths = []
+    alone = torch.zeros((n_heads, *split.shape), dtype=split.dtype, device=split.device)  # (nh, B, L, nh, dv)
     for h in range(n_heads):
-        alone = torch.zeros_like(split)
-        alone[:, :, h] = split[:, :, h]
-        strengths.append((_wide(o_proj(alone.flatten(2))) - base).norm(dim=-1).mean(dim=1))  # (B,)
-    return torch.stack(strengths, dim=1)
+        alone[h, :, :, h] = split[:, :, h]
+    added = _wide(o_proj(alone.flatten(-2))) - base  # (nh, B, L, d)
+    return added.norm(dim=-1).mean(dim=-1).T  # (B, nh)
 
 
 @torch.no_grad()
@@ -125,12 +126,34 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
     `keep_heads` also keeps every head's map (tests, small models). Computed in the model's dtype, at
     least float32 (float64 for a float64 model).
     """
-    found = _recorded(model, input_ids)
-    return _as_capture(found, keep_heads)
+    with recording(model) as found, eval_mode(model):
+        unwrap(model).base_model(input_ids=input_ids)  # the decoder alone: no logits are needed
+    return as_capture(found, keep_heads)
 
 
-def _recorded(model: nn.Module, input_ids: torch.Tensor) -> dict[str, list]:
-    """Per decoder layer t: its input x, attention output a, maps, o_proj input and head strengths."""
+@contextmanager
+def eager_attention(model: nn.Module) -> Iterator[None]:
+    """Every attention layer of `model` computes with transformers' eager implementation (which returns its maps);
+    the implementation it had is restored on exit."""
+    config = unwrap(model).config
+    previous = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@contextmanager
+def recording(model: nn.Module, maps_from_output: bool = False) -> Iterator[dict[str, list]]:
+    """Hooks that record, for every decoder layer t of the forward passes run inside: its input x, attention
+    output a, maps, o_proj input and head strengths (`as_capture` turns them into a `Capture`).
+
+    The maps are recomputed from each attention module's own inputs with its eager implementation (any attention
+    kernel), or with `maps_from_output` read from the module's own output: a forward under `eager_attention`
+    returns them, which saves the recomputation when that forward is run anyway (a measured step's Jacobian).
+    Everything recorded is detached: a forward that keeps its graph for a backward is not changed.
+    """
     layers = decoder_layers(model)
     n_layers = len(layers)
     found: dict[str, list] = {k: [None] * n_layers for k in ("maps", "x", "a", "o_in", "strength")}
@@ -146,8 +169,9 @@ def _recorded(model: nn.Module, input_ids: torch.Tensor) -> dict[str, list]:
         def hook(module, args, kwargs):
             inner[0] = True
             try:
-                found["maps"][t] = _wide(_eager_maps(module, _arg(args, kwargs, "hidden_states", 0),
-                                                     _arg(args, kwargs, "position_embeddings", 1)))
+                with torch.no_grad():
+                    found["maps"][t] = _wide(_eager_maps(module, _arg(args, kwargs, "hidden_states", 0),
+                                                         _arg(args, kwargs, "position_embeddings", 1)))
             finally:
                 inner[0] = False
         return hook
@@ -155,9 +179,16 @@ def _recorded(model: nn.Module, input_ids: torch.Tensor) -> dict[str, list]:
     def on_attention_output(t):
         def hook(module, args, output):
             found["a"][t] = output[0].detach()
+            if maps_from_output:
+                if output[1] is None:
+                    raise ValueError(f"{type(module).__name__} returned no attention maps: run the forward under "
+                                     "eager_attention(model)")
+                found["maps"][t] = _wide(output[1].detach())
             inner[0] = True
             try:
-                found["strength"][t] = _head_strengths(module.o_proj, found["o_in"][t], found["maps"][t].shape[1])
+                with torch.no_grad():
+                    found["strength"][t] = _head_strengths(module.o_proj, found["o_in"][t],
+                                                           found["maps"][t].shape[1])
             finally:
                 inner[0] = False
         return hook
@@ -168,20 +199,21 @@ def _recorded(model: nn.Module, input_ids: torch.Tensor) -> dict[str, list]:
                 found["o_in"][t] = args[0].detach()
         return hook
 
-    with ExitStack() as stack, eval_mode(model):
+    with ExitStack() as stack:
         for t, layer in enumerate(layers):
             attn = layer.self_attn
-            for handle in (layer.register_forward_pre_hook(on_layer_input(t), with_kwargs=True),
-                           attn.register_forward_pre_hook(on_attention_input(t), with_kwargs=True),
-                           attn.register_forward_hook(on_attention_output(t)),
-                           attn.o_proj.register_forward_pre_hook(on_o_proj_input(t))):
+            hooks = [layer.register_forward_pre_hook(on_layer_input(t), with_kwargs=True),
+                     attn.register_forward_hook(on_attention_output(t)),
+                     attn.o_proj.register_forward_pre_hook(on_o_proj_input(t))]
+            if not maps_from_output:
+                hooks.append(attn.register_forward_pre_hook(on_attention_input(t), with_kwargs=True))
+            for handle in hooks:
                 stack.callback(handle.remove)
-        unwrap(model).base_model(input_ids=input_ids)  # the decoder alone: no logits are needed
-    return found
+        yield found
 
 
-def _as_capture(found: dict[str, list], keep_heads: bool) -> Capture:
-    """`capture`'s arrays from what `_recorded` found: head-mean and head-weighted maps, residual shares."""
+def as_capture(found: dict[str, list], keep_heads: bool = False) -> Capture:
+    """`capture`'s arrays from what `recording` found: head-mean and head-weighted maps, residual shares."""
     mean_maps, weighted_maps, shares, weights = [], [], [], []
     for t in range(len(found["maps"])):
         maps = found["maps"][t]  # (B, nh, L, L) float64
@@ -241,9 +273,13 @@ def measure_rollouts(model: nn.Module, seqs: Mapping[str, torch.Tensor]) -> dict
         return {}
     if len({ids.shape[1] for ids in seqs.values()}) > 1:
         return {name: measure_rollouts(model, {name: ids})[name] for name, ids in seqs.items()}
-    rows = {str(v): r for v, r in rollouts(capture(model, torch.cat(list(seqs.values())))).items()}
+    return split_sets(rollouts(capture(model, torch.cat(list(seqs.values())))), seqs)
+
+
+def split_sets(rows: Mapping[str, np.ndarray], seqs: Mapping[str, torch.Tensor]) -> dict[str, dict[str, np.ndarray]]:
+    """{variant: (B, L)} rollouts of the sets' sequences stacked in order -> {set: {variant: (n_seq, L)}}."""
     bounds = np.cumsum([0, *(len(ids) for ids in seqs.values())])
-    return {name: {v: r[bounds[k]:bounds[k + 1]] for v, r in rows.items()} for k, name in enumerate(seqs)}
+    return {name: {str(v): r[bounds[k]:bounds[k + 1]] for v, r in rows.items()} for k, name in enumerate(seqs)}
 
 
 def mean_rollout(rows: np.ndarray) -> np.ndarray:

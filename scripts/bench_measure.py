@@ -1,0 +1,101 @@
+"""What the per-step measurement costs the default run, and how far its profile is from the exact Jacobian (issue 42).
+
+    python -m scripts.bench measure --write      # two default runs (~15 min on 2 cores) and the exact profiles
+
+Two `python train.py +exp=in2` runs with the Jacobian and rollouts measured before every step, one after the other in
+this process's machine: the estimator as it was (hutchinson, `jacobian.num_probes=4`, the same probes at every step)
+and the streamed one (`jacobian.num_probes=1 jacobian.window=8`: one fresh probe a step, the last 8 steps pooled).
+Rows:
+
+- the measurement's share of the training wall time (the run summary's figure: the sum of `jacobian/wall_s` over
+  `train/wall_s`, evaluations included), and the seconds a measured step;
+- at steps 0, the middle and the end: the logged profile (`jacobian.npz`) against the exact one of the same weights
+  and sequences (`jacobian=exact`, in the model's float32): the relative L2 error
+  and Spearman's rho, for each set; and, as the reference the issue names, a hutchinson profile of 8 probes of those
+  same weights.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from analysis.measure.jacobian import jacobian_profile, read_jacobian
+from analysis.measure.prior import spearman
+from models.training.checkpoint import load_checkpoint_model
+from models.training.run_dir import RunDir
+from train import as_train_config, cleanup, setup
+
+ROOT = Path(__file__).resolve().parents[1]
+ESTIMATORS = {
+    "hutchinson k=4, same probes every step (before)": ["jacobian.num_probes=4", "jacobian.window=1"],
+    "hutchinson k=1 a step, window of 8 (streamed)": ["jacobian.num_probes=1", "jacobian.window=8"],
+}
+
+
+def _run(out: Path, overrides: list[str], steps: int) -> Path:
+    command = [sys.executable, "train.py", "+exp=in2", f"trainer.max_steps={steps}", f"trainer.save_every={steps // 2}",
+               "logger.mode=disabled", *overrides, f"hydra.run.dir={out}"]
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def share(run_dir: Path) -> dict[str, float]:
+    """The run summary's figure: the measurement's seconds over the training wall time."""
+    rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+    wall = max(r["train/wall_s"] for r in rows if "train/wall_s" in r)
+    measured = [r["jacobian/wall_s"] for r in rows if "jacobian/wall_s" in r]
+    return {"share": sum(measured) / wall, "s_per_measured_step": float(np.mean(measured)), "train_wall_s": wall}
+
+
+def profile_errors(run_dir: Path, steps: int) -> list[dict]:
+    """The logged profile against the exact one at steps 0, steps // 2 and steps (and a k=8 hutchinson there).
+
+    The run's own set-up (`train.setup` of its resolved config, in a scratch folder) gives its initial model and
+    its measured sequences; its checkpoints give the later weights."""
+    cfg = as_train_config(OmegaConf.load(RunDir(run_dir).config))
+    logged_steps, logged = read_jacobian(RunDir(run_dir).jacobian)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_measure_setup_") as scratch:
+        start = setup(cfg, Path(scratch))
+        try:
+            seqs = {name: ids.cpu() for name, ids in start.jacobian_seqs.items()}
+            for step in (0, steps // 2, steps):
+                model = start.model if step == 0 else load_checkpoint_model(
+                    RunDir(run_dir).checkpoints / f"step-{step}", run_dir, "float32")
+                at = int(np.flatnonzero(logged_steps == step)[0])
+                for name, ids in seqs.items():
+                    exact = jacobian_profile(model, ids, "exact").profile.mean(0)
+                    ours = logged[name][:, at].mean(0)
+                    k8 = jacobian_profile(model, ids, "hutchinson", 8,
+                                          generator=torch.Generator().manual_seed(1)).profile.mean(0)
+                    rows.append({"step": step, "set": name, "rel_l2": _rel_l2(ours, exact),
+                                 "spearman": spearman(ours, exact), "k8_rel_l2": _rel_l2(k8, exact),
+                                 "k8_spearman": spearman(k8, exact)})
+        finally:
+            cleanup(start)
+    return rows
+
+
+def _rel_l2(estimate: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.linalg.norm(estimate - exact) / np.linalg.norm(exact))
+
+
+def bench_measure(steps: int = 2000) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_measure_") as tmp:
+        for label, overrides in ESTIMATORS.items():
+            run_dir = _run(Path(tmp) / label.split(",")[0].replace(" ", "_"), overrides, steps)
+            cost = share(run_dir)
+            rows.append({"name": f"{label}: share of the default run's training wall time", "ratio": cost["share"],
+                         **cost, "goal": "<= 0.15"})
+            for err in profile_errors(run_dir, steps):
+                rows.append({"name": f"{label}: profile at step {err['step']}, {err['set']}, relative L2 to exact",
+                             "ratio": err["rel_l2"], **{k: v for k, v in err.items() if k not in ("step", "set")}})
+    return rows
