@@ -27,9 +27,10 @@ from train import as_train_config, run, validate
 L = 24
 
 
-def tiny_model() -> Qwen2ForCausalLM:
-    config = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                         num_hidden_layers=2, vocab_size=50)
+def tiny_model(heads: int = 2, layers: int = 2, vocab: int = 50) -> Qwen2ForCausalLM:
+    """A random float64 Qwen2 of hidden size 16 (the same weights at every call)."""
+    config = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=heads,
+                         num_key_value_heads=heads // 2, num_hidden_layers=layers, vocab_size=vocab)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).double().eval()
 

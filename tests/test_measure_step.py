@@ -8,21 +8,18 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from analysis.measure.jacobian import JacobianConfig, ProbeWindow, jacobian_profile, measure_window
 from analysis.measure.rollout import measure_rollouts
 from analysis.measure.step import measure_step
 from models.attention.diff_attention import convert_to_diff_attention
+from tests.test_jacobian_window import tiny_model as window_tiny_model
 
 L = 20
 
 
-def tiny_model() -> Qwen2ForCausalLM:
-    config = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=3, vocab_size=40)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).double().eval()
+def tiny_model():
+    return window_tiny_model(heads=4, layers=3, vocab=40)
 
 
 def lora(model):
