@@ -84,6 +84,8 @@ def test_hutchinson_squares_are_the_terms_of_the_hutchinson_profile():
     q = hutchinson_squares(model, x, 5, generator=torch.Generator().manual_seed(3))
     profile = jacobian_profile(model, x, "hutchinson", 5, generator=torch.Generator().manual_seed(3))
     np.testing.assert_allclose(np.sqrt(q.mean(0)), profile.profile, rtol=1e-12)
+    one = hutchinson_squares(model, x, 1, generator=torch.Generator().manual_seed(3))  # a plain backward, no vmap
+    np.testing.assert_allclose(one[0], q[0], rtol=1e-12)  # the same first probe
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +154,7 @@ def test_a_run_logs_the_window_and_each_step_and_resumes_them_exactly(compose_cf
 
 @pytest.mark.parametrize("overrides, message", [
     (["jacobian=hutchinson", "jacobian.window=0"], "jacobian.window=0 must be >= 1"),
-    (["jacobian=hutchinson", "jacobian.num_probes=1"], "hutchinson needs 2 probes a step"),
+    (["jacobian=hutchinson", "jacobian.num_probes=1", "jacobian.window=1"], "hutchinson needs 2 probes a step"),
     (["jacobian=exact", "jacobian.window=4"], "jacobian.window=4 pools hutchinson probes"),
 ])
 def test_window_settings_that_cannot_run_are_refused_by_name(compose_cfg, overrides, message):

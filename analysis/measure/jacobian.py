@@ -161,9 +161,12 @@ def _vjp_sq_norms(
     Only one chunk's embedding gradients (n, B, L, D) are alive at a time: that bounds the memory.
     """
     for i, v in enumerate(cotangents):
-        (g,) = torch.autograd.grad(
-            y, embeds, v.to(y), retain_graph=i < len(cotangents) - 1, is_grads_batched=True
-        )  # (n, B, L, D)
+        retain = i < len(cotangents) - 1
+        if v.shape[0] == 1:  # one probe: a plain backward, no vmap over probes
+            (g,) = torch.autograd.grad(y, embeds, v[0].to(y), retain_graph=retain)
+            g = g[None]  # (1, B, L, D)
+        else:
+            (g,) = torch.autograd.grad(y, embeds, v.to(y), retain_graph=retain, is_grads_batched=True)  # (n, B, L, D)
         # Square in at least float32: summing D squares in bf16 would keep ~3 significant digits.
         yield g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum(-1).double()  # (n, B, L)
 
