@@ -10,9 +10,9 @@ Rows:
 - the measurement's share of the training wall time (the run summary's figure: the sum of `jacobian/wall_s` over
   `train/wall_s`, evaluations included), and the seconds a measured step;
 - at steps 0, the middle and the end: the logged profile (`jacobian.npz`) against the exact one of the same weights
-  and sequences (`jacobian=exact`, in the model's float32): the relative L2 error
-  and Spearman's rho, for each set; and, as the reference the issue names, a hutchinson profile of 8 probes of those
-  same weights.
+  and sequences (`jacobian=exact`, in the model's float32): the relative L2 error, the same of the shapes (each
+  profile divided by its sum: what the valley and prior metrics read) and Spearman's rho, for each set; and, as the
+  reference the issue names, a hutchinson profile of 8 probes of those same weights.
 """
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from analysis.measure.jacobian import jacobian_profile, read_jacobian
 from analysis.measure.prior import spearman
 from models.training.checkpoint import load_checkpoint_model
 from models.training.run_dir import RunDir
-from train import as_train_config, cleanup, setup
+from train import as_train_config, cleanup, compose_config, setup
 
 ROOT = Path(__file__).resolve().parents[1]
 ESTIMATORS = {
@@ -39,9 +38,13 @@ ESTIMATORS = {
 }
 
 
-def _run(out: Path, overrides: list[str], steps: int) -> Path:
-    command = [sys.executable, "train.py", "+exp=in2", f"trainer.max_steps={steps}", f"trainer.save_every={steps // 2}",
-               "logger.mode=disabled", *overrides, f"hydra.run.dir={out}"]
+def _overrides(estimator: list[str], steps: int) -> list[str]:
+    return ["+exp=in2", f"trainer.max_steps={steps}", f"trainer.save_every={steps // 2}", "logger.mode=disabled",
+            *estimator]
+
+
+def _run(out: Path, overrides: list[str]) -> Path:
+    command = [sys.executable, "train.py", *overrides, f"hydra.run.dir={out}"]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
@@ -54,12 +57,12 @@ def share(run_dir: Path) -> dict[str, float]:
     return {"share": sum(measured) / wall, "s_per_measured_step": float(np.mean(measured)), "train_wall_s": wall}
 
 
-def profile_errors(run_dir: Path, steps: int) -> list[dict]:
+def profile_errors(run_dir: Path, overrides: list[str], steps: int) -> list[dict]:
     """The logged profile against the exact one at steps 0, steps // 2 and steps (and a k=8 hutchinson there).
 
-    The run's own set-up (`train.setup` of its resolved config, in a scratch folder) gives its initial model and
-    its measured sequences; its checkpoints give the later weights."""
-    cfg = as_train_config(OmegaConf.load(RunDir(run_dir).config))
+    The run's own set-up (`train.setup` of its config, in a scratch folder) gives its initial model and its
+    measured sequences; its checkpoints give the later weights."""
+    cfg = as_train_config(compose_config(overrides))
     logged_steps, logged = read_jacobian(RunDir(run_dir).jacobian)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_measure_setup_") as scratch:
@@ -76,7 +79,9 @@ def profile_errors(run_dir: Path, steps: int) -> list[dict]:
                     k8 = jacobian_profile(model, ids, "hutchinson", 8,
                                           generator=torch.Generator().manual_seed(1)).profile.mean(0)
                     rows.append({"step": step, "set": name, "rel_l2": _rel_l2(ours, exact),
+                                 "shape_rel_l2": _rel_l2(ours / ours.sum(), exact / exact.sum()),
                                  "spearman": spearman(ours, exact), "k8_rel_l2": _rel_l2(k8, exact),
+                                 "k8_shape_rel_l2": _rel_l2(k8 / k8.sum(), exact / exact.sum()),
                                  "k8_spearman": spearman(k8, exact)})
         finally:
             cleanup(start)
@@ -90,12 +95,13 @@ def _rel_l2(estimate: np.ndarray, exact: np.ndarray) -> float:
 def bench_measure(steps: int = 2000) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_measure_") as tmp:
-        for label, overrides in ESTIMATORS.items():
-            run_dir = _run(Path(tmp) / label.split(",")[0].replace(" ", "_"), overrides, steps)
+        for k, (label, estimator) in enumerate(ESTIMATORS.items()):
+            overrides = _overrides(estimator, steps)
+            run_dir = _run(Path(tmp) / f"run{k}", overrides)
             cost = share(run_dir)
             rows.append({"name": f"{label}: share of the default run's training wall time", "ratio": cost["share"],
                          **cost, "goal": "<= 0.15"})
-            for err in profile_errors(run_dir, steps):
+            for err in profile_errors(run_dir, overrides, steps):
                 rows.append({"name": f"{label}: profile at step {err['step']}, {err['set']}, relative L2 to exact",
                              "ratio": err["rel_l2"], **{k: v for k, v in err.items() if k not in ("step", "set")}})
     return rows

@@ -48,7 +48,7 @@ def test_the_summary_numbers_are_the_run_files_numbers(cli_run):
     assert f"peak memory {max(r['train/peak_mem_mib'] for r in trained):.0f} MiB" in summary
     jacobian = [r["jacobian/wall_s"] for r in rows if "jacobian/wall_s" in r]
     assert len(jacobian) == 4 and min(jacobian) > 0  # steps 0-3
-    assert f"Jacobian and rollouts: {np.mean(jacobian):.1f} s a measured step, 4 measured" in summary
+    assert f"Jacobian and rollouts: {np.mean(jacobian):.3g} s a measured step, 4 measured" in summary
     for step in (0, 3):  # the start and end curves, with their fairness numbers
         result = ProbeResult.load_json(run_dir / "eval" / f"in2_step{step}.json")
         scores = np.array([o["correct"] for o in result.outcomes])

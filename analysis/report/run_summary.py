@@ -97,7 +97,7 @@ def progress_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                  f"{tokens / wall:.0f} tokens/s" if wall > 0 else "- training wall time not logged")
     jacobian = [row["jacobian/wall_s"] for row in rows if "jacobian/wall_s" in row]
     if jacobian and wall > 0:
-        lines.append(f"- Jacobian and rollouts: {np.mean(jacobian):.1f} s a measured step, {len(jacobian)} measured, "
+        lines.append(f"- Jacobian and rollouts: {np.mean(jacobian):.3g} s a measured step, {len(jacobian)} measured, "
                      f"{sum(jacobian) / wall:.0%} of the training wall time")
     lines.append(f"- peak memory {peak:.0f} MiB")
     return lines
