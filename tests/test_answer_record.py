@@ -8,13 +8,12 @@ import logging
 from pathlib import Path
 
 import pytest
-
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import analysis.evaluation.probes as probes
-from analysis.evaluation.config import EvalConfig
 from analysis.evaluation.answer_record import RECORD_SUBDIR, chunks_of
+from analysis.evaluation.config import EvalConfig
 from analysis.evaluation.probes import evaluate_in2, evaluate_probes
 from analysis.evaluation.reuse import function_digest
 from data_builders.probes import ProbeItem, synthetic_filler

@@ -8,10 +8,24 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from analysis.measure.prior import spearman, w1_distance
-from analysis.measure.rollout import FIXED_RESIDUAL, RolloutVariant, capture, decoder_layers, rollout_metrics, rollouts
+from analysis.measure.rollout import (
+    FIXED_RESIDUAL,
+    RolloutVariant,
+    capture,
+    decoder_layers,
+    rollout_metrics,
+    rollouts,
+)
 from models.attention.diff_attention import convert_to_diff_attention
 
 L, VOCAB = 16, 64
