@@ -44,8 +44,8 @@ from analysis import stats
 from analysis.evaluation.answer_kinds import summarize
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.figures import plot_arm_curves
-from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num
+from analysis.study import VALLEY_METRICS, merged_metrics, valley_ends
 from data_builders.files import atomic_write_text, json_safe
 from models.training.run_dir import RunDir
 
@@ -54,7 +54,6 @@ SELECTION = "selection.json"
 BASE = "base"  # the target name of the starting model in evals/<evaluation>/
 CLOSED_BOOK = -1  # the position of a question asked without documents
 SCORES = (stats.ACCURACY, LOGLIK)
-VALLEY = ("peak_to_trough_log10", "middle_mass")  # the Jacobian metrics reported for every run
 POWER = stats.POWER
 
 
@@ -152,15 +151,13 @@ class Table:
 
 
 def _by_question(result: ProbeResult, score: stats.Score, where: str) -> dict[tuple[str, int], float]:
-    found: dict[tuple[str, int], float] = {}
-    for o in result.outcomes:
-        key = (stats.cluster_of(o["id"]), int(o["position"]))
-        if key in found:
-            raise ProbeStudyError(f"{where}: question {key[0]!r} is asked twice at position {key[1]}")
-        if score.field not in o:
-            raise ProbeStudyError(f"{where}: item {o['id']!r} has no {score.field!r} score")
-        found[key] = float(o[score.field])
-    return found
+    """(question, position) -> score of every item (`ProbeResult.scores_by_question` at each position)."""
+    try:
+        return {(q, p): v for p in result.labels() for q, v in result.scores_by_question(p, score).items()}
+    except KeyError as err:
+        raise ProbeStudyError(f"{where}: an item has no {score.field!r} score") from err
+    except ValueError as err:  # a question asked twice at one position
+        raise ProbeStudyError(f"{where}: {err}") from err
 
 
 def score_table(base: ProbeResult, arms: Mapping[str, Sequence[ProbeResult]], score: stats.Score,
@@ -298,17 +295,11 @@ def read_selection(folder: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- the Jacobian
 
 
-def valley_ends(run_dir: Path) -> dict[str, Any]:
-    """Each `valley/<set>/<metric>` of VALLEY at the run's first and last measured step."""
-    rows = read_metrics(run_dir) if RunDir(run_dir).metrics.is_file() else []
-    series: dict[str, list[tuple[int, float]]] = {}
-    for row in rows:
-        for key, value in row.items():
-            parts = key.split("/")
-            if len(parts) == 3 and parts[0] == "valley" and parts[2] in VALLEY and value is not None:
-                series.setdefault(key, []).append((int(row["step"]), float(value)))
-    return {key: {"first_step": min(v)[0], "first": min(v)[1], "last_step": max(v)[0], "last": max(v)[1]}
-            for key, v in sorted(series.items())}
+def run_valley(run_dir: Path) -> dict[str, Any]:
+    """`valley/<set>/<metric>` -> {first_step, first, last_step, last}: the study's valley metrics
+    (`analysis.study.VALLEY_METRICS`) at the run's first and last measured step."""
+    return {f"valley/{name}/{metric}": {"first_step": s0, "first": v0, "last_step": s1, "last": v1}
+            for (name, metric), (s0, v0, s1, v1) in sorted(valley_ends(merged_metrics(run_dir)).items())}
 
 
 # ---------------------------------------------------------------------------------------------- goals
@@ -419,7 +410,7 @@ def study_numbers(folder: str | Path) -> Study:
         if found is not None:
             numbers["evaluations"][evaluation] = found
     numbers["runs"] = [{"n": r.n, "arm": r.arm, "setting": r.setting, "seed": r.seed,
-                        "chosen": chosen.get(r.arm) == r.setting, "valley": valley_ends(plan.run_dir(r.n)),
+                        "chosen": chosen.get(r.arm) == r.setting, "valley": run_valley(plan.run_dir(r.n)),
                         "changes": _run_changes(plan, r)} for r in plan.runs]
     tests = {e: v for e, v in numbers["evaluations"].items() if plan.evaluations[e].get("part") != "dev"}
     mdqa = next((v for v in tests.values() if v["probe"] == "mdqa"), None)
@@ -500,7 +491,7 @@ def run_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = []
     for r in runs:
         cells = [str(r["n"]), r["arm"], r["setting"], str(r["seed"]), "yes" if r["chosen"] else ""]
-        for metric in VALLEY:
+        for metric in VALLEY_METRICS:
             key = f"valley/vanilla/{metric}"
             v = r["valley"].get(key)
             cells.append("–" if v is None else f"{num(v['first'])} → {num(v['last'])}")

@@ -180,7 +180,7 @@ def _read_overrides(path: Path) -> list[str]:
     return [str(item) for item in data]
 
 
-def _merged_metrics(job_dir: Path) -> dict[int, dict[str, Any]]:
+def merged_metrics(job_dir: Path) -> dict[int, dict[str, Any]]:
     """metrics.jsonl rows merged per step (groups of metrics of one step come on separate lines)."""
     if not RunDir(job_dir).metrics.is_file():
         return {}
@@ -234,7 +234,7 @@ def _load_job(job_dir: Path) -> Job:
         except (OSError, ValueError, KeyError) as err:
             raise StudyError(f"{path}: unreadable eval JSON ({err})") from err
     return Job(job_dir, arm_name(overrides), seed_of(overrides), results[0], results[final_step], final_step,
-               _merged_metrics(job_dir), results, _log_wall_s(paths.log))
+               merged_metrics(job_dir), results, _log_wall_s(paths.log))
 
 
 def _outcomes_by_id(result: ProbeResult, path: Path) -> dict[str, Mapping[str, Any]]:
@@ -446,9 +446,14 @@ def bin_intervals(
 
 
 def _valley_ends(job: Job) -> dict[tuple[str, str], tuple[int, float, int, float]]:
-    """(set, metric) -> (first step, value, last step, value) of the valley keys this job logged."""
+    return valley_ends(job.metrics)
+
+
+def valley_ends(metrics: Mapping[int, Mapping[str, Any]]) -> dict[tuple[str, str], tuple[int, float, int, float]]:
+    """(set, metric) -> (first step, value, last step, value) of the valley keys (VALLEY_METRICS) logged in
+    `metrics` (step -> its merged row, `merged_metrics`)."""
     logged: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for step, row in job.metrics.items():
+    for step, row in metrics.items():
         for key, value in row.items():
             match = VALLEY_KEY.match(key)
             # non-finite values are null in metrics.jsonl (strings in files older than that rule): not a measurement

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from analysis.measure.jacobian import jacobian_profile
+from analysis.measure.jacobian import JacobianConfig, ProbeWindow, jacobian_profile
+from analysis.measure.step import measure_step
 from models.attention.diff_attention import convert_to_diff_attention
 from models.build import build_model
 from models.training.distributed import all_mean
@@ -39,6 +40,25 @@ def test_jacobian_profile_on_cuda_equals_the_cpu_one(estimator):
     cuda = jacobian_profile(model.cuda(), ids(), estimator, num_probes=4)  # probes drawn on the CPU, moved
     assert cuda.profile.shape == cpu.profile.shape
     torch.testing.assert_close(torch.from_numpy(cuda.profile), torch.from_numpy(cpu.profile), rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_measured_step_on_cuda_equals_the_cpu_one(window):
+    """analysis.measure.step on the device: probes drawn on the CPU and moved, squares and rollouts brought back."""
+    cfg = JacobianConfig(num_probes=2, window=window, seq_len=48)
+    seqs = {"vanilla": ids()[:1], "chunked": ids()[1:]}
+    results = []
+    for device in ("cpu", "cuda"):
+        pooled = ProbeWindow(window) if window > 1 else None
+        model = tiny_model().to(device)
+        results.append(measure_step(model, {k: v.to(device) for k, v in seqs.items()}, cfg, 0, pooled))
+    cpu, cuda = results
+    for name in seqs:
+        torch.testing.assert_close(torch.from_numpy(cuda.profiles[name].profile),
+                                   torch.from_numpy(cpu.profiles[name].profile), rtol=1e-3, atol=1e-7)
+        for variant, rows in cpu.rollouts[name].items():
+            torch.testing.assert_close(torch.from_numpy(cuda.rollouts[name][variant]), torch.from_numpy(rows),
+                                       rtol=1e-3, atol=1e-7)
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])

@@ -131,10 +131,18 @@ def _last_position_forward(model: nn.Module, embeds: torch.Tensor, **kwargs):
     return model(inputs_embeds=embeds[:, -1:], cache=prefix.cache, use_cache=True, **kwargs)
 
 
-def _target(model: nn.Module, embeds: torch.Tensor, target: JacobianTarget, estimator: Estimator) -> torch.Tensor:
-    """Forward pass from ``embeds`` (B, L, D) to the measured output: (B, d) vectors or (B,) scalars."""
+def _full_forward(model: nn.Module, embeds: torch.Tensor, **kwargs):
+    """The model's output from one pass over all L positions (what hooks on every position's computation need)."""
+    return model(inputs_embeds=embeds, use_cache=False, **kwargs)
+
+
+def _target(model: nn.Module, embeds: torch.Tensor, target: JacobianTarget, estimator: Estimator,
+            full_pass: bool = False) -> torch.Tensor:
+    """Forward pass from ``embeds`` (B, L, D) to the measured output: (B, d) vectors or (B,) scalars; by
+    `_last_position_forward`, or with `full_pass` by one pass over every position (`analysis.measure.step`)."""
+    forward = _full_forward if full_pass else _last_position_forward
     if estimator == Estimator.top_prob:
-        logits = _last_position_forward(model, embeds, logits_to_keep=1).logits[:, -1]  # (B, V)
+        logits = forward(model, embeds, logits_to_keep=1).logits[:, -1]  # (B, V)
         probs = logits.float().softmax(-1)  # (B, V)
         top = probs.detach().argmax(-1, keepdim=True)  # (B, 1)
         return probs.gather(-1, top).squeeze(-1)  # (B,)
@@ -142,12 +150,12 @@ def _target(model: nn.Module, embeds: torch.Tensor, target: JacobianTarget, esti
         # transformers ties hidden_states[-1] to last_hidden_state (after the final norm) unless told not to.
         if getattr(getattr(model, "config", None), "tie_last_hidden_states", None) is False:
             raise ValueError("config.tie_last_hidden_states=False: hidden_states[-1] would be pre-norm")
-        out = _last_position_forward(model, embeds, logits_to_keep=1, output_hidden_states=True)
+        out = forward(model, embeds, logits_to_keep=1, output_hidden_states=True)
         return out.hidden_states[-1][:, -1]  # (B, d)
     captured: list[torch.Tensor] = []
     handle = _final_norm(model).register_forward_hook(lambda mod, args, out: captured.append(args[0][:, -1]))
     try:
-        _last_position_forward(model, embeds, logits_to_keep=1)
+        forward(model, embeds, logits_to_keep=1)
     finally:
         handle.remove()
     return captured[-1]  # (B, d)
@@ -280,11 +288,16 @@ def measure_sets(
     if len({ids.shape[-1] for ids in seqs.values()}) != 1:
         return {name: measure(ids) for name, ids in seqs.items()}
     both = measure(torch.cat(list(seqs.values())))
+    profiles = split_by_set(both.profile, seqs)
+    stderr = split_by_set(both.stderr, seqs) if both.stderr is not None else dict.fromkeys(seqs)
+    return {name: ProfileResult(profiles[name], stderr[name]) for name in seqs}
+
+
+def split_by_set(rows, seqs: Mapping[str, torch.Tensor], axis: int = 0) -> dict:
+    """{set: its slice of `rows`}: rows of the sets' sequences stacked in order along `axis` (an array or tensor)."""
     bounds = np.cumsum([0] + [len(ids) for ids in seqs.values()])
-    return {
-        name: ProfileResult(both.profile[lo:hi], None if both.stderr is None else both.stderr[lo:hi])
-        for name, lo, hi in zip(seqs, bounds[:-1], bounds[1:])
-    }
+    index = [slice(None)] * axis
+    return {name: rows[(*index, slice(lo, hi))] for name, lo, hi in zip(seqs, bounds[:-1], bounds[1:])}
 
 
 class ProbeWindow:
@@ -371,15 +384,19 @@ def measure_window(
     if len({ids.shape[-1] for ids in seqs.values()}) == 1 and len(set(counts.values())) == 1:
         q = hutchinson_squares(model, torch.cat(list(seqs.values())), counts[names[0]], cfg.target, cfg.exact_chunk,
                                step_generator(cfg.seed, step))
-        bounds = np.cumsum([0] + [len(ids) for ids in seqs.values()])
-        squares = {name: q[:, lo:hi] for name, lo, hi in zip(names, bounds[:-1], bounds[1:])}
+        squares = split_by_set(q, seqs, axis=1)
     else:
         squares = {name: hutchinson_squares(model, seqs[name], counts[name], cfg.target, cfg.exact_chunk,
                                             step_generator(cfg.seed, step)) for name in names}
+    return pool(window, squares, step)
+
+
+def pool(window: ProbeWindow, squares: Mapping[str, np.ndarray], step: int) -> dict[str, WindowResult]:
+    """Each set's probes of `step` (k, B, L) added to `window`: the step's own estimate and the window's."""
     out = {}
-    for name in names:
-        window.add(name, squares[name], step)
-        out[name] = WindowResult(own_estimate(squares[name]), window.estimate(name), window.probes(name))
+    for name, q in squares.items():
+        window.add(name, q, step)
+        out[name] = WindowResult(own_estimate(q), window.estimate(name), window.probes(name))
     return out
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from analysis.measure.jacobian import eval_mode
+from analysis.measure.jacobian import eval_mode, split_by_set
 from analysis.measure.prior import log10_profile, rollout, spearman, w1_distance
 from models.training.loss import unwrap
 
@@ -77,17 +77,12 @@ def _causal_mask(attn: nn.Module, L: int, dtype: torch.dtype, device: torch.devi
 
 def _eager_maps(attn: nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
     """The module's attention maps (B, n_heads, L, L), from its eager implementation on these inputs."""
-    config = attn.config
-    previous = config._attn_implementation
-    config._attn_implementation = "eager"
-    try:
+    with eager_attention(attn.config):
         L = hidden_states.shape[1]
         mask = _causal_mask(attn, L, hidden_states.dtype, hidden_states.device)
         # .forward, not __call__: the capture hooks must not see this second pass.
         _, maps = attn.forward(hidden_states=hidden_states, position_embeddings=position_embeddings,
                                attention_mask=mask)
-    finally:
-        config._attn_implementation = previous
     if maps is None:
         raise ValueError(f"{type(attn).__name__} returned no attention maps from its eager implementation")
     return maps
@@ -132,10 +127,9 @@ def capture(model: nn.Module, input_ids: torch.Tensor, keep_heads: bool = False)
 
 
 @contextmanager
-def eager_attention(model: nn.Module) -> Iterator[None]:
-    """Every attention layer of `model` computes with transformers' eager implementation (which returns its maps);
-    the implementation it had is restored on exit."""
-    config = unwrap(model).config
+def eager_attention(config) -> Iterator[None]:
+    """Every attention layer that reads this model config computes with transformers' eager implementation (which
+    returns its maps); the implementation it had is restored on exit."""
     previous = config._attn_implementation
     config._attn_implementation = "eager"
     try:
@@ -278,8 +272,8 @@ def measure_rollouts(model: nn.Module, seqs: Mapping[str, torch.Tensor]) -> dict
 
 def split_sets(rows: Mapping[str, np.ndarray], seqs: Mapping[str, torch.Tensor]) -> dict[str, dict[str, np.ndarray]]:
     """{variant: (B, L)} rollouts of the sets' sequences stacked in order -> {set: {variant: (n_seq, L)}}."""
-    bounds = np.cumsum([0, *(len(ids) for ids in seqs.values())])
-    return {name: {str(v): r[bounds[k]:bounds[k + 1]] for v, r in rows.items()} for k, name in enumerate(seqs)}
+    by_variant = {str(v): split_by_set(r, seqs) for v, r in rows.items()}
+    return {name: {v: parts[name] for v, parts in by_variant.items()} for name in seqs}
 
 
 def mean_rollout(rows: np.ndarray) -> np.ndarray:

@@ -20,20 +20,23 @@ import torch
 from torch import nn
 
 from analysis.measure.jacobian import (
+    Estimator,
     JacobianConfig,
     JacobianTarget,
     ProbeWindow,
     ProfileResult,
     WindowResult,
-    _final_norm,
     _input_embeddings,
     _probe_squares,
+    _target,
     eval_mode,
-    own_estimate,
+    pool,
     probe_estimate,
+    split_by_set,
     step_generator,
 )
 from analysis.measure.rollout import as_capture, eager_attention, recording, rollouts, split_sets
+from models.training.loss import unwrap
 
 
 @dataclass
@@ -44,20 +47,6 @@ class StepMeasurement:
     profiles: dict[str, ProfileResult]
     pooled: dict[str, WindowResult] | None
     rollouts: dict[str, dict[str, np.ndarray]]
-
-
-def _output(model: nn.Module, embeds: torch.Tensor, target: JacobianTarget) -> torch.Tensor:
-    """(B, d): the target at the last position, from one full forward pass."""
-    if target == JacobianTarget.last_hidden:
-        return model(inputs_embeds=embeds, use_cache=False, logits_to_keep=1,
-                     output_hidden_states=True).hidden_states[-1][:, -1]
-    captured: list[torch.Tensor] = []
-    handle = _final_norm(model).register_forward_hook(lambda mod, args, out: captured.append(args[0][:, -1]))
-    try:
-        model(inputs_embeds=embeds, use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    return captured[-1]
 
 
 def measure_step(model: nn.Module, seqs: Mapping[str, torch.Tensor], cfg: JacobianConfig, step: int,
@@ -74,21 +63,16 @@ def measure_step(model: nn.Module, seqs: Mapping[str, torch.Tensor], cfg: Jacobi
         raise ValueError(f"the sets' windows hold different histories ({counts} probes to draw)")
     generator = step_generator(cfg.seed, step) if window else torch.Generator().manual_seed(cfg.seed)
     emb_layer = _input_embeddings(model)
-    with eval_mode(model), torch.enable_grad(), eager_attention(model), \
+    with eval_mode(model), torch.enable_grad(), eager_attention(unwrap(model).config), \
             recording(model, maps_from_output=True) as found:
         embeds = emb_layer(ids.to(emb_layer.weight.device)).detach().requires_grad_(True)  # (B, L, D)
-        y = _output(model, embeds, JacobianTarget(cfg.target))  # (B, d)
+        y = _target(model, embeds, JacobianTarget(cfg.target), Estimator.hutchinson, full_pass=True)  # (B, d)
         q = _probe_squares(y, embeds, counts.pop(), cfg.exact_chunk, generator)  # (k, B, L)
     rolls = split_sets(rollouts(as_capture(found)), seqs) if with_rollouts else {}
-    bounds = np.cumsum([0] + [len(s) for s in seqs.values()])
-    squares = {name: q[:, lo:hi] for name, lo, hi in zip(names, bounds[:-1], bounds[1:])}
+    squares = split_by_set(q, seqs, axis=1)
     if window is None:
         estimates = {name: probe_estimate(sq) for name, sq in squares.items()}
         return StepMeasurement({name: ProfileResult(rho.cpu().numpy(), se.cpu().numpy())
                                 for name, (rho, se) in estimates.items()}, None, rolls)
-    pooled = {}
-    for name, sq in squares.items():
-        sq = sq.cpu().numpy()
-        window.add(name, sq, step)
-        pooled[name] = WindowResult(own_estimate(sq), window.estimate(name), window.probes(name))
+    pooled = pool(window, {name: sq.cpu().numpy() for name, sq in squares.items()}, step)
     return StepMeasurement({name: res.window for name, res in pooled.items()}, pooled, rolls)
