@@ -85,3 +85,8 @@ def test_the_measurement_leaves_no_gradient_and_no_hook_behind():
     measure_step(model, seqs, JacobianConfig(num_probes=2, seq_len=L), step=1)
     assert hooks() == after_one
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_single_probe_needs_a_window():
+    with pytest.raises(ValueError, match="num_probes=1 without a window"):
+        measure_step(tiny_model(), sets(), JacobianConfig(num_probes=1, seq_len=L), step=0)

@@ -16,8 +16,11 @@ from scipy.stats import spearmanr
 from analysis.measure.prior import (
     FLOOR_REL,
     PriorFit,
+    _constant_mixture_weights,
+    _mixture_weights,
     alpha_from_gain,
     anchor_mass,
+    average_ranks,
     closed_form_exact,
     fit_alpha,
     fit_alpha_w1,
@@ -527,6 +530,26 @@ def test_w1_and_spearman():
     a, b = rng.random(50), rng.integers(0, 5, 50)
     assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, rel=1e-12)
     assert np.isnan(spearman(np.ones(5), a[:5]))
+
+
+def test_average_ranks_are_scipys_with_ties():
+    from scipy.stats import rankdata
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 7, 300):
+        tied = rng.integers(0, 4, n).astype(float)  # many ties
+        untied = rng.normal(size=n)
+        np.testing.assert_array_equal(average_ranks(tied), rankdata(tied))
+        np.testing.assert_array_equal(average_ranks(untied), rankdata(untied))
+
+
+def test_a_fits_grid_weights_are_the_one_at_a_time_weights():
+    """The fits score their 33-point grid in one array operation: the same weights, bit for bit, as
+    `_mixture_weights` of each constant schedule, so the fits find the same alpha they found one point at a time."""
+    grid = np.linspace(0.0, 1.0, 33)
+    for H in (1, 2, 4, 24):
+        one_at_a_time = np.stack([_mixture_weights(np.full(H, a)) for a in grid])
+        np.testing.assert_array_equal(_constant_mixture_weights(H, grid), one_at_a_time)
 
 
 def test_fit_schedule_power_recovers_parameters():

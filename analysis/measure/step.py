@@ -13,6 +13,7 @@ positions, which the separate profile skips, a small cost beside two forward pas
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,14 +58,20 @@ def measure_step(model: nn.Module, seqs: Mapping[str, torch.Tensor], cfg: Jacobi
     names = list(seqs)
     if len({ids.shape[-1] for ids in seqs.values()}) != 1:
         raise ValueError(f"measure_step needs sets of one length, got {({n: s.shape[-1] for n, s in seqs.items()})}")
+    if window is None and cfg.num_probes < 2:
+        raise ValueError(f"num_probes={cfg.num_probes} without a window: a step's own estimate needs 2 probes for its "
+                         "standard error")
     ids = torch.cat(list(seqs.values()))  # (B, L)
     counts = {window.probes_for(name, cfg.num_probes, step) if window else cfg.num_probes for name in names}
     if len(counts) != 1:
         raise ValueError(f"the sets' windows hold different histories ({counts} probes to draw)")
     generator = step_generator(cfg.seed, step) if window else torch.Generator().manual_seed(cfg.seed)
     emb_layer = _input_embeddings(model)
-    with eval_mode(model), torch.enable_grad(), eager_attention(unwrap(model).config), \
-            recording(model, maps_from_output=True) as found:
+    # Without rollouts the model keeps its own attention kernel: eager attention and the hooks cost ~60% more here.
+    with eval_mode(model), torch.enable_grad(), ExitStack() as stack:
+        if with_rollouts:
+            stack.enter_context(eager_attention(unwrap(model).config))
+            found = stack.enter_context(recording(model, maps_from_output=True))
         embeds = emb_layer(ids.to(emb_layer.weight.device)).detach().requires_grad_(True)  # (B, L, D)
         y = _target(model, embeds, JacobianTarget(cfg.target), Estimator.hutchinson, full_pass=True)  # (B, d)
         q = _probe_squares(y, embeds, counts.pop(), cfg.exact_chunk, generator)  # (k, B, L)
