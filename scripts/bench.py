@@ -3,9 +3,10 @@
     python -m scripts.bench                 # every benchmark but the real-model ones
     python -m scripts.bench train prior     # some of them
     python -m scripts.bench --write         # and record the table in BENCHMARKS.md (its sections below stay)
-    python -m scripts.bench hf_trainer      # a real model against transformers.Trainer (~20 min; the wheel model)
+    python -m scripts.bench hf_trainer      # a real model against transformers.Trainer, 5 paired runs (~21 min)
     python -m scripts.bench loglik          # the answer log-likelihood against a bare forward (SmolLM2, mdqa)
-    python -m scripts.bench measure         # the default run's per-step measurement: its share, its error (~15 min)
+    python -m scripts.bench measure         # the per-step measurement (default run, SmolLM2): share, error (~11 min)
+    python -m scripts.bench precision       # bf16 autocast against fp32, SmolLM2 training end to end (~10 min)
 
 Every row is a ratio against a baseline measured in the same process and run, because the machines
 are shared and noisy: an absolute time alone means little.
@@ -37,12 +38,15 @@ BENCHMARKS = {
     "hf_trainer": ("scripts.bench_hf_trainer", "bench_hf_trainer"),
     "loglik": ("scripts.bench_loglik", "bench_loglik"),
     "measure": ("scripts.bench_measure", "bench_measure"),
+    "precision": ("scripts.bench_precision", "bench_precision"),
 }
 # Run only when named: they fetch a model and take many minutes; each writes its own section of BENCHMARKS.md.
 REAL_MODEL = {
     "hf_trainer": "Real model: SmolLM2-135M-Instruct against transformers.Trainer",
     "loglik": "Real model: the answer log-likelihood against a bare forward pass (SmolLM2, mdqa)",
-    "measure": "The per-step Jacobian and rollouts in the default run: their share of it, their error against exact",
+    "measure": "The per-step Jacobian and rollouts: their share of the training wall time (default run, SmolLM2 "
+               "recipe), their error against exact",
+    "precision": "Real model: bf16 autocast against fp32 on this CPU, a short run of the SmolLM2 recipe",
 }
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR_REFS = Path("/proc/self/clear_refs")

