@@ -6,7 +6,7 @@
     python -m scripts.bench hf_trainer      # a real model against transformers.Trainer, 5 paired runs (~21 min)
     python -m scripts.bench loglik          # the answer log-likelihood against a bare forward (SmolLM2, mdqa)
     python -m scripts.bench measure         # the per-step measurement (default run, SmolLM2): share, error (~11 min)
-    python -m scripts.bench precision       # bf16 autocast against fp32, SmolLM2 training end to end (~10 min)
+    python -m scripts.bench precision       # bf16 against fp32, SmolLM2 training and evaluation (~21 min)
 
 Every row is a ratio against a baseline measured in the same process and run, because the machines
 are shared and noisy: an absolute time alone means little.
@@ -46,7 +46,7 @@ REAL_MODEL = {
     "loglik": "Real model: the answer log-likelihood against a bare forward pass (SmolLM2, mdqa)",
     "measure": "The per-step Jacobian and rollouts: their share of the training wall time (default run, SmolLM2 "
                "recipe), their error against exact",
-    "precision": "Real model: bf16 autocast against fp32 on this CPU, a short run of the SmolLM2 recipe",
+    "precision": "Real model: bf16 against fp32 on this CPU (SmolLM2: training under autocast, evaluation in bf16 weights)",
 }
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR_REFS = Path("/proc/self/clear_refs")

@@ -1,6 +1,8 @@
-"""bf16 autocast against fp32 on this CPU, end to end: a short run of issue 39's SmolLM2 recipe in each (issue 42).
+"""bf16 against fp32 on this CPU, end to end: a short run of issue 39's SmolLM2 recipe in each, and an evaluation of
+the starting model in each (issue 42).
 
-    python -m scripts.bench precision --write      # three runs of +exp=in2_smol_mdqa, 8 steps each (~10 min)
+    python -m scripts.bench precision --write      # three runs of +exp=in2_smol_mdqa, 8 steps each; two evaluations
+                                                   # (~21 min)
 
 Runs, one after the other, each a `python train.py` process: fp32 with seed 0, fp32 with seed 1 (the run-to-run
 spread: another LoRA initialisation and data order) and bf16 autocast with seed 0 (`trainer.precision=bf16`: fp32
