@@ -5,7 +5,7 @@
     python -m scripts.bench --write         # and record the table in BENCHMARKS.md (its sections below stay)
     python -m scripts.bench hf_trainer      # a real model against transformers.Trainer, 5 paired runs (~21 min)
     python -m scripts.bench loglik          # the answer log-likelihood against a bare forward (SmolLM2, mdqa)
-    python -m scripts.bench measure         # the per-step measurement (default run, SmolLM2): share, error (~11 min)
+    python -m scripts.bench measure         # the per-step measurement (default run, SmolLM2): share, error (~22 min)
     python -m scripts.bench precision       # bf16 against fp32, SmolLM2 training and evaluation (~21 min)
 
 Every row is a ratio against a baseline measured in the same process and run, because the machines
