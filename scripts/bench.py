@@ -82,9 +82,10 @@ def extra_peak_rss_mib(op: Callable[[], object]) -> float | None:
 
 
 def _fmt(value) -> str:
+    """A table cell: floats to 4 significant digits, a | escaped (it would end the cell)."""
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return str(value).replace("|", "\\|")
 
 
 def table(rows: list[tuple[str, dict]]) -> str:
@@ -92,7 +93,7 @@ def table(rows: list[tuple[str, dict]]) -> str:
     lines = ["| benchmark | what | ratio | details |", "| --- | --- | --- | --- |"]
     for bench, row in rows:
         details = "; ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k not in ("name", "ratio"))
-        lines.append(f"| {bench} | {row['name']} | {_fmt(row.get('ratio'))} | {details} |")
+        lines.append(f"| {bench} | {_fmt(row['name'])} | {_fmt(row.get('ratio'))} | {details} |")
     return "\n".join(lines)
 
 

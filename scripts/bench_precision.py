@@ -85,7 +85,7 @@ def _evaluation_rows(tmp: Path, questions: int) -> list[dict]:
                "bf16_acc": " ".join(f"{v:.2f}" for v in bf16.accuracy_by_position().values()),
                "loglik_gap_mean": float(np.mean(loglik_gap)), "loglik_gap_max": float(np.max(loglik_gap))}
     return [{"name": f"evaluation seconds, fp32 / bf16 weights, SmolLM2 on mdqa-10 ({questions} dev questions x "
-                     "gold 0, 4, 9: greedy answers and the gold's log-likelihood)",
+                     "closed-book, gold 0, 4, 9: greedy answers and the gold's log-likelihood)",
              "ratio": fp32_s / bf16_s, **details}]
 
 
@@ -100,7 +100,7 @@ def bench_precision(steps: int = 8, questions: int = 30) -> list[dict]:
         {"name": f"bf16 autocast / fp32 training tokens/s, SmolLM2 recipe (+exp=in2_smol_mdqa), {steps - 1} timed steps",
          "ratio": speed["bf16 seed 0"] / speed["fp32 seed 0"], "bf16_tok_s": speed["bf16 seed 0"],
          "fp32_tok_s": speed["fp32 seed 0"], "fp32_seed1_tok_s": speed["fp32 seed 1"]},
-        {"name": f"training loss, |bf16 - fp32| (same seed and samples) over |fp32 seed 1 - fp32 seed 0|, "
+        {"name": f"training loss, the gap bf16 to fp32 (same seed and samples) over the gap fp32 seed 1 to seed 0, "
                  f"the largest of {steps} steps",
          "ratio": float(bf16_gap.max() / seed_gap.max()), "bf16_gap_max": float(bf16_gap.max()),
          "bf16_gap_mean": float(bf16_gap.mean()), "seed_gap_max": float(seed_gap.max()),

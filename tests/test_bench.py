@@ -66,3 +66,9 @@ def test_the_trainer_comparison_pairs_each_repeat_and_takes_the_median(monkeypat
     assert full_packed["ratios"] == "1.500 1.500 0.750"  # each ours over the Trainer of its own repeat
     assert full_packed["ratio"] == 1.5 and full_packed["spread"] == 0.75 and full_packed["runs_meeting_goal"] == 2
     assert lora_padded["ratio"] == 2.4 and lora_padded["runs_meeting_goal"] == 3 and lora_padded["baseline"] == 50.0
+
+
+def test_a_bar_in_a_cell_does_not_split_the_table():
+    out = bench.table([("b", {"name": "|x - y|", "ratio": 1.0, "note": "a|b"})])
+    row = out.splitlines()[-1]
+    assert row.count(" | ") == 3 and "\\|x - y\\|" in row and "note=a\\|b" in row
