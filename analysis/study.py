@@ -445,10 +445,6 @@ def bin_intervals(
 # ---------------------------------------------------------------------------------------------- valley
 
 
-def _valley_ends(job: Job) -> dict[tuple[str, str], tuple[int, float, int, float]]:
-    return valley_ends(job.metrics)
-
-
 def valley_ends(metrics: Mapping[int, Mapping[str, Any]]) -> dict[tuple[str, str], tuple[int, float, int, float]]:
     """(set, metric) -> (first step, value, last step, value) of the valley keys (VALLEY_METRICS) logged in
     `metrics` (step -> its merged row, `merged_metrics`)."""
@@ -469,7 +465,7 @@ def _in_set_order(names: Iterable[str]) -> list[str]:
 
 def valley_sets(study: Study) -> list[str]:
     """The Jacobian sets any job logged valley metrics for, `vanilla` and `chunked` first."""
-    return _in_set_order(name for job in study.jobs for name, _ in _valley_ends(job))
+    return _in_set_order(name for job in study.jobs for name, _ in valley_ends(job.metrics))
 
 
 def valley_changes(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
@@ -477,7 +473,7 @@ def valley_changes(study: Study) -> dict[str, dict[str, dict[str, dict[str, Any]
     that logged the metric (nan and no seeds when none did) at their first and last logged steps."""
     sets, out = valley_sets(study), {}
     for arm in study.arms:
-        ends = [_valley_ends(job) for job in study.arm_jobs(arm)]
+        ends = [valley_ends(job.metrics) for job in study.arm_jobs(arm)]
         out[arm] = {}
         for name in sets:
             out[arm][name] = {}

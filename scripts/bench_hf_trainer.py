@@ -31,6 +31,7 @@ MODEL = "smollm2_135m"
 KEEP = ("input_ids", "attention_mask", "labels")  # what the Trainer's model takes of a batch
 PACKED = ["data.packing=true", "data.pack_len=1024", "trainer.micro_batch_size=2"]  # 2048 slots, as padded
 GOALS = {"padded": 1.0, "packed": 1.5}  # ours / the Trainer's tokens/s (issue 42)
+METHODS = {"full fine-tune": [], "LoRA r=8": ["peft=lora"]}  # name -> its overrides
 
 
 def _config(steps: int, overrides: list[str]):
@@ -125,9 +126,8 @@ def bench_hf_trainer(steps: int = 4, skip: int = 1, repeats: int = 5) -> list[di
     ratios: dict[tuple[str, str], list[float]] = {}
     speeds: dict[tuple[str, str], list[tuple[float, float]]] = {}
     peaks: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    methods = (("full fine-tune", []), ("LoRA r=8", ["peft=lora"]))
     for _ in range(repeats):
-        for method, peft in methods:
+        for method, peft in METHODS.items():
             baseline = in_fresh_process(_hf_trainer, steps, skip, peft)
             for layout, extra in (("padded", []), ("packed", PACKED)):
                 ours = in_fresh_process(_ours, steps, skip, peft + extra)
@@ -148,7 +148,7 @@ def bench_hf_trainer(steps: int = 4, skip: int = 1, repeats: int = 5) -> list[di
             "spread": round(max(paired) - min(paired), 3),
             "runs_meeting_goal": sum(r >= GOALS[layout] for r in paired),
             "ours": round(statistics.median(ours_speed), 1), "baseline": round(statistics.median(base_speed), 1),
-            "baseline_is": "transformers.Trainer" + (" + peft" if "LoRA" in method else "") + ", padded, full logits",
+            "baseline_is": "transformers.Trainer" + (" + peft" if METHODS[method] else "") + ", padded, full logits",
             "goal": f">= {GOALS[layout]} in the median" + (" and in every run" if layout == "padded" else ""),
             "peak_rss_mib_ours": round(statistics.median(ours_peak)),
             "peak_rss_mib_baseline": round(statistics.median(base_peak)),

@@ -48,15 +48,27 @@ def _overrides(estimator: list[str], steps: int) -> list[str]:
             *estimator]
 
 
-def _run(out: Path, overrides: list[str]) -> Path:
+def smol_overrides(steps: int) -> list[str]:
+    """A short run of the SmolLM2 recipe of issue 39's experiment (`+exp=in2_smol_mdqa`): no evaluations, no
+    checkpoints."""
+    return ["+exp=in2_smol_mdqa", f"trainer.max_steps={steps}", "eval.every=0", "eval.num_examples=0",
+            "trainer.save_every=0", f"data.num_train={steps * 8}", "logger.mode=disabled"]
+
+
+def run_train(out: Path, overrides: list[str]) -> Path:
+    """`python train.py` with `overrides` into `out`, as its own process, quietly."""
     command = [sys.executable, "train.py", *overrides, f"hydra.run.dir={out}"]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+
+
 def share(run_dir: Path) -> dict[str, float]:
     """The run summary's figure: the measurement's seconds over the training wall time."""
-    rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     wall = max(r["train/wall_s"] for r in rows if "train/wall_s" in r)
     measured = [r["jacobian/wall_s"] for r in rows if "jacobian/wall_s" in r]
     return {"share": sum(measured) / wall, "s_per_measured_step": float(np.mean(measured)), "train_wall_s": wall}
@@ -114,10 +126,8 @@ def smol_share(steps: int = 8) -> dict[str, float]:
     so short a run, and the steady one, a measured step's median seconds over a training step's median after
     step 0 (what a 150-step run of the experiment pays)."""
     with tempfile.TemporaryDirectory(prefix="bench_measure_smol_") as tmp:
-        run_dir = _run(Path(tmp) / "run", [
-            "+exp=in2_smol_mdqa", f"trainer.max_steps={steps}", "eval.every=0", "eval.num_examples=0",
-            "trainer.save_every=0", f"data.num_train={steps * 8}", "logger.mode=disabled"])
-        rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+        run_dir = run_train(Path(tmp) / "run", smol_overrides(steps))
+        rows = metrics_rows(run_dir)
         cost = share(run_dir)
     measured = [r["jacobian/wall_s"] for r in rows if "jacobian/wall_s" in r]
     ends = [r["train/wall_s"] for r in rows if "train/wall_s" in r]
@@ -126,9 +136,8 @@ def smol_share(steps: int = 8) -> dict[str, float]:
     return {**cost, "steady_share": measure_s / step_s, "s_per_step": step_s, "first_measured_s": measured[0]}
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["train/loss"] for line in RunDir(run_dir).metrics.read_text().splitlines()
-            if "train/loss" in line]
+def losses(rows: list[dict]) -> list[float]:
+    return [r["train/loss"] for r in rows if "train/loss" in r]
 
 
 def bench_measure(steps: int = 2000, seeds: int = 5) -> list[dict]:
@@ -141,15 +150,16 @@ def bench_measure(steps: int = 2000, seeds: int = 5) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench_measure_") as tmp:
         for k, (label, estimator) in enumerate(ESTIMATORS.items()):
             overrides = _overrides(estimator, steps)
-            run_dir = _run(Path(tmp) / f"run{k}", overrides)
+            run_dir = run_train(Path(tmp) / f"run{k}", overrides)
             cost = share(run_dir)
             rows.append({"name": f"{label}: share of the default run's training wall time", "ratio": cost["share"],
                          **cost, "goal": "<= 0.15"})
             # the streamed estimator's error over probe seeds: the same training again, other probes
             streamed = "jacobian.window=8" in estimator
-            others = [_run(Path(tmp) / f"run{k}_seed{seed}", [*overrides, f"jacobian.seed={seed}", "trainer.save_every=0"])
+            others = [run_train(Path(tmp) / f"run{k}_seed{seed}",
+                                [*overrides, f"jacobian.seed={seed}", "trainer.save_every=0"])
                       for seed in range(1, seeds if streamed else 1)]
-            if any(_losses(other) != _losses(run_dir) for other in others):
+            if any(losses(metrics_rows(other)) != losses(metrics_rows(run_dir)) for other in others):
                 raise RuntimeError("another probe seed changed the training: the runs' weights differ")
             n = f"mean of {1 + len(others)} probe seeds" if others else "1 probe seed"
             for err in profile_errors([run_dir, *others], overrides, steps, seeds):

@@ -20,7 +20,6 @@ Rows:
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -33,29 +32,16 @@ import numpy as np
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.scoring import first_line
 from models.training.run_dir import RunDir
+from scripts.bench_measure import ROOT, losses, metrics_rows, run_train, smol_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"fp32 seed 0": ["trainer.precision=fp32", "seed=0"], "fp32 seed 1": ["trainer.precision=fp32", "seed=1"],
         "bf16 seed 0": ["trainer.precision=bf16", "seed=0"]}
-
-
-def _run(out: Path, overrides: list[str], steps: int) -> list[dict]:
-    """The run's metrics rows."""
-    command = [sys.executable, "train.py", "+exp=in2_smol_mdqa", f"trainer.max_steps={steps}", "eval.every=0",
-               "eval.num_examples=0", "trainer.save_every=0", f"data.num_train={steps * 8}", "logger.mode=disabled",
-               *overrides, f"hydra.run.dir={out}"]
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return [json.loads(line) for line in RunDir(out).metrics.read_text().splitlines()]
 
 
 def _tokens_per_s(rows: list[dict]) -> float:
     """Tokens over seconds from the end of step 1 (the first, with its warm-up, left out)."""
     timed = [r for r in rows if "train/wall_s" in r]
     return sum(r["train/tokens"] for r in timed[1:]) / (timed[-1]["train/wall_s"] - timed[0]["train/wall_s"])
-
-
-def _losses(rows: list[dict]) -> np.ndarray:
-    return np.array([r["train/loss"] for r in rows if "train/loss" in r])
 
 
 def _evaluate(out: Path, dtype: str, questions: int) -> tuple[ProbeResult, float]:
@@ -91,9 +77,10 @@ def _evaluation_rows(tmp: Path, questions: int) -> list[dict]:
 
 def bench_precision(steps: int = 8, questions: int = 30) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench_precision_") as tmp:
-        runs = {name: _run(Path(tmp) / f"run{k}", overrides, steps) for k, (name, overrides) in enumerate(RUNS.items())}
+        runs = {name: metrics_rows(run_train(Path(tmp) / f"run{k}", [*smol_overrides(steps), *overrides]))
+                for k, (name, overrides) in enumerate(RUNS.items())}
         evaluation = _evaluation_rows(Path(tmp), questions)
-    fp32, other_seed, bf16 = (_losses(runs[name]) for name in RUNS)
+    fp32, other_seed, bf16 = (np.array(losses(runs[name])) for name in RUNS)
     bf16_gap, seed_gap = np.abs(bf16 - fp32), np.abs(other_seed - fp32)
     speed = {name: _tokens_per_s(rows) for name, rows in runs.items()}
     return [
