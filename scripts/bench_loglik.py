@@ -10,10 +10,13 @@ in one process one after another:
 - ours: every item's first 3 answer aliases, one prompt pass and the aliases as a batch over its cache;
 - the way it was measured before (issue 39's 645 s for 200 items): one full forward over prompt + alias for each
   alias, one at a time;
-- the evaluation's greedy answers (100 new tokens, stopped at the first complete line, as the mdqa probe runs).
+- the evaluation's greedy answers (100 new tokens, stopped at the first complete line, as the mdqa probe runs);
+- both at once as an evaluation asks them (`answers_and_logliks`): one prefill a batch, the aliases scored over it
+  and the answers continuing it.
 
-Each ratio is against the floor, except the last (greedy answers against ours). A `max_abs_diff` column checks that
-ours and the per-alias forwards give the same numbers.
+Each ratio is against the floor, except the last two (greedy answers against ours; both at once against the two
+apart). A `max_abs_diff` column checks that ours and the per-alias forwards give the same numbers; the last row says
+how many answers are those of the two apart and how far its log-likelihoods are from ours.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def bench_loglik(questions: int = QUESTIONS) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from analysis.evaluation.generate import encode_prompt, greedy_generate
-    from analysis.evaluation.loglik import answer_logliks, continuation_ids
+    from analysis.evaluation.loglik import answer_logliks, answers_and_logliks, continuation_ids
     from data_builders.probes import NQ_FILE, mdqa_probe
     from data_builders.question_split import EvaluationPart, QuestionSplit
     from models.wheel_models import ensure_model
@@ -76,9 +79,16 @@ def bench_loglik(questions: int = QUESTIONS) -> list[dict]:
     t_bare = _seconds(bare)
     t_ours = _seconds(lambda: ours.extend(answer_logliks(model, tokenizer, items, True, ALIASES, progress=False)))
     t_alias = _seconds(one_forward_per_alias)
-    t_generate = _seconds(lambda: greedy_generate(model, tokenizer, prompts, 100, 16, progress=False,
-                                                  first_line_only=True, batch_tokens=16384))
+    answers: list[str] = []
+    t_generate = _seconds(lambda: answers.extend(greedy_generate(model, tokenizer, prompts, 100, 16, progress=False,
+                                                                 first_line_only=True, batch_tokens=16384)))
+    generate, loglik = answers_and_logliks(model, tokenizer, 100, 16, chat_template=True, first_line_only=True,
+                                           batch_tokens=16384, n_aliases=ALIASES, progress=False)
+    joint_answers: list[str] = []
+    joint: list[list[float]] = []
+    t_joint = _seconds(lambda: (joint_answers.extend(generate(items)), joint.extend(loglik(items))))
     diff = max(abs(a - b) for xs, ys in zip(ours, per_alias) for a, b in zip(xs, ys))
+    joint_diff = max(abs(a - b) for xs, ys in zip(joint, ours) for a, b in zip(xs, ys))
     tokens = sum(map(len, prompts))
     common = {"prompts": len(prompts), "prompt_tokens": tokens, "aliases": sum(map(len, targets)),
               "threads": torch.get_num_threads()}
@@ -90,4 +100,8 @@ def bench_loglik(questions: int = QUESTIONS) -> list[dict]:
          "bare_s": t_bare, **common},
         {"name": "greedy answers (100 new tokens, first line, batches of 16) / answer log-likelihood",
          "ratio": t_generate / t_ours, "generate_s": t_generate, "ours_s": t_ours, **common},
+        {"name": "greedy answers and their log-likelihood from one prefill a batch / the two apart",
+         "ratio": t_joint / (t_generate + t_ours), "joint_s": t_joint, "apart_s": t_generate + t_ours,
+         "same_answers": f"{sum(a == b for a, b in zip(joint_answers, answers))}/{len(answers)}",
+         "max_abs_diff": joint_diff, **common},
     ]

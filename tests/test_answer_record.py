@@ -75,15 +75,19 @@ def tokenizer(tmp_path):
 
 @pytest.fixture
 def answered(monkeypatch) -> list[int]:
-    """The number of items each answering call got (one call a chunk)."""
+    """The number of items each answering call got (one call a chunk), with or without the log-likelihood."""
     calls: list[int] = []
-    real = probes.model_generate_fn
+    real, real_with_loglik = probes.model_generate_fn, probes.answers_and_logliks
 
-    def counting(*args, **kwargs):
-        generate = real(*args, **kwargs)
+    def counted(generate):
         return lambda items: calls.append(len(items)) or generate(items)
 
-    monkeypatch.setattr(probes, "model_generate_fn", counting)
+    def with_loglik(*args, **kwargs):
+        generate, loglik = real_with_loglik(*args, **kwargs)
+        return counted(generate), loglik
+
+    monkeypatch.setattr(probes, "model_generate_fn", lambda *args, **kwargs: counted(real(*args, **kwargs)))
+    monkeypatch.setattr(probes, "answers_and_logliks", with_loglik)
     return calls
 
 

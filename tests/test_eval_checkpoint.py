@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from analysis import compare
 from analysis.evaluation import generate as generation
+from analysis.evaluation import loglik
 from analysis.evaluation.checkpoints import resolve_target
 from analysis.evaluation.result import ProbeResult
 from data_builders.probes import synthetic_filler
@@ -68,12 +69,13 @@ def generate_calls(monkeypatch, tmp_path) -> list[dict]:
     calls: list[dict] = []
 
     def fake_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress=True, first_line_only=False,
-                      batch_tokens=None, shared_prefix=False):
+                      batch_tokens=None, shared_prefix=False, prefill=None):
         calls.append({"prompts": [list(p) for p in prompts], "attn": model.config._attn_implementation,
                       "dtype": model.dtype, "shared_prefix": shared_prefix})
         return [""] * len(prompts)
 
     monkeypatch.setattr(generation, "greedy_generate", fake_generate)
+    monkeypatch.setattr(loglik, "greedy_generate", fake_generate)  # answers that share their prefill (no loglik)
     return calls
 
 

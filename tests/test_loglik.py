@@ -1,5 +1,6 @@
 """analysis.evaluation.loglik: the teacher-forced answer log-likelihood against a full forward pass in float64,
-the answer's tokenization as a continuation, and items of every kind."""
+the answer's tokenization as a continuation, items of every kind, and the scores read off the greedy answers' own
+prefill."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,15 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from analysis.evaluation.loglik import answer_logliks, best, continuation_ids, sequence_logprobs
+from analysis.evaluation.generate import _left_padded, model_generate_fn
+from analysis.evaluation.loglik import (
+    answer_logliks,
+    answers_and_logliks,
+    best,
+    continuation_ids,
+    prefill_and_score,
+    sequence_logprobs,
+)
 from data_builders.probes import ProbeItem
 
 TEXTS = ["Answer: Paris is the capital of France", "the value of the key is blue", "Document one says Paris"]
@@ -80,3 +89,36 @@ def test_items_of_every_kind(model, tokenizer):
 def test_best_of_the_aliases():
     assert best([-3.0, -1.5, math.nan]) == -1.5
     assert math.isnan(best([]))
+
+
+def test_a_batch_prefill_scores_every_row_as_a_full_forward_in_float64(model):
+    # rows of different lengths (left padding: a row's positions start at its first token), one of a single token
+    # (nothing of it in the prefill), and 0 to 3 targets of 1 to 4 tokens (alias j of every row is one pass)
+    prompts = [[5, 9, 12, 40, 7, 3], [11, 4], [6], [20, 21, 22, 23]]
+    targets = [[[17], [8, 30], [44, 2, 19, 60]], [[9, 9]], [], [[3], [50, 51, 52]]]
+    ids, mask = _left_padded(prompts, pad=0)
+    cache, got = prefill_and_score(model, ids, mask, targets)
+    want = [[full_forward_logprob(model, p, t) for t in ts] for p, ts in zip(prompts, targets)]
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-10)
+    assert cache.get_seq_length() == ids.shape[1] - 1  # the targets cropped off: generate continues the prompts
+    one_token = [[5], [7]]  # a batch one column wide has no prefill
+    _, got = prefill_and_score(model, *_left_padded(one_token, pad=0), [[[17, 3]], [[4]]])
+    assert got == [pytest.approx([full_forward_logprob(model, [5], [17, 3])], abs=1e-10),
+                   pytest.approx([full_forward_logprob(model, [7], [4])], abs=1e-10)]
+
+
+def test_answers_and_logliks_from_one_prefill_equal_the_two_passes(model, tokenizer):
+    items = [ProbeItem("mdqa-0@1", "Document one says Paris\nAnswer:", ["Paris", "the capital"], 1, 3, "mdqa"),
+             ProbeItem("kv-0@0", "the value of the key is", ["blue"], 0, 3, "kv"),
+             ProbeItem("eval-0", [5, 9, 12], ["blue"], 0, 10, "in2", targets=[[17, 3], [8]]),
+             ProbeItem("eval-1", [5, 9, 12, 40, 7, 3, 11], ["red"], 0, 10, "in2", targets=[[30]])]
+    generate, loglik = answers_and_logliks(model, tokenizer, max_new_tokens=6, batch_size=3, progress=False)
+    texts = generate(items)
+    assert texts == model_generate_fn(model, tokenizer, 6, 3, progress=False)(items)
+    assert any(texts)  # the comparison saw answers, not empty strings
+    want = answer_logliks(model, tokenizer, items, progress=False)
+    for got, expected in zip(loglik(items), want):
+        assert got == pytest.approx(expected, abs=1e-10)
+    # items the answers did not come before are scored on their own
+    assert loglik(items[:2]) == answer_logliks(model, tokenizer, items[:2], progress=False)

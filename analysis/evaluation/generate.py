@@ -24,6 +24,8 @@ GenerateFn = Callable[[Sequence[ProbeItem]], list[str]]
 
 
 BatchContext = Callable[[Sequence[int], int], ContextManager]
+# (rows, left-padded ids (B, L), mask (B, L)) -> a KV cache of the batch's first L - 1 columns, which generate continues
+Prefill = Callable[[Sequence[int], torch.Tensor, torch.Tensor], Any]
 
 
 class FirstLineComplete(StoppingCriteria):
@@ -127,6 +129,7 @@ def greedy_generate(
     batch_tokens: int | None = None,
     batch_context: BatchContext | None = None,
     shared_prefix: bool = False,
+    prefill: Prefill | None = None,
 ) -> list[str]:
     """Greedy continuations of token-id prompts, decoded without special tokens, in prompt order.
 
@@ -137,15 +140,17 @@ def greedy_generate(
     the scores are those of the full budget, for less compute). The model is put in eval mode and
     its previous mode restored. `batch_context(rows, width)`, when given, is entered around each batch's
     generate call (rows: the prompts' indices, width: the padded length), e.g. to calibrate attention.
+    `prefill(rows, ids, mask)`, when given, computes each batch's KV cache of all but its last column, which
+    generate then continues (what else it reads off that pass is its own: `loglik.answers_and_logliks`).
     With `shared_prefix`, consecutive prompts that share a long prefix are answered one at a time over one
     cached prefill of it (`prefix_caches`; `batch_size`, `batch_tokens` and `batch_context` do not apply).
     """
     texts: list[str] = [""] * len(prompts)
-    if shared_prefix and batch_context is not None:
-        raise ValueError("shared_prefix answers without batches: it cannot take a batch_context")
+    if shared_prefix and (batch_context is not None or prefill is not None):
+        raise ValueError("shared_prefix answers without batches: it cannot take a batch_context or a prefill")
     answers = (_generate_shared(model, tokenizer, prompts, max_new_tokens, progress, first_line_only) if shared_prefix
                else _generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
-                              batch_tokens, batch_context))
+                              batch_tokens, batch_context, prefill))
     for rows, new in answers:
         for i, text in zip(rows, tokenizer.batch_decode(new, skip_special_tokens=True)):
             texts[i] = text
@@ -189,6 +194,7 @@ def _generate(
     first_line_only: bool,
     batch_tokens: int | None,
     batch_context: BatchContext | None = None,
+    prefill: Prefill | None = None,
 ) -> Iterator[tuple[list[int], torch.Tensor]]:
     """(prompt indices, their new tokens (B, new)) of each batch, as `greedy_generate` documents it."""
     _warn_too_long(model, prompts, max_new_tokens)
@@ -201,8 +207,10 @@ def _generate(
         for rows in tqdm(batches, desc="generate", disable=not progress):
             ids, mask = _left_padded([prompts[i] for i in rows], pad)  # (B, L) each
             width = ids.shape[1]
+            ids, mask = ids.to(model.device), mask.to(model.device)
             with batch_context(rows, width) if batch_context is not None else nullcontext():
-                out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                cache = prefill(rows, ids, mask) if prefill is not None else None
+                out = model.generate(input_ids=ids, attention_mask=mask, cache=cache,
                                      **_greedy_kwargs(tokenizer, max_new_tokens, pad, eos, first_line_only, width))
             yield rows, out[:, width:]  # (B, new)
     finally:

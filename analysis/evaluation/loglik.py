@@ -10,7 +10,9 @@ move (docs/REAL_MODEL.md).
 
 Cost: one prompt pass per item (`logits_to_keep=1`: no full-vocabulary logits over the prompt), then every alias
 of the answer as one batch over the prompt's cache. The aliases share the prompt pass, so the measure costs
-about one bare forward pass over the prompts.
+about one bare forward pass over the prompts. Asked together with greedy answers (`answers_and_logliks`), it
+shares their prefill too: each batch of prompts is prefilled once, the aliases are scored over that cache and the
+answers continue it.
 
 An answer is tokenized as the model would continue the prompt: after a chat template's assistant header
 directly, after a text prompt ending in a non-space character (`Answer:`, `value:`) with one space before it.
@@ -23,9 +25,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.evaluation.generate import encode_prompt, prefix_caches
+from analysis.evaluation.generate import GenerateFn, encode_prompt, greedy_generate, prefix_caches
 from data_builders.probes import ProbeItem
 from models.training.loss import at_least_fp32
 
@@ -77,6 +79,78 @@ def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Se
     for row, i in enumerate(longer):
         scores[i] += float(logp[row, : len(targets[i]) - 1].sum())
     return scores
+
+
+@torch.no_grad()
+def prefill_and_score(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
+                      targets: Sequence[Sequence[Sequence[int]]]) -> tuple[Any, list[list[float]]]:
+    """A batch of left-padded prompts (ids, mask: (B, L)) prefilled over its first L - 1 columns, and
+    log p(target | prompt) of every row's targets (`targets[row]`) scored over that cache: the cache (of L - 1
+    columns again, the targets cropped off) and the scores, row by row, as `sequence_logprobs` gives them up to
+    float rounding. The alias j of every row is one pass: the row's last prompt token and the alias's tokens but
+    its last, right-padded (padding after a row's tokens cannot reach them)."""
+    device = model.device
+    lengths = mask.sum(dim=-1)  # (B,) each row's prompt length
+    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # left padding: a row's first token at position 0
+    cache = (model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+                   use_cache=True, logits_to_keep=1).cache if ids.shape[1] > 1 else DynamicCache(config=model.config))
+    scores = [[math.nan] * len(row) for row in targets]
+    for j in range(max((len(row) for row in targets), default=0)):
+        tokens = [list(row[j]) if j < len(row) else [] for row in targets]
+        width = max(1, max(len(t) for t in tokens))  # the last prompt token and all but the alias's last token
+        new = torch.zeros((len(targets), width), dtype=torch.long, device=device)
+        new_mask = torch.zeros_like(new)
+        new[:, 0], new_mask[:, 0] = ids[:, -1], 1
+        for r, t in enumerate(tokens):
+            new[r, 1: len(t)] = torch.tensor(t[:-1], dtype=torch.long)
+            new_mask[r, 1: len(t)] = 1
+        logits = model(input_ids=new, attention_mask=torch.cat([mask[:, :-1], new_mask], dim=1),
+                       position_ids=(lengths - 1)[:, None] + torch.arange(width, device=device), cache=cache,
+                       use_cache=True).logits  # (B, width, V)
+        logp = torch.log_softmax(at_least_fp32(logits), dim=-1)
+        for r, t in enumerate(tokens):
+            if t:
+                scores[r][j] = float(logp[r, torch.arange(len(t)), torch.tensor(t)].sum())
+        cache.crop(-width)  # a negative count removes that many of the newest tokens
+    return cache, scores
+
+
+def answers_and_logliks(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, batch_size: int,
+    chat_template: bool = False, first_line_only: bool = False, batch_tokens: int | None = None,
+    n_aliases: int = N_ALIASES, progress: bool = True,
+) -> tuple[GenerateFn, LoglikFn]:
+    """A `generate_fn` and a `loglik_fn` for `run_probe` that share each prompt's prefill: the greedy answers of
+    `greedy_generate` (the same batches), whose prefill `prefill_and_score` also scores the aliases on. `run_probe`
+    asks a chunk's answers, then its log-likelihoods, which the answers' pass computed; items the answers did not
+    come before are scored on their own (`answer_logliks`). The same values as the two passes apart up to float
+    rounding, for the cost of one prompt pass instead of two."""
+    scored: dict[str, Any] = {}
+
+    def generate(items: Sequence[ProbeItem]) -> list[str]:
+        prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
+        targets = [_targets(it, tokenizer, chat_template, n_aliases) for it in items]
+        values: list[list[float]] = [[] for _ in items]
+
+        def prefill(rows: Sequence[int], ids: torch.Tensor, mask: torch.Tensor) -> Any:
+            cache, scores = prefill_and_score(model, ids, mask, [targets[i] for i in rows])
+            for i, row_scores in zip(rows, scores):
+                values[i] = row_scores
+            return cache
+
+        texts = greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, progress, first_line_only,
+                                batch_tokens, prefill=prefill)
+        scored.update(items=list(items), values=values)
+        return texts
+
+    def loglik(items: Sequence[ProbeItem]) -> list[list[float]]:
+        if scored and len(items) == len(scored["items"]) and all(a is b for a, b in zip(items, scored["items"])):
+            values = scored["values"]
+            scored.clear()
+            return values
+        return answer_logliks(model, tokenizer, items, chat_template, n_aliases, progress)
+
+    return generate, loglik
 
 
 def answer_logliks(
