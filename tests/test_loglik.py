@@ -8,9 +8,16 @@ import math
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from analysis.evaluation.generate import _left_padded, model_generate_fn
+from analysis.evaluation import loglik as loglik_module
+from analysis.evaluation.generate import _left_padded, _length_batches, model_generate_fn
 from analysis.evaluation.loglik import (
     answer_logliks,
     answers_and_logliks,
@@ -18,8 +25,10 @@ from analysis.evaluation.loglik import (
     continuation_ids,
     prefill_and_score,
     sequence_logprobs,
+    shares_prefill,
 )
 from data_builders.probes import ProbeItem
+from models.attention.ms_poe import MsPoEConfig, ms_poe
 
 TEXTS = ["Answer: Paris is the capital of France", "the value of the key is blue", "Document one says Paris"]
 
@@ -91,7 +100,19 @@ def test_best_of_the_aliases():
     assert math.isnan(best([]))
 
 
-def test_a_batch_prefill_scores_every_row_as_a_full_forward_in_float64(model):
+@pytest.fixture(scope="module")
+def windowed(tokenizer) -> MistralForCausalLM:
+    """A sliding window of 4 tokens, shorter than the prompts: a windowed cache layer keeps only its window."""
+    torch.manual_seed(1)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           initializer_range=0.3, sliding_window=4)
+    return MistralForCausalLM(config).double().eval()
+
+
+@pytest.mark.parametrize("which", ["model", "windowed"])
+def test_a_batch_prefill_scores_every_row_as_a_full_forward_in_float64(which, request):
+    model = request.getfixturevalue(which)
     # rows of different lengths (left padding: a row's positions start at its first token), one of a single token
     # (nothing of it in the prefill), and 0 to 3 targets of 1 to 4 tokens (alias j of every row is one pass)
     prompts = [[5, 9, 12, 40, 7, 3], [11, 4], [6], [20, 21, 22, 23]]
@@ -108,17 +129,47 @@ def test_a_batch_prefill_scores_every_row_as_a_full_forward_in_float64(model):
                    pytest.approx([full_forward_logprob(model, [7], [4])], abs=1e-10)]
 
 
-def test_answers_and_logliks_from_one_prefill_equal_the_two_passes(model, tokenizer):
-    items = [ProbeItem("mdqa-0@1", "Document one says Paris\nAnswer:", ["Paris", "the capital"], 1, 3, "mdqa"),
-             ProbeItem("kv-0@0", "the value of the key is", ["blue"], 0, 3, "kv"),
-             ProbeItem("eval-0", [5, 9, 12], ["blue"], 0, 10, "in2", targets=[[17, 3], [8]]),
-             ProbeItem("eval-1", [5, 9, 12, 40, 7, 3, 11], ["red"], 0, 10, "in2", targets=[[30]])]
+ITEMS = [ProbeItem("mdqa-0@1", "Document one says Paris\nAnswer:", ["Paris", "the capital"], 1, 3, "mdqa"),
+         ProbeItem("kv-0@0", "the value of the key is", ["blue"], 0, 3, "kv"),
+         ProbeItem("eval-0", [5, 9, 12], ["blue"], 0, 10, "in2", targets=[[17, 3], [8]]),
+         ProbeItem("eval-1", [5, 9, 12, 40, 7, 3, 11], ["red"], 0, 10, "in2", targets=[[30]])]
+
+
+@pytest.mark.parametrize("which", ["model", "windowed"])
+def test_answers_and_logliks_from_one_prefill_equal_the_two_passes(which, request, tokenizer, monkeypatch):
+    model = request.getfixturevalue(which)
+    widths: list[int] = []  # the tokens of every pass: one pass over the prompts, then only new tokens
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: widths.append(args[0].shape[1]))
     generate, loglik = answers_and_logliks(model, tokenizer, max_new_tokens=6, batch_size=3, progress=False)
-    texts = generate(items)
-    assert texts == model_generate_fn(model, tokenizer, 6, 3, progress=False)(items)
+    try:
+        texts = generate(ITEMS)
+    finally:
+        hook.remove()
+    prompts = [loglik_module.encode_prompt(tokenizer, it.prompt) for it in ITEMS]
+    batch_widths = [max(len(prompts[i]) for i in rows) for rows in _length_batches(prompts, 3, None)]
+    assert len(batch_widths) == 2 and widths[0] == batch_widths[0] - 1  # a batch's first pass: all but its last column
+    assert batch_widths[1] - 1 in widths and not set(batch_widths) & set(widths)  # no second pass over a prompt
+    assert texts == model_generate_fn(model, tokenizer, 6, 3, progress=False)(ITEMS)
     assert any(texts)  # the comparison saw answers, not empty strings
-    want = answer_logliks(model, tokenizer, items, progress=False)
-    for got, expected in zip(loglik(items), want):
-        assert got == pytest.approx(expected, abs=1e-10)
+    want = answer_logliks(model, tokenizer, ITEMS, progress=False)
+    with monkeypatch.context() as patch:  # the answers' pass scored them: nothing is computed again
+        patch.setattr(loglik_module, "answer_logliks", lambda *a, **k: pytest.fail("scored twice"))
+        got = loglik(ITEMS)
+    for values, expected in zip(got, want):
+        assert values == pytest.approx(expected, abs=1e-10)
     # items the answers did not come before are scored on their own
-    assert loglik(items[:2]) == answer_logliks(model, tokenizer, items[:2], progress=False)
+    assert loglik(ITEMS[:2]) == answer_logliks(model, tokenizer, ITEMS[:2], progress=False)
+
+
+def test_no_shared_prefill_under_an_attention_intervention_or_a_cache_of_the_config(model, tokenizer):
+    assert shares_prefill(model)
+    model.generation_config.cache_implementation = "static"
+    try:
+        assert not shares_prefill(model)
+    finally:
+        model.generation_config.cache_implementation = None
+    with ms_poe(model, MsPoEConfig(layers="all")):
+        assert not shares_prefill(model)  # its head order comes from the first pass's last query
+        with pytest.raises(ValueError, match="cannot continue a prefill of their own"):
+            answers_and_logliks(model, tokenizer, 4, 2)
+    assert shares_prefill(model)

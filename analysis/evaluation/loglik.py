@@ -29,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.generate import GenerateFn, encode_prompt, greedy_generate, prefix_caches
 from data_builders.probes import ProbeItem
+from models.attention.patching import PATCHED_BY
 from models.training.loss import at_least_fp32
 
 N_ALIASES = 3  # the first aliases of an answer scored; an item's value is the best of them
@@ -81,6 +82,15 @@ def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Se
     return scores
 
 
+def shares_prefill(model: PreTrainedModel) -> bool:
+    """Whether `answers_and_logliks` may give `model`'s answers and log-likelihoods from one prefill: not with an
+    installed attention intervention (Ms-PoE orders its heads on the first forward's last query; calibration
+    installs segments a batch), nor when the model's generation config asks generate for a cache of its own kind
+    (static, hybrid), which refuses the one passed to it."""
+    patched = any(hasattr(m.__dict__.get("forward"), PATCHED_BY) for m in model.modules())
+    return not patched and getattr(model.generation_config, "cache_implementation", None) is None
+
+
 @torch.no_grad()
 def prefill_and_score(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
                       targets: Sequence[Sequence[Sequence[int]]]) -> tuple[Any, list[list[float]]]:
@@ -88,30 +98,42 @@ def prefill_and_score(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Ten
     log p(target | prompt) of every row's targets (`targets[row]`) scored over that cache: the cache (of L - 1
     columns again, the targets cropped off) and the scores, row by row, as `sequence_logprobs` gives them up to
     float rounding. The alias j of every row is one pass: the row's last prompt token and the alias's tokens but
-    its last, right-padded (padding after a row's tokens cannot reach them)."""
+    its last, right-padded (padding after a row's tokens cannot reach them); only the target tokens' positions are
+    normalized over the vocabulary."""
     device = model.device
     lengths = mask.sum(dim=-1)  # (B,) each row's prompt length
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # left padding: a row's first token at position 0
-    cache = (model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
-                   use_cache=True, logits_to_keep=1).cache if ids.shape[1] > 1 else DynamicCache(config=model.config))
+    # A cache of full layers: a sliding-window layer keeps only its window and cannot crop the targets off again;
+    # the window is in the attention mask either way.
+    cache = DynamicCache()
+    if ids.shape[1] > 1:
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], cache=cache,
+              use_cache=True, logits_to_keep=1)
     scores = [[math.nan] * len(row) for row in targets]
     for j in range(max((len(row) for row in targets), default=0)):
         tokens = [list(row[j]) if j < len(row) else [] for row in targets]
         width = max(1, max(len(t) for t in tokens))  # the last prompt token and all but the alias's last token
-        new = torch.zeros((len(targets), width), dtype=torch.long, device=device)
+        new = torch.zeros((len(targets), width), dtype=torch.long)
         new_mask = torch.zeros_like(new)
-        new[:, 0], new_mask[:, 0] = ids[:, -1], 1
+        new[:, 0], new_mask[:, 0] = ids[:, -1].cpu(), 1
         for r, t in enumerate(tokens):
             new[r, 1: len(t)] = torch.tensor(t[:-1], dtype=torch.long)
             new_mask[r, 1: len(t)] = 1
-        logits = model(input_ids=new, attention_mask=torch.cat([mask[:, :-1], new_mask], dim=1),
+        logits = model(input_ids=new.to(device), attention_mask=torch.cat([mask[:, :-1], new_mask.to(device)], dim=1),
                        position_ids=(lengths - 1)[:, None] + torch.arange(width, device=device), cache=cache,
                        use_cache=True).logits  # (B, width, V)
-        logp = torch.log_softmax(at_least_fp32(logits), dim=-1)
-        for r, t in enumerate(tokens):
-            if t:
-                scores[r][j] = float(logp[r, torch.arange(len(t)), torch.tensor(t)].sum())
         cache.crop(-width)  # a negative count removes that many of the newest tokens
+        rows = [r for r, t in enumerate(tokens) if t]
+        if not rows:
+            continue
+        row_of = torch.tensor([r for r in rows for _ in tokens[r]], device=device)
+        column = torch.tensor([c for r in rows for c in range(len(tokens[r]))], device=device)
+        wanted = torch.tensor([tok for r in rows for tok in tokens[r]], device=device)
+        picked = at_least_fp32(logits[row_of, column])  # (N, V): the target tokens' positions only
+        logp = picked.gather(-1, wanted[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)  # (N,)
+        sums = torch.zeros(len(targets), dtype=logp.dtype, device=device).index_add_(0, row_of, logp)
+        for r, value in zip(rows, sums[rows].tolist()):
+            scores[r][j] = value
     return cache, scores
 
 
@@ -123,14 +145,18 @@ def answers_and_logliks(
     """A `generate_fn` and a `loglik_fn` for `run_probe` that share each prompt's prefill: the greedy answers of
     `greedy_generate` (the same batches), whose prefill `prefill_and_score` also scores the aliases on. `run_probe`
     asks a chunk's answers, then its log-likelihoods, which the answers' pass computed; items the answers did not
-    come before are scored on their own (`answer_logliks`). The same values as the two passes apart up to float
-    rounding, for the cost of one prompt pass instead of two."""
+    come before, or whose prefill did not score them, are scored on their own (`answer_logliks`). The same values
+    as the two passes apart up to float rounding, for the cost of one prompt pass instead of two. Only for a model
+    that `shares_prefill`."""
+    if not shares_prefill(model):
+        raise ValueError("answers_and_logliks: this model's answers cannot continue a prefill of their own (an "
+                         "installed attention intervention or a generation config's cache_implementation)")
     scored: dict[str, Any] = {}
 
     def generate(items: Sequence[ProbeItem]) -> list[str]:
         prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
         targets = [_targets(it, tokenizer, chat_template, n_aliases) for it in items]
-        values: list[list[float]] = [[] for _ in items]
+        values: list[list[float] | None] = [None] * len(items)
 
         def prefill(rows: Sequence[int], ids: torch.Tensor, mask: torch.Tensor) -> Any:
             cache, scores = prefill_and_score(model, ids, mask, [targets[i] for i in rows])
@@ -144,11 +170,15 @@ def answers_and_logliks(
         return texts
 
     def loglik(items: Sequence[ProbeItem]) -> list[list[float]]:
-        if scored and len(items) == len(scored["items"]) and all(a is b for a, b in zip(items, scored["items"])):
-            values = scored["values"]
-            scored.clear()
-            return values
-        return answer_logliks(model, tokenizer, items, chat_template, n_aliases, progress)
+        same = scored and len(items) == len(scored["items"]) and all(a is b for a, b in zip(items, scored["items"]))
+        values = scored.pop("values") if same else [None] * len(items)
+        scored.clear()
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            for i, v in zip(missing, answer_logliks(model, tokenizer, [items[i] for i in missing], chat_template,
+                                                    n_aliases, progress)):
+                values[i] = v
+        return values
 
     return generate, loglik
 

@@ -45,15 +45,22 @@ from analysis.evaluation.config import (
     valprobing_files,
 )
 from analysis.evaluation.generate import GenerateFn, model_generate_fn
-from analysis.evaluation.loglik import LOGLIK_DEFINITION, LoglikFn, answers_and_logliks, best, model_loglik_fn
+from analysis.evaluation.loglik import (
+    LOGLIK_DEFINITION,
+    LoglikFn,
+    answers_and_logliks,
+    best,
+    model_loglik_fn,
+    shares_prefill,
+)
 from analysis.evaluation.result import ProbeResult
 from analysis.evaluation.reuse import evaluation_key
 from analysis.evaluation.scoring import exact_match, first_line, whole_word_subspan_em
 from data_builders.valprobing import build_task, read_pieces, shape_of
 
 log = logging.getLogger(__name__)
-# In an evaluation's recorded settings: answers and log-likelihoods from one prefill a batch, not two passes (their
-# values agree up to float rounding, so answers recorded either way are not mixed)
+# In an evaluation's settings (its result and its answer record's key): answers and log-likelihoods from one prefill
+# a batch, not two passes; the values agree up to float rounding, so results made either way are not mixed
 PREFILL = "answers and log-likelihoods share each batch's prefill"
 
 
@@ -147,18 +154,19 @@ def evaluate_in2(
     """
     items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
     # every in2 metric scores the first line: generation stops there, with the scores of the whole budget
-    if cfg.loglik:  # the answers' prefill scores the aliases too
+    one_prefill = cfg.loglik and shares_prefill(model)
+    if one_prefill:  # the answers' prefill scores the aliases too
         generate, loglik = answers_and_logliks(model, tokenizer, cfg.max_new_tokens, cfg.batch_size,
                                                first_line_only=True, batch_tokens=cfg.batch_tokens,
                                                n_aliases=cfg.loglik_aliases)
     else:
-        generate, loglik = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size,
-                                             first_line_only=True, batch_tokens=cfg.batch_tokens), None
-    settings = probe_settings("in2", cfg, items)
+        generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, first_line_only=True,
+                                     batch_tokens=cfg.batch_tokens)
+        loglik = model_loglik_fn(model, tokenizer, n_aliases=cfg.loglik_aliases) if cfg.loglik else None
+    settings = {**probe_settings("in2", cfg, items), **({"prefill": PREFILL} if one_prefill else {})}
     metric = probe_metric("in2", cfg)
     how = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": metric.name,
-           "first_line_only": True, "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases,
-           **({"prefill": PREFILL} if cfg.loglik else {})}
+           "first_line_only": True, "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases}
     record = _record(model, items, {**settings, **how}, record_dir)
     result = run_probe(items, generate, metric, settings, loglik, record)
     return result.to_metrics("eval"), result
@@ -234,7 +242,7 @@ def evaluate_probes(
         answers = not valprobing or cfg.valprobing.answers
         budget = probe_budget(name, cfg)
         scored = cfg.loglik and calibration is None
-        one_prefill = scored and answers and not shared
+        one_prefill = scored and answers and not shared and shares_prefill(model)
         if one_prefill:  # the answers' prefill scores the aliases too
             generate, loglik = answers_and_logliks(model, tokenizer, budget, cfg.batch_size, cfg.chat_template,
                                                    name == "mdqa", cfg.batch_tokens, cfg.loglik_aliases)
@@ -244,13 +252,12 @@ def evaluate_probes(
             generate = model_generate_fn(
                 model, tokenizer, budget, cfg.batch_size, cfg.chat_template, first_line_only=name == "mdqa",
                 batch_tokens=cfg.batch_tokens, calibration=calibration, shared_prefix=shared) if answers else None
-        metric, settings = probe_metric(name, cfg), probe_settings(name, cfg, items)
+        metric = probe_metric(name, cfg)
+        settings = {**probe_settings(name, cfg, items), **({"prefill": PREFILL} if one_prefill else {})}
         group = _shared_context if shared else None
         how = {**settings, "budget": budget, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens,
                "chat_template": cfg.chat_template, "metric": metric.name, "answers": answers, "shared_prefix": shared,
-               "loglik": loglik is not None, "loglik_aliases": cfg.loglik_aliases,
-               **({"prefill": PREFILL} if one_prefill else {}),
-               **(record_settings or {})}
+               "loglik": loglik is not None, "loglik_aliases": cfg.loglik_aliases, **(record_settings or {})}
         record = _record(model, items, how, record_dir, group)
         results[name] = run_probe(items, generate, metric, settings, loglik, record, group)
     metrics = {k: v for result in results.values() for k, v in result.to_metrics("eval").items()}
