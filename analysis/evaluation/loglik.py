@@ -29,7 +29,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.generate import GenerateFn, encode_prompt, greedy_generate, prefix_caches
 from data_builders.probes import ProbeItem
-from models.attention.patching import PATCHED_BY
+from models.attention.patching import installed_interventions
 from models.training.loss import at_least_fp32
 
 N_ALIASES = 3  # the first aliases of an answer scored; an item's value is the best of them
@@ -87,8 +87,8 @@ def shares_prefill(model: PreTrainedModel) -> bool:
     installed attention intervention (Ms-PoE orders its heads on the first forward's last query; calibration
     installs segments a batch), nor when the model's generation config asks generate for a cache of its own kind
     (static, hybrid), which refuses the one passed to it."""
-    patched = any(hasattr(m.__dict__.get("forward"), PATCHED_BY) for m in model.modules())
-    return not patched and getattr(model.generation_config, "cache_implementation", None) is None
+    return (not installed_interventions(model.modules())
+            and getattr(model.generation_config, "cache_implementation", None) is None)
 
 
 @torch.no_grad()

@@ -154,22 +154,35 @@ def evaluate_in2(
     """
     items = in2_probe(itertools.islice(records, cfg.num_examples), bins=cfg.bins)
     # every in2 metric scores the first line: generation stops there, with the scores of the whole budget
-    one_prefill = cfg.loglik and shares_prefill(model)
-    if one_prefill:  # the answers' prefill scores the aliases too
-        generate, loglik = answers_and_logliks(model, tokenizer, cfg.max_new_tokens, cfg.batch_size,
-                                               first_line_only=True, batch_tokens=cfg.batch_tokens,
-                                               n_aliases=cfg.loglik_aliases)
-    else:
-        generate = model_generate_fn(model, tokenizer, cfg.max_new_tokens, cfg.batch_size, first_line_only=True,
-                                     batch_tokens=cfg.batch_tokens)
-        loglik = model_loglik_fn(model, tokenizer, n_aliases=cfg.loglik_aliases) if cfg.loglik else None
-    settings = {**probe_settings("in2", cfg, items), **({"prefill": PREFILL} if one_prefill else {})}
+    generate, loglik, prefill = _answer_fns(model, tokenizer, cfg, cfg.max_new_tokens, first_line_only=True,
+                                            chat_template=False, loglik=cfg.loglik)
+    settings = {**probe_settings("in2", cfg, items), **prefill}
     metric = probe_metric("in2", cfg)
     how = {"batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens, "metric": metric.name,
            "first_line_only": True, "loglik": cfg.loglik, "loglik_aliases": cfg.loglik_aliases}
     record = _record(model, items, {**settings, **how}, record_dir)
     result = run_probe(items, generate, metric, settings, loglik, record)
     return result.to_metrics("eval"), result
+
+
+def _answer_fns(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig, max_new_tokens: int,
+    first_line_only: bool, chat_template: bool, loglik: bool, answers: bool = True,
+    calibration: AttnCalibration | None = None, shared_prefix: bool = False,
+) -> tuple[GenerateFn | None, LoglikFn | None, dict[str, str]]:
+    """`run_probe`'s generate_fn (None without `answers`) and loglik_fn (None without `loglik`), and what they add
+    to the evaluation's settings. Asked both, they share each batch's prefill where the model allows it
+    (`loglik.shares_prefill`; not with calibration or a shared prefix, which answer otherwise)."""
+    if loglik and answers and calibration is None and not shared_prefix and shares_prefill(model):
+        generate, score = answers_and_logliks(model, tokenizer, max_new_tokens, cfg.batch_size, chat_template,
+                                              first_line_only, cfg.batch_tokens, cfg.loglik_aliases)
+        return generate, score, {"prefill": PREFILL}
+    score = (model_loglik_fn(model, tokenizer, chat_template, cfg.loglik_aliases, shared_prefix=shared_prefix)
+             if loglik else None)
+    generate = model_generate_fn(
+        model, tokenizer, max_new_tokens, cfg.batch_size, chat_template, first_line_only=first_line_only,
+        batch_tokens=cfg.batch_tokens, calibration=calibration, shared_prefix=shared_prefix) if answers else None
+    return generate, score, {}
 
 
 def _record(model: PreTrainedModel, items: Sequence[ProbeItem], how: Mapping[str, Any], record_dir: Path | None,
@@ -241,19 +254,11 @@ def evaluate_probes(
         shared = valprobing and calibration is None
         answers = not valprobing or cfg.valprobing.answers
         budget = probe_budget(name, cfg)
-        scored = cfg.loglik and calibration is None
-        one_prefill = scored and answers and not shared and shares_prefill(model)
-        if one_prefill:  # the answers' prefill scores the aliases too
-            generate, loglik = answers_and_logliks(model, tokenizer, budget, cfg.batch_size, cfg.chat_template,
-                                                   name == "mdqa", cfg.batch_tokens, cfg.loglik_aliases)
-        else:
-            loglik = (model_loglik_fn(model, tokenizer, cfg.chat_template, cfg.loglik_aliases, shared_prefix=shared)
-                      if scored else None)
-            generate = model_generate_fn(
-                model, tokenizer, budget, cfg.batch_size, cfg.chat_template, first_line_only=name == "mdqa",
-                batch_tokens=cfg.batch_tokens, calibration=calibration, shared_prefix=shared) if answers else None
+        generate, loglik, prefill = _answer_fns(
+            model, tokenizer, cfg, budget, first_line_only=name == "mdqa", chat_template=cfg.chat_template,
+            loglik=cfg.loglik and calibration is None, answers=answers, calibration=calibration, shared_prefix=shared)
         metric = probe_metric(name, cfg)
-        settings = {**probe_settings(name, cfg, items), **({"prefill": PREFILL} if one_prefill else {})}
+        settings = {**probe_settings(name, cfg, items), **prefill}
         group = _shared_context if shared else None
         how = {**settings, "budget": budget, "batch_size": cfg.batch_size, "batch_tokens": cfg.batch_tokens,
                "chat_template": cfg.chat_template, "metric": metric.name, "answers": answers, "shared_prefix": shared,

@@ -4,7 +4,7 @@ the sliding window a layer's original forward passes, and installing forwards on
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any
@@ -73,13 +73,18 @@ def attention_window(module: nn.Module, model_type: str) -> tuple[int | None, di
     return window, {"sliding_window": window}
 
 
+def installed_interventions(modules: Iterable[nn.Module]) -> set[str]:
+    """The interventions whose forwards are installed on any of `modules`."""
+    return {getattr(m.__dict__.get("forward"), PATCHED_BY, None) for m in modules} - {None}
+
+
 @contextmanager
 def patched_forwards(modules: dict[int, nn.Module], make: Callable[[int, nn.Module], Callable], who: str
                      ) -> Iterator[None]:
     """Give each attention module (by layer index) the forward `make(index, module)` returns, and restore the
     model's own on exit (errors too). One intervention at a time: modules another one (or this one) patched
     are refused, as a second patch would silently replace the first."""
-    owners = {getattr(m.__dict__.get("forward"), PATCHED_BY, None) for m in modules.values()} - {None}
+    owners = installed_interventions(modules.values())
     if owners:
         raise RuntimeError(f"{who}: {', '.join(sorted(owners))} is already installed on these layers (one "
                            "intervention at a time)")
