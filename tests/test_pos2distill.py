@@ -21,6 +21,7 @@ from analysis.evaluation.distill_responses import (
     model_answer_fn,
 )
 from analysis.evaluation.generate import greedy_generate, greedy_generate_ids
+from analysis.evaluation.reuse import computation_key
 from data_builders.collate import collate
 from data_builders.config import DataConfig, DataSource, In2Config
 from data_builders.distill_data import distill_split
@@ -229,14 +230,42 @@ def test_answers_are_cached_by_the_starting_function_with_the_adapters_off(tmp_p
     prompts = [[1, 5, 7], [1, 11]]
     assert cached_answers(answer, model, settings, tmp_path)(prompts) == [[4], [4]]
     assert cached_answers(answer, model, settings, tmp_path)(prompts) == [[4], [4]] and calls == [2]
-    key = answers_key(model, prompts, settings)
+
+    def key(prompts=prompts, settings=settings):
+        return answers_key(computation_key(model, adapters=False), prompts, settings)
+
+    stored = key()
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if ".lora_B." in n).add_(1.0)
-    assert answers_key(model, prompts, settings) == key  # the adapters are off when it answers
-    assert answers_key(model, prompts[:1], settings) != key and answers_key(model, prompts, {"max_new_tokens": 5}) != key
+    assert key() == stored  # the adapters are off when it answers
+    assert key(prompts[:1]) != stored and key(settings={"max_new_tokens": 5}) != stored
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "embed_tokens" in n).add_(1e-3)
-    assert answers_key(model, prompts, settings) != key
+    assert key() != stored
+
+
+def test_a_run_killed_while_answering_keeps_the_chunks_it_stored(tmp_path):
+    """Answered 2 prompts at a time: a run killed in its second chunk stored the first, and the next run asks only
+    the prompts not stored, returning every answer in prompt order."""
+    model = _lora(_tiny_model())
+    prompts = [[1, k] for k in range(5)]
+    asked = []
+
+    def answer(part, fail_at=None):
+        if len(asked) == fail_at:
+            raise KeyboardInterrupt
+        asked.append([p[1] for p in part])
+        return [[p[1] + 10] for p in part]
+
+    with pytest.raises(KeyboardInterrupt):
+        cached_answers(lambda part: answer(part, fail_at=1), model, {}, tmp_path, chunk=2)(prompts)
+    assert asked == [[0, 1]]
+    assert cached_answers(answer, model, {}, tmp_path, chunk=2)(prompts) == [[10], [11], [12], [13], [14]]
+    assert asked == [[0, 1], [2, 3], [4]]
+    assert cached_answers(answer, model, {}, tmp_path, chunk=2)(prompts) == [[10], [11], [12], [13], [14]]
+    assert len(asked) == 3
+    assert cached_answers(answer, model, {}, tmp_path, chunk=3)(prompts) == [[10], [11], [12], [13], [14]]
+    assert asked[3:] == [[0, 1, 2], [3, 4]]  # another chunk size batches differently: its own answers
 
 
 def test_the_model_answers_with_its_adapters_off_as_greedy_generate_decodes(tmp_path):

@@ -12,7 +12,9 @@ sequences, prompt + answer + eos, fit `data.context_len`; the others are dropped
 The answers depend only on the starting function and the prompts, so a single-process run stores them under
 <POSDEBIAS_CACHE>/distill_responses/<key>.json and a later run with the same key reads them (`cached_answers`):
 the key hashes the model's function with its adapters off and how it is computed
-(`analysis.evaluation.reuse.computation_key`), the generation settings and every prompt's token ids.
+(`analysis.evaluation.reuse.computation_key`), the generation settings and every prompt's token ids. The prompts
+are answered and stored `CHUNK` at a time: on a CPU the 1,600 answers of `+exp=reads_middle` take hours, and a run
+killed while answering continues from its last stored chunk.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 CACHE_SUBDIR = "distill_responses"
 WRONG = "wrong"  # the first line does not hold an answer (best_subspan_em 0)
 TOO_LONG = "longer_than_context_len"  # prompt + answer + eos exceeds data.context_len (student or teacher)
+CHUNK = 64  # teacher prompts answered and stored together: ~5 min of a 2-core CPU, what a killed run can lose
 
 AnswerFn = Callable[[Sequence[Sequence[int]]], list[list[int]]]  # prompts' token ids -> the answers' token ids
 
@@ -73,27 +76,43 @@ def settings_of(tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, batch_s
             "first_line_only": True, "adapters": "off", "pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
 
 
-def answers_key(model: PreTrainedModel, prompts: Sequence[Sequence[int]], settings: dict[str, Any]) -> str:
-    """The cache key of `model`'s answers, adapters off, to `prompts` under `settings` (generation and batching)."""
-    digest = hashlib.sha256(computation_key(model, adapters=False).encode())
+def answers_key(function: str, prompts: Sequence[Sequence[int]], settings: dict[str, Any]) -> str:
+    """The cache key of the answers of a model whose `computation_key(model, adapters=False)` is `function` to
+    `prompts` under `settings` (generation and batching)."""
+    digest = hashlib.sha256(function.encode())
     digest.update(json.dumps(settings, sort_keys=True).encode())
     for prompt in prompts:
         digest.update(json.dumps(list(prompt)).encode())
     return digest.hexdigest()[:32]
 
 
-def cached_answers(answer: AnswerFn, model: PreTrainedModel, settings: dict[str, Any], cache_dir: Path) -> AnswerFn:
-    """`answer` (`model`'s, under `settings`), its answers stored under `cache_dir/distill_responses/<key>.json`
-    (`answers_key`) and read from there when present."""
+def cached_answers(answer: AnswerFn, model: PreTrainedModel, settings: dict[str, Any], cache_dir: Path,
+                   chunk: int = CHUNK) -> AnswerFn:
+    """`answer` (`model`'s, under `settings`), asked `chunk` prompts at a time in order; each chunk's answers are
+    stored under `cache_dir/distill_responses/<key>.json` (`answers_key` of its prompts) as soon as they exist and
+    read from there when present."""
+    settings = {**settings, "chunk": chunk}  # a chunk's batches, hence its float rounding, depend on its size
 
     def reused(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        path = Path(cache_dir) / CACHE_SUBDIR / f"{answers_key(model, prompts, settings)}.json"
-        if path.exists():
-            log.info("pos2distill: answers reused from %s (the same starting weights were asked the same teacher "
-                     "prompts)", path)
-            return json.loads(path.read_text())
-        out = answer(prompts)
-        atomic_write_text(path, json.dumps(out))
+        function = computation_key(model, adapters=False)
+        out: list[list[int]] = []
+        read = 0
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start:start + chunk]
+            path = Path(cache_dir) / CACHE_SUBDIR / f"{answers_key(function, part, settings)}.json"
+            if path.exists():
+                out += json.loads(path.read_text())
+                read += len(part)
+                continue
+            if start:
+                log.info("pos2distill: answering teacher prompts %d-%d of %d", start + 1, start + len(part),
+                         len(prompts))
+            answers = answer(part)
+            atomic_write_text(path, json.dumps(answers))
+            out += answers
+        if read:
+            log.info("pos2distill: %d of %d answers reused from %s (the same starting weights were asked the same "
+                     "teacher prompts)", read, len(prompts), Path(cache_dir) / CACHE_SUBDIR)
         return out
 
     return reused
