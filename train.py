@@ -163,6 +163,10 @@ class TrainerConfig:
     micro_batch_size: int = 8  # samples per rank per forward
     grad_accum: int = 1  # micro-batches per optimizer step
     precision: Precision = Precision.fp32  # fp32 | bf16 (autocast; the trained weights stay fp32 masters)
+    # Padded training batches' width rounded up to a multiple (1: the longest row). Under bf16 on a CPU every new
+    # width builds and keeps new oneDNN kernels, so memory grows and steps slow over a run of varied lengths;
+    # 64 bounds the widths (docs/READS_MIDDLE.md, "bf16 twin"). Packed rows are data.pack_len wide already.
+    pad_to_multiple_of: int = 1
     device: Device = Device.cpu  # cpu | cuda | auto
     # A checkpoint folder; `latest`: the newest of this run directory; `auto`: the newest of any run
     # of this experiment (the sibling run directories), or a fresh start when there is none.
@@ -294,11 +298,14 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     validate_model(cfg.model)
     resolve_mode(cfg.logger.mode)  # a WANDB_MODE that is no mode fails here, not after the data is built
     t, jac = cfg.trainer, cfg.jacobian
-    for key in ("max_steps", "micro_batch_size", "grad_accum"):
+    for key in ("max_steps", "micro_batch_size", "grad_accum", "pad_to_multiple_of"):
         if getattr(t, key) < 1:
             raise ValueError(f"trainer.{key}={getattr(t, key)} must be >= 1")
     if t.lr <= 0:
         raise ValueError(f"trainer.lr={t.lr} must be > 0")
+    if t.pad_to_multiple_of > 1 and cfg.data.packing:
+        raise ValueError(f"trainer.pad_to_multiple_of={t.pad_to_multiple_of} with data.packing=true: packed rows are "
+                         "data.pack_len wide already; set one of them")
     if info.world_size > 1 and not t.deepspeed:
         raise ValueError(f"{info.world_size} processes need a DeepSpeed trainer (trainer=zero2|zero3|zero3_offload)")
     validate_sequence_parallel(cfg, info)
@@ -589,7 +596,7 @@ def build_stream(cfg: TrainConfig, bundle: DataBundle, tokenizer: PreTrainedToke
                        pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None,
                        depths=cfg.debias.needs_depths, mix=needle_mix(cfg, tokenizer, probe_items),
                        mix_rows=mixed_rows(cfg.debias.needle_mix.share, t.micro_batch_size),
-                       teacher=cfg.debias.objective == Objective.pos2distill)
+                       teacher=cfg.debias.objective == Objective.pos2distill, pad_to_multiple_of=t.pad_to_multiple_of)
 
 
 def distill_targets(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, engine: TorchEngine | DeepSpeedEngine,

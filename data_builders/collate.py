@@ -22,10 +22,11 @@ from data_builders.needle_mix import check_mix_rows
 TEACHER_COLUMNS = ("teacher_input_ids", "teacher_labels", "gold_slot")  # what a batch's teacher part is made of
 
 
-def _padded(sequences: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int
+def _padded(sequences: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, labels, attention_mask), each (B, L): right-padded with `pad_id`, -100 and 0 to the longest."""
-    width = max(len(ids) for ids in sequences)
+    """(input_ids, labels, attention_mask), each (B, L): right-padded with `pad_id`, -100 and 0 to the longest,
+    rounded up to a multiple of `multiple`."""
+    width = -(-max(len(ids) for ids in sequences) // multiple) * multiple
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)  # (B, L)
     padded_labels = torch.full((len(sequences), width), -100, dtype=torch.long)  # (B, L)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)  # (B, L)
@@ -37,19 +38,22 @@ def _padded(sequences: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
     return input_ids, padded_labels, attention_mask
 
 
-def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False, teacher: bool = False
-            ) -> dict[str, torch.Tensor]:
-    """Right-pad `input_ids` (with `pad_id`) and `labels` (with -100) to the longest row; with `teacher` the rows'
-    `teacher_input_ids` and `teacher_labels` too, to their own longest."""
+def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False, teacher: bool = False,
+            pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad `input_ids` (with `pad_id`) and `labels` (with -100) to the longest row, rounded up to a multiple
+    of `pad_to_multiple_of`; with `teacher` the rows' `teacher_input_ids` and `teacher_labels` too, to their own
+    longest."""
     input_ids, labels, attention_mask = _padded([r["input_ids"] for r in rows],
-                                                [r.get("labels", r["input_ids"]) for r in rows], pad_id)
+                                                [r.get("labels", r["input_ids"]) for r in rows], pad_id,
+                                                pad_to_multiple_of)
     batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
              "num_tokens": attention_mask.sum()}
     if depths:  # one sample per row
         batch["sample_ids"] = torch.where(attention_mask.bool(), torch.arange(len(rows))[:, None], -1)
         batch["depths"] = torch.tensor([r["depth"] for r in rows], dtype=torch.float64)
     if teacher:
-        ids, lab, mask = _padded([r["teacher_input_ids"] for r in rows], [r["teacher_labels"] for r in rows], pad_id)
+        ids, lab, mask = _padded([r["teacher_input_ids"] for r in rows], [r["teacher_labels"] for r in rows], pad_id,
+                                 pad_to_multiple_of)
         batch |= {"teacher_input_ids": ids, "teacher_labels": lab, "teacher_attention_mask": mask,
                   "gold_slots": torch.tensor([r["gold_slot"] for r in rows], dtype=torch.long)}
     return batch
@@ -124,6 +128,7 @@ class BatchStream:
     `depths`: batches carry each sample's gold depth, `teacher` its teacher sequence (see `collate`). `mix`,
     `mix_rows` (padded batches only): the last `mix_rows` rows of every micro-batch are rows of `mix` instead
     (debias.needle_mix), read in turn by global micro-batch, so a resume continues them exactly too.
+    `pad_to_multiple_of` (padded batches): each batch's width rounded up to a multiple (`collate`).
     """
 
     def __init__(
@@ -141,12 +146,13 @@ class BatchStream:
         mix: Sequence[dict[str, Any]] = (),
         mix_rows: int = 0,
         teacher: bool = False,
+        pad_to_multiple_of: int = 1,
     ):
         self.dataset, self.micro_batch_size, self.pad_id = dataset, micro_batch_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.label_context, self.ordered_first_epoch, self.pack_len = label_context, ordered_first_epoch, pack_len
         self.depths, self.mix, self.mix_rows = depths, mix, mix_rows if mix else 0
-        self.teacher = teacher
+        self.teacher, self.pad_to_multiple_of = teacher, pad_to_multiple_of
         if self.mix_rows:
             check_mix_rows(self.mix_rows, micro_batch_size, bool(pack_len))
         if teacher and (pack_len or self.mix_rows):
@@ -214,7 +220,7 @@ class BatchStream:
                 if self.mix_rows:
                     k = self.mix_rows
                     rows = rows[: B - k] + [self.mix[(drawn * k + j) % len(self.mix)] for j in range(k)]
-                yield collate(rows, self.pad_id, self.depths, self.teacher)
+                yield collate(rows, self.pad_id, self.depths, self.teacher, self.pad_to_multiple_of)
                 continue
             row = iter(rows)
             yield collate_packed([[next(row) for _ in unit] for unit in units], self.pack_len, self.pad_id,

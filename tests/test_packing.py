@@ -8,7 +8,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from data_builders.collate import BatchStream, collate, collate_packed, pack_in_order
 from models.attention.diff_attention import convert_to_diff_attention
 from models.attention.packed import SDPA_PACKED
+from models.training.distributed import DistInfo
 from models.training.loss import IGNORE, causal_lm_loss
+from train import as_train_config, compose_config, validate
 
 VOCAB = 200
 
@@ -137,3 +139,41 @@ def test_packed_sdpa_attends_sample_by_sample_and_masks_padded_batches(monkeypat
         calls.clear()
         token_nll(model, collate(rows[:3], pad_id=0))
         assert calls == [(max(len(r["input_ids"]) for r in rows[:3]), False)] * 2
+
+
+def with_teacher(rows: list[dict[str, list[int]]]) -> list[dict]:
+    """The rows with a teacher sequence (pos2distill's batches): the answer after another, shorter prompt."""
+    return [r | {"teacher_input_ids": r["input_ids"][2:], "teacher_labels": r["labels"][2:], "gold_slot": 0}
+            for r in rows]
+
+
+@torch.no_grad()
+def test_padding_to_a_multiple_adds_only_masked_columns_and_changes_no_loss():
+    """trainer.pad_to_multiple_of: the widths are rounded up (student and teacher), the added columns are padding
+    with no label and no attention, and the loss the loop trains on is the same to float64 rounding."""
+    model, rows = tiny("sdpa"), with_teacher(samples(4))
+    plain = collate(rows, pad_id=0, depths=False, teacher=True)
+    rounded = collate(rows, pad_id=0, depths=False, teacher=True, pad_to_multiple_of=16)
+    for key, pad in (("input_ids", 0), ("labels", IGNORE), ("attention_mask", 0), ("teacher_input_ids", 0),
+                     ("teacher_labels", IGNORE), ("teacher_attention_mask", 0)):
+        width = plain[key].shape[1]
+        assert rounded[key].shape[1] == -(-width // 16) * 16 > width, key
+        assert torch.equal(rounded[key][:, :width], plain[key]) and (rounded[key][:, width:] == pad).all(), key
+    assert rounded["num_tokens"] == plain["num_tokens"]
+    torch.testing.assert_close(causal_lm_loss(model, rounded), causal_lm_loss(model, plain), rtol=1e-12, atol=0)
+    assert collate(rows[:1], pad_id=0, pad_to_multiple_of=len(rows[0]["input_ids"]))["input_ids"].shape[1] == len(
+        rows[0]["input_ids"])  # a width that is a multiple already stays
+
+
+def test_the_stream_pads_to_a_multiple_and_the_setting_is_checked_at_start_up():
+    rows = samples(8)
+    stream = iter(BatchStream(rows, 2, pad_id=0, seed=0, pad_to_multiple_of=8))
+    plain = iter(BatchStream(rows, 2, pad_id=0, seed=0))
+    for _ in range(4):
+        a, b = next(stream), next(plain)
+        width = b["input_ids"].shape[1]
+        assert a["input_ids"].shape[1] % 8 == 0 and torch.equal(a["input_ids"][:, :width], b["input_ids"])
+    with pytest.raises(ValueError, match=r"trainer.pad_to_multiple_of=0 must be >= 1"):
+        validate(as_train_config(compose_config(["trainer.pad_to_multiple_of=0"])), DistInfo())
+    with pytest.raises(ValueError, match=r"trainer.pad_to_multiple_of=64 with data.packing=true"):
+        validate(as_train_config(compose_config(["trainer.pad_to_multiple_of=64", "data.packing=true"])), DistInfo())
