@@ -15,6 +15,7 @@ import argparse
 import random
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -24,7 +25,8 @@ from models.wheel_models import ensure_model
 
 
 def resident_gib() -> float:
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**30
+    """This process's resident memory (Linux: /proc/self/statm's second field, in 4 KiB pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**30
 
 
 def main() -> None:
