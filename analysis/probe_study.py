@@ -250,17 +250,17 @@ def dev_score(result: ProbeResult) -> float:
     return result.mean_of(stats.ACCURACY)
 
 
-def choose(plan: Plan) -> dict[str, Any]:
+def choose(plan: Plan, seeds: Sequence[int] | None = None) -> dict[str, Any]:
     """Each arm's setting with the best mean `dev_score` over its seeds (ties: the first in the plan's order), and
-    the headline arm: the arm whose chosen setting scores best. Reads the dev evaluation only. A setting with a run
-    that has no dev evaluation is left out (named under `incomplete`); ProbeStudyError when no arm has a complete
-    setting."""
+    the headline arm: the arm whose chosen setting scores best. Reads the dev evaluation only, of the runs of
+    `seeds` (default: every seed). A setting with a run that has no dev evaluation is left out (named under
+    `incomplete`); ProbeStudyError when no arm has a complete setting."""
     arms: dict[str, Any] = {}
     incomplete: dict[str, list[int]] = {}
     for arm in plan.arms:
         scores = {}
         for setting in plan.settings(arm):
-            runs = plan.runs_of(arm, setting)
+            runs = [r for r in plan.runs_of(arm, setting) if seeds is None or r.seed in seeds]
             results = [load_result(plan, plan.dev, run_target(r.n)) for r in runs]
             missing = [r.n for r, res in zip(runs, results) if res is None]
             if missing:
@@ -279,7 +279,8 @@ def choose(plan: Plan) -> dict[str, Any]:
     return {"rule": "per arm, the setting of the highest mean over seeds of the dev mdqa accuracy averaged over the "
                     "gold positions (closed-book left out); the headline arm is the arm whose chosen setting scores "
                     "highest; ties go to the first in the plan",
-            "evaluation": plan.dev, "base_dev_score": None if base is None else dev_score(base),
+            "seeds": sorted(plan.seeds() if seeds is None else seeds), "evaluation": plan.dev,
+            "base_dev_score": None if base is None else dev_score(base),
             "arms": arms, "headline": headline, "incomplete": incomplete}
 
 
@@ -411,13 +412,20 @@ def study_numbers(folder: str | Path) -> Study:
             numbers["evaluations"][evaluation] = found
     numbers["runs"] = [{"n": r.n, "arm": r.arm, "setting": r.setting, "seed": r.seed,
                         "chosen": chosen.get(r.arm) == r.setting, "valley": run_valley(plan.run_dir(r.n)),
-                        "changes": _run_changes(plan, r)} for r in plan.runs]
+                        "changes": _run_changes(plan, r)}
+                       for r in plan.runs if _ran(plan, r)]
     tests = {e: v for e, v in numbers["evaluations"].items() if plan.evaluations[e].get("part") != "dev"}
     mdqa = next((v for v in tests.values() if v["probe"] == "mdqa"), None)
     kv = next((v for v in tests.values() if v["probe"] == "kv"), None)
     if mdqa is not None and LOGLIK.field in mdqa:
         numbers["goals"] = {arm: [g.__dict__ for g in goals(mdqa, kv, arm)] for arm in chosen}
     return Study(plan, selection, numbers)
+
+
+def _ran(plan: Plan, run: PlannedRun) -> bool:
+    """Whether the run was trained or evaluated (`--choose-on-seeds` never trains the later seeds of the settings
+    that were not chosen)."""
+    return plan.run_dir(run.n).is_dir() or any(plan.eval_dir(e, run_target(run.n)).is_dir() for e in plan.evaluations)
 
 
 def _run_changes(plan: Plan, run: PlannedRun) -> dict[str, Any]:
@@ -510,7 +518,8 @@ def report_lines(study: Study) -> list[str]:
              f"Settings chosen on `{sel['evaluation']}` ({sel['rule']}); headline arm: **{sel['headline']}**.", ""]
     rows = [[arm, setting, num(score), "yes" if info["setting"] == setting else ""]
             for arm, info in sel["arms"].items() for setting, score in info["dev_scores"].items()]
-    lines += markdown_table(["arm", "setting", "dev score (mean over seeds)", "chosen"], rows)
+    seeds = ", ".join(map(str, sel.get("seeds", plan.seeds())))
+    lines += markdown_table(["arm", "setting", f"dev score (mean over seeds {seeds})", "chosen"], rows)
     lines += ["", f"Starting model's dev score: {num(sel.get('base_dev_score'))}.", ""]
     if "goals" in numbers:
         lines += ["## Goals (test questions)", ""]

@@ -3,6 +3,7 @@ the dev questions, choose each arm's setting there, evaluate the chosen runs on 
 write the report (docs/READS_MIDDLE.md; `+exp=reads_middle`).
 
     python -m scripts.reads_middle outputs/reads_middle                      # one job at a time (a CPU: days)
+    python -m scripts.reads_middle outputs/reads_middle --choose-on-seeds 0  # seed 1 at the chosen settings only
     python -m scripts.reads_middle outputs/reads_middle --parallel 12 \\
         --train-args trainer.device=cuda eval.batch_size=64 --eval-args device=cuda batch_size=64    # a GPU
     python -m scripts.reads_middle outputs/reads_middle --phase report       # the report alone, from what is there
@@ -11,12 +12,17 @@ Phases (`--phase`, default all, in this order):
 
 - `train`: `python train.py +exp=<exp> <arm, setting and seed> <--train-args> hydra.run.dir=<out>/runs/<n>`, the
   grid being the experiment's own `hydra.sweeper.params` (or `--sweep KEY=V1,V2 ...`), one process a run, up to
-  `--parallel` at once. The starting model's evaluations run beside them, and each run's dev evaluation as soon as
-  the run finishes.
+  `--parallel` at once. The starting model's evaluations run beside them (its dev one first, its test ones after
+  the runs), and each run's dev evaluation as soon as the run finishes.
 - `dev`: `scripts.eval_checkpoint` of every run on mdqa's dev questions (`evals/mdqa_dev/run-<n>/`).
 - `select`: each arm's setting chosen on dev (`analysis.probe_study.choose`) into `selection.json`.
 - `test`: the chosen runs on mdqa's test questions (`evals/mdqa_test/`) and on kv (`evals/kv/`).
 - `report`: `analysis.probe_study`'s report in `<out>/report/`.
+
+With `--choose-on-seeds 0`, `train` and `dev` run seed 0 of every arm and setting first, `select` chooses on them,
+and then the other seeds are trained and evaluated at each arm's chosen setting only: on a CPU this saves the runs of
+the settings that were not chosen (a quarter of the grid's training at 2 settings and 2 seeds). Without it, every
+seed of every setting is trained, seed 0 of each first.
 
 The same command run again continues: a finished run (its `finished.json`) and a written evaluation are kept, an
 interrupted run continues from its newest checkpoint (`trainer.resume_from=latest`). A failing job is logged in
@@ -185,12 +191,30 @@ def distills(exp: str, arm: str, train_args: Sequence[str]) -> bool:
     return str(compose_config([f"+exp={exp}", f"{ARM_KEY}={arm}", *train_args]).debias.objective) == "pos2distill"
 
 
-def train_jobs(plan: probe_study.Plan, exp: str, train_args: Sequence[str],
+def run_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], phases: set[str], exp: str,
+             train_args: Sequence[str], per_arm: dict[str, list[str]], data_dir: str,
+             eval_args: Sequence[str]) -> list[Job]:
+    """The runs' training (phase `train`) and dev evaluations (phase `dev`), seed by seed, each run's dev evaluation
+    listed right after its training: one process at a time, a run is evaluated before the next one trains, and the
+    first seed of every arm and setting comes before the second."""
+    runs = sorted(runs, key=lambda r: (r.seed, r.n))
+    trains = {job.name: job for job in train_jobs(plan, runs, exp, train_args, per_arm)} if "train" in phases else {}
+    jobs = []
+    for r in runs:
+        if f"train:{r.n}" in trains:
+            jobs.append(trains[f"train:{r.n}"])
+        if "dev" in phases:
+            jobs.append(_eval_job(plan, DEV, run_target(r.n), str(plan.run_dir(r.n)), data_dir, eval_args,
+                                  [f"train:{r.n}"] if trains else []))
+    return jobs
+
+
+def train_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], exp: str, train_args: Sequence[str],
                per_arm: dict[str, list[str]] | None = None) -> list[Job]:
     jobs = []
-    teachers = [r for r in plan.runs if distills(exp, r.arm, train_args)]
+    teachers = [r for r in runs if distills(exp, r.arm, train_args)]
     leader = teachers[0] if teachers else None
-    for r in plan.runs:
+    for r in runs:
         run_dir = plan.run_dir(r.n)
         finished = RunDir(run_dir).finished.is_file()
         resume = ["trainer.resume_from=latest"] if not finished and any(RunDir(run_dir).checkpoints.glob("step-*")) \
@@ -221,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="folder of nq-open-oracle.jsonl.gz and kv-retrieval-75_keys.jsonl.gz "
                              "(default $POSDEBIAS_DATA, else ../shared/data)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which nothing new starts")
+    parser.add_argument("--choose-on-seeds", type=int, nargs="+", default=None, metavar="SEED",
+                        help="train these seeds of every setting, choose each arm's setting on their dev "
+                             "evaluations, then train the other seeds at the chosen settings only (default: every "
+                             "seed of every setting, the choice on all of them)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -238,23 +266,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     scheduler = Scheduler(max(1, args.parallel), args.deadline)
     phases = set(args.phase)
 
-    jobs: list[Job] = []
-    if "train" in phases:
-        jobs += [_eval_job(plan, name, BASE, base, args.data_dir, args.eval_args) for name in plan.evaluations]
-        jobs += train_jobs(plan, args.exp, args.train_args, arm_args(args.arm_args))
-    if "dev" in phases:
-        jobs += [_eval_job(plan, DEV, run_target(r.n), str(plan.run_dir(r.n)), args.data_dir, args.eval_args,
-                           [f"train:{r.n}"] if "train" in phases else []) for r in plan.runs]
-    scheduler.run(jobs)
+    per_arm = arm_args(args.arm_args)
+    staged = args.choose_on_seeds
+    if staged is not None and not set(staged) < set(plan.seeds()):
+        print(f"error: --choose-on-seeds {staged}: must be some, not all, of the plan's seeds {plan.seeds()}",
+              file=sys.stderr)
+        return 2
+    first = [r for r in plan.runs if staged is None or r.seed in staged]
+
+    # the starting model's dev evaluation first, its test ones last: one process at a time, the runs' dev numbers
+    # come before what only the test phase reads
+    base_jobs = [_eval_job(plan, name, BASE, base, args.data_dir, args.eval_args)
+                 for name in plan.evaluations] if "train" in phases else []
+    runs = run_jobs(plan, first, phases, args.exp, args.train_args, per_arm, args.data_dir, args.eval_args)
+    scheduler.run([j for j in base_jobs if j.name == f"{DEV}:{BASE}"] + runs
+                  + [j for j in base_jobs if j.name != f"{DEV}:{BASE}"])
     if "select" in phases:
         try:
-            selection = probe_study.choose(plan)
+            selection = probe_study.choose(plan, staged)
         except ProbeStudyError as err:
             print(f"error: cannot choose the settings: {err}", file=sys.stderr)
             return 1
         atomic_write_text(out / SELECTION, json.dumps(selection, indent=1))
         print(f"[reads_middle] chosen: {json.dumps({a: v['setting'] for a, v in selection['arms'].items()})}; "
               f"headline {selection['headline']}", flush=True)
+    if staged is not None and phases & {"train", "dev"}:
+        # the other seeds, at each arm's chosen setting only, once every run the choice reads is evaluated
+        selection = probe_study.read_selection(out) if (out / SELECTION).is_file() else {"incomplete": "no selection"}
+        if selection["incomplete"]:
+            scheduler.failed["the other seeds"] = f"not started: the choice is incomplete ({selection['incomplete']})"
+        else:
+            settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
+            rest = [r for r in plan.runs if r not in first and settings.get(r.arm) == r.setting]
+            scheduler.run(run_jobs(plan, rest, phases, args.exp, args.train_args, per_arm, args.data_dir,
+                                   args.eval_args))
     if "test" in phases:
         selection = probe_study.read_selection(out)
         settings = {arm: info["setting"] for arm, info in selection["arms"].items()}

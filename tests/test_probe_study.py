@@ -146,6 +146,18 @@ def test_each_arm_gets_the_setting_of_its_best_dev_mean_and_the_headline_is_the_
     assert chosen["arms"]["none"]["dev_scores"] == {"lr=1": 0.25, "lr=2": 0.375}
 
 
+def test_a_choice_on_some_seeds_reads_only_their_runs(tmp_path):
+    # seed 1 would reverse the choice: lr=1 has the better mean over both seeds, lr=2 the better seed 0
+    write_experiment(tmp_path, {("none", "lr=1", 0): 0.25, ("none", "lr=1", 1): 1.0,
+                                ("none", "lr=2", 0): 0.5, ("none", "lr=2", 1): 0.0})
+    plan = probe_study.read_plan(tmp_path)
+    assert probe_study.choose(plan)["arms"]["none"]["setting"] == "lr=1"
+    on_seed_0 = probe_study.choose(plan, seeds=[0])
+    assert on_seed_0["arms"]["none"]["setting"] == "lr=2" and on_seed_0["seeds"] == [0]
+    assert on_seed_0["arms"]["none"]["dev_scores"] == {"lr=1": 0.25, "lr=2": 0.5}
+    assert on_seed_0["arms"]["none"]["runs"] == [2, 3]  # the chosen setting's every seed goes on to the test
+
+
 def test_a_setting_with_a_run_missing_its_dev_evaluation_is_left_out_by_name(tmp_path):
     write_experiment(tmp_path, {("none", "lr=1", 0): 0.25, ("none", "lr=2", 0): 0.75})
     missing = tmp_path / "evals" / "mdqa_dev" / run_target(1)
@@ -176,6 +188,25 @@ def test_the_plan_is_the_product_of_the_experiments_sweep(tmp_path):
     assert len(plan["runs"]) == 12 and plan["dev"] == "mdqa_dev"
     assert plan["runs"][3] == {"n": 3, "arm": "none", "setting": "trainer.lr=0.001", "seed": 1,
                                "overrides": ["debias=none", "trainer.lr=0.001", "seed=1"]}
+
+
+def test_runs_go_seed_by_seed_each_evaluated_before_the_next_trains(tmp_path):
+    plan = reads_middle.make_plan(tmp_path, "reads_middle", reads_middle.sweep_grid("reads_middle", []))
+    (tmp_path / PLAN).write_text(json.dumps(plan))
+    plan = probe_study.read_plan(tmp_path)
+    jobs = reads_middle.run_jobs(plan, plan.runs, {"train", "dev"}, "reads_middle", [], {}, "data", [])
+    names = [j.name for j in jobs]
+    assert names[:4] == ["train:0", "mdqa_dev:run-0", "train:2", "mdqa_dev:run-2"]
+    assert [r.seed for r in plan.runs if f"train:{r.n}" in names[:12]] == [0] * 6  # seed 0 of every arm and lr first
+    assert jobs[1].after == ("train:0",)
+    # the first pos2distill run given answers the teacher prompts, the others wait for its answers
+    followers = {j.name: j.wait_for[1] for j in jobs if j.wait_for}
+    assert set(followers.values()) == {"train:4"} and len(followers) == 7
+    later = reads_middle.run_jobs(plan, [r for r in plan.runs if r.seed == 1], {"train", "dev"}, "reads_middle", [],
+                                  {}, "data", [])
+    assert {j.wait_for[1] for j in later if j.wait_for} == {"train:5"}
+    assert [j.name for j in reads_middle.run_jobs(plan, plan.runs[:2], {"dev"}, "reads_middle", [], {}, "d", [])] \
+        == ["mdqa_dev:run-0", "mdqa_dev:run-1"]
 
 
 def _job(tmp_path, name, code, after=(), wait_for=None):
@@ -212,9 +243,10 @@ def _kv_file(path: Path, records: int = 12, pairs: int = 12) -> Path:
 
 @pytest.mark.slow
 def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_path):
-    """The whole of scripts.reads_middle on a tiny checkpoint and synthetic NQ and kv files (~3 min on 2 cores): every
-    run trained, the settings chosen on dev, the chosen runs evaluated on test and kv, the report written; run again,
-    it starts nothing."""
+    """The whole of scripts.reads_middle on a tiny checkpoint and synthetic NQ and kv files (~3 min on 2 cores),
+    staged as on a CPU (`--choose-on-seeds 0`): seed 0 of every setting trained, the settings chosen on its dev
+    evaluations, seed 1 trained at the chosen settings only, the chosen runs evaluated on test and kv, the report
+    written; run again, it starts nothing."""
     from tests.conftest import TINY
     from train import compose_config, run
 
@@ -225,7 +257,8 @@ def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_pa
     distill = ["debias.distill.keep_wrong=true", "debias.distill.max_new_tokens=4"]
     command = [
         sys.executable, "-m", "scripts.reads_middle", str(tmp_path / "exp"), "--parallel", "2",
-        "--sweep", "debias=none,pos2distill_guard", "trainer.lr=1e-3,2e-3", "seed=0,1", "--data-dir", str(data),
+        "--sweep", "debias=none,pos2distill_guard", "trainer.lr=1e-3,2e-3", "seed=0,1", "--choose-on-seeds", "0",
+        "--data-dir", str(data),
         "--train-args", "model=trained_tiny", f"model.pretrained={tmp_path / 'tiny' / 'checkpoints' / 'step-1'}",
         f"data.path={data / 'nq-open-oracle.jsonl.gz'}", "data.context_len=512", "data.in2.n_docs=3",
         "data.num_train=16", "data.num_eval=4", "eval.num_examples=4", "peft.r=4", "trainer.max_steps=2",
@@ -237,15 +270,18 @@ def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_pa
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     exp = tmp_path / "exp"
     selection = json.loads((exp / SELECTION).read_text())
-    assert set(selection["arms"]) == {"none", "pos2distill_guard"}
+    assert set(selection["arms"]) == {"none", "pos2distill_guard"} and selection["seeds"] == [0]
     chosen = {n for info in selection["arms"].values() for n in info["runs"]}
     assert len(chosen) == 4
+    trained = {n for n in range(8) if n % 2 == 0 or n in chosen}  # seed 0 of all, seed 1 at the chosen settings
+    assert len(trained) == 6
     for n in range(8):
-        assert (exp / "evals" / "mdqa_dev" / run_target(n) / "eval" / "mdqa_step2.json").is_file()
+        assert (exp / "runs" / str(n) / "finished.json").is_file() == (n in trained)
+        assert (exp / "evals" / "mdqa_dev" / run_target(n) / "eval" / "mdqa_step2.json").is_file() == (n in trained)
         assert (exp / "evals" / "kv" / run_target(n) / "eval" / "kv_step2.json").is_file() == (n in chosen)
     report = (exp / "report" / "report.md").read_text()
-    assert "## kv: kv" in report and "valley" in report
-    teacher_logs = [(exp / "logs" / f"train_{n}.log").read_text() for n in range(4, 8)]
-    assert sum("answers reused" in t for t in teacher_logs) == 3  # one run answers the teacher prompts, three read them
+    assert "## kv: kv" in report and "valley" in report and "mean over seeds 0)" in report
+    teacher_logs = [(exp / "logs" / f"train_{n}.log").read_text() for n in range(4, 8) if n in trained]
+    assert sum("answers reused" in t for t in teacher_logs) == 2  # one run answers the teacher prompts, two read them
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "start:" not in again.stdout
