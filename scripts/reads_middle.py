@@ -153,7 +153,7 @@ def sweep_grid(exp: str, sweep: Sequence[str]) -> dict[str, list[str]]:
     return grid
 
 
-def make_plan(out: Path, exp: str, grid: dict[str, list[str]]) -> dict:
+def make_plan(out: Path, exp: str, grid: dict[str, list[str]], choose_on_seeds: Sequence[int] | None = None) -> dict:
     runs = []
     for n, values in enumerate(itertools.product(*grid.values())):
         chosen = dict(zip(grid, values))
@@ -162,7 +162,8 @@ def make_plan(out: Path, exp: str, grid: dict[str, list[str]]) -> dict:
                      "overrides": [f"{k}={v}" for k, v in chosen.items()]})
     evaluations = {name: {"probe": probe, "part": part, "args": args}
                    for name, (probe, part, args) in EVALUATIONS.items()}
-    return {"exp": exp, "sweep": grid, "runs": runs, "evaluations": evaluations, "dev": DEV}
+    return {"exp": exp, "sweep": grid, "runs": runs, "evaluations": evaluations, "dev": DEV,
+            "choose_on_seeds": None if choose_on_seeds is None else sorted(choose_on_seeds)}
 
 
 def _eval_job(plan: probe_study.Plan, name: str, target: str, ckpt: str, data_dir: str, eval_args: Sequence[str],
@@ -253,11 +254,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / PLAN
-    fresh = make_plan(out, args.exp, sweep_grid(args.exp, args.sweep))
+    staged = args.choose_on_seeds
+    fresh = make_plan(out, args.exp, sweep_grid(args.exp, args.sweep), staged)
+    seeds = sorted({r["seed"] for r in fresh["runs"]})
+    if staged is not None and not set(staged) < set(seeds):
+        print(f"error: --choose-on-seeds {staged}: must be some, not all, of the plan's seeds {seeds}", file=sys.stderr)
+        return 2
     if plan_path.is_file():
         kept = json.loads(plan_path.read_text(encoding="utf-8"))
         if kept["runs"] != fresh["runs"]:
             print(f"error: {plan_path} holds another grid than this command's; use another folder", file=sys.stderr)
+            return 2
+        if kept.get("choose_on_seeds") != fresh["choose_on_seeds"]:  # the design of a half-run experiment is fixed
+            print(f"error: {plan_path} was started with --choose-on-seeds {kept.get('choose_on_seeds')}, this command "
+                  f"has {fresh['choose_on_seeds']}: continue it as it was started, or use another folder",
+                  file=sys.stderr)
             return 2
     else:
         atomic_write_text(plan_path, json.dumps(fresh, indent=1))
@@ -267,11 +278,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases = set(args.phase)
 
     per_arm = arm_args(args.arm_args)
-    staged = args.choose_on_seeds
-    if staged is not None and not set(staged) < set(plan.seeds()):
-        print(f"error: --choose-on-seeds {staged}: must be some, not all, of the plan's seeds {plan.seeds()}",
-              file=sys.stderr)
-        return 2
     first = [r for r in plan.runs if staged is None or r.seed in staged]
 
     # the starting model's dev evaluation first, its test ones last: one process at a time, the runs' dev numbers

@@ -209,6 +209,16 @@ def test_runs_go_seed_by_seed_each_evaluated_before_the_next_trains(tmp_path):
         == ["mdqa_dev:run-0", "mdqa_dev:run-1"]
 
 
+def test_an_experiment_continues_only_with_the_staging_it_was_started_with(tmp_path, capsys):
+    assert reads_middle.main([str(tmp_path), "--choose-on-seeds", "0", "1", "--phase", "report"]) == 2
+    assert "some, not all" in capsys.readouterr().err and not (tmp_path / PLAN).exists()
+    assert reads_middle.main([str(tmp_path), "--choose-on-seeds", "0", "--phase", "report"]) == 1  # no selection yet
+    assert json.loads((tmp_path / PLAN).read_text())["choose_on_seeds"] == [0]
+    capsys.readouterr()
+    assert reads_middle.main([str(tmp_path), "--phase", "report"]) == 2
+    assert "started with --choose-on-seeds [0]" in capsys.readouterr().err
+
+
 def _job(tmp_path, name, code, after=(), wait_for=None):
     return reads_middle.Job(name, [sys.executable, "-c", code], tmp_path / f"{name}.log", tuple(after),
                             wait_for=wait_for)
