@@ -298,9 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"headline {selection['headline']}", flush=True)
     if staged is not None and phases & {"train", "dev"}:
         # the other seeds, at each arm's chosen setting only, once every run the choice reads is evaluated
-        selection = probe_study.read_selection(out) if (out / SELECTION).is_file() else {"incomplete": "no selection"}
-        if selection["incomplete"]:
-            scheduler.failed["the other seeds"] = f"not started: the choice is incomplete ({selection['incomplete']})"
+        selection = probe_study.read_selection(out) if (out / SELECTION).is_file() else None
+        incomplete = f"no {SELECTION}" if selection is None else selection["incomplete"]
+        if incomplete:
+            scheduler.failed["the other seeds"] = f"not started: the choice is incomplete ({incomplete})"
         else:
             settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
             rest = [r for r in plan.runs if r not in first and settings.get(r.arm) == r.setting]
