@@ -521,6 +521,11 @@ def report_lines(study: Study) -> list[str]:
     seeds = ", ".join(map(str, sel.get("seeds", plan.seeds())))
     lines += markdown_table(["arm", "setting", f"dev score (mean over seeds {seeds})", "chosen"], rows)
     lines += ["", f"Starting model's dev score: {num(sel.get('base_dev_score'))}.", ""]
+    if sel.get("incomplete"):
+        missing = "; ".join(f"{setting} (runs {', '.join(map(str, runs))})"
+                            for setting, runs in sel["incomplete"].items())
+        lines += [f"**A partial choice:** it did not see these settings, which have runs without a dev evaluation: "
+                  f"{missing}.", ""]
     if "goals" in numbers:
         lines += ["## Goals (test questions)", ""]
         rows = [[arm, g["what"], g["target"], g["measured"], {True: "met", False: "not met", None: "–"}[g["met"]]]

@@ -27,6 +27,10 @@ seed of every setting is trained, seed 0 of each first.
 The same command run again continues: a finished run (its `finished.json`) and a written evaluation are kept, an
 interrupted run continues from its newest checkpoint (`trainer.resume_from=latest`). A failing job is logged in
 `<out>/logs/` and named at the end; the others go on. `--deadline SECONDS` starts nothing new after that long.
+
+A choice that misses a setting (a run failed or was not evaluated on dev: `incomplete` in selection.json) takes
+nothing further: the other seeds and the test evaluations wait until the command, run again, completes it, or
+`--accept-partial-choice` goes on with the arms chosen so far (the report names what the choice did not see).
 """
 from __future__ import annotations
 
@@ -228,6 +232,18 @@ def train_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], e
     return jobs
 
 
+def _refused(selection: dict | None, accept_partial: bool) -> str | None:
+    """Why the phases after the choice do not start: no choice yet, or one that misses a setting (unless
+    `--accept-partial-choice`); None when they may."""
+    if selection is None:
+        return f"not started: no {SELECTION} (the select phase has not chosen)"
+    if selection["incomplete"] and not accept_partial:
+        return (f"not started: the choice is incomplete (settings and their runs without a dev evaluation: "
+                f"{selection['incomplete']}); run the command again once they have one, or add "
+                f"--accept-partial-choice")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.reads_middle", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the experiment's folder")
@@ -246,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="folder of nq-open-oracle.jsonl.gz and kv-retrieval-75_keys.jsonl.gz "
                              "(default $POSDEBIAS_DATA, else ../shared/data)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which nothing new starts")
+    parser.add_argument("--accept-partial-choice", action="store_true",
+                        help="train the other seeds and evaluate on test even when a setting has no dev evaluation "
+                             "(default: they wait until every setting has one)")
     parser.add_argument("--choose-on-seeds", type=int, nargs="+", default=None, metavar="SEED",
                         help="train these seeds of every setting, choose each arm's setting on their dev "
                              "evaluations, then train the other seeds at the chosen settings only (default: every "
@@ -299,20 +318,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if staged is not None and phases & {"train", "dev"}:
         # the other seeds, at each arm's chosen setting only, once every run the choice reads is evaluated
         selection = probe_study.read_selection(out) if (out / SELECTION).is_file() else None
-        incomplete = f"no {SELECTION}" if selection is None else selection["incomplete"]
-        if incomplete:
-            scheduler.failed["the other seeds"] = f"not started: the choice is incomplete ({incomplete})"
+        refused = _refused(selection, args.accept_partial_choice)
+        if refused:
+            scheduler.failed["the other seeds"] = refused
         else:
             settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
             rest = [r for r in plan.runs if r not in first and settings.get(r.arm) == r.setting]
             scheduler.run(run_jobs(plan, rest, phases, args.exp, args.train_args, per_arm, args.data_dir,
                                    args.eval_args))
     if "test" in phases:
-        selection = probe_study.read_selection(out)
-        settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
-        chosen = [r for r in plan.runs if settings.get(r.arm) == r.setting]
-        scheduler.run([_eval_job(plan, name, run_target(r.n), str(plan.run_dir(r.n)), args.data_dir, args.eval_args)
-                       for name in plan.evaluations if name != DEV for r in chosen])
+        selection = probe_study.read_selection(out) if (out / SELECTION).is_file() else None
+        refused = _refused(selection, args.accept_partial_choice)
+        if refused:
+            scheduler.failed["the test evaluations"] = refused
+        else:
+            settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
+            chosen = [r for r in plan.runs if settings.get(r.arm) == r.setting]
+            scheduler.run([_eval_job(plan, name, run_target(r.n), str(plan.run_dir(r.n)), args.data_dir,
+                                     args.eval_args)
+                           for name in plan.evaluations if name != DEV for r in chosen])
     if "report" in phases:
         try:
             print(f"wrote {probe_study.write_report(probe_study.study_numbers(out), out / 'report')}")

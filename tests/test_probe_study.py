@@ -120,19 +120,21 @@ def write_experiment(folder: Path, dev_scores: dict[tuple[str, str, int], float]
                    "mdqa_test": {"probe": "mdqa", "part": "test", "args": []}}
     (folder).mkdir(parents=True, exist_ok=True)
     (folder / PLAN).write_text(json.dumps({"runs": runs, "evaluations": evaluations, "dev": "mdqa_dev"}))
-
-    def save(evaluation, target, score):
-        acc = {q: {p: float(i < score * len(QUESTIONS)) for p in POSITIONS} for i, q in enumerate(QUESTIONS)}
-        ll = {q: {p: -3.0 + score for p in POSITIONS} for q in QUESTIONS}
-        out = folder / "evals" / evaluation / target / "eval"
-        out.mkdir(parents=True, exist_ok=True)
-        result(acc, ll, kinds="gold").save_json(out / "mdqa_step0.json")
-    save("mdqa_dev", BASE, 0.25)
-    save("mdqa_test", BASE, 0.25)
+    save_evaluation(folder, "mdqa_dev", BASE, 0.25)
+    save_evaluation(folder, "mdqa_test", BASE, 0.25)
     for n, (key, score) in enumerate(dev_scores.items()):
-        save("mdqa_dev", run_target(n), score)
+        save_evaluation(folder, "mdqa_dev", run_target(n), score)
         if test:
-            save("mdqa_test", run_target(n), score)
+            save_evaluation(folder, "mdqa_test", run_target(n), score)
+
+
+def save_evaluation(folder: Path, evaluation: str, target: str, score: float) -> None:
+    """An mdqa evaluation JSON of the experiment in `folder` whose accuracy averages `score`."""
+    acc = {q: {p: float(i < score * len(QUESTIONS)) for p in POSITIONS} for i, q in enumerate(QUESTIONS)}
+    ll = {q: {p: -3.0 + score for p in POSITIONS} for q in QUESTIONS}
+    out = folder / "evals" / evaluation / target / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    result(acc, ll, kinds="gold").save_json(out / "mdqa_step0.json")
 
 
 def test_each_arm_gets_the_setting_of_its_best_dev_mean_and_the_headline_is_the_best_arm(tmp_path):
@@ -165,6 +167,36 @@ def test_a_setting_with_a_run_missing_its_dev_evaluation_is_left_out_by_name(tmp
         f.unlink()
     chosen = probe_study.choose(probe_study.read_plan(tmp_path))
     assert chosen["arms"]["none"]["setting"] == "lr=1" and chosen["incomplete"] == {"none lr=2": [1]}
+    (tmp_path / SELECTION).write_text(json.dumps(chosen))
+    report = probe_study.write_report(probe_study.study_numbers(tmp_path), tmp_path / "report").read_text()
+    assert "**A partial choice:** it did not see these settings" in report and "none lr=2 (runs 1)" in report
+
+
+def test_a_partial_choice_takes_nothing_further_unless_accepted(tmp_path, monkeypatch, capsys):
+    sweep = ["debias=none,kd", "trainer.lr=1,2", "seed=0,1"]
+    plan = reads_middle.make_plan(tmp_path, "reads_middle", reads_middle.sweep_grid("reads_middle", sweep), [0])
+    (tmp_path / PLAN).write_text(json.dumps(plan))
+    kd_lr2_seed0 = next(r["n"] for r in plan["runs"] if r["overrides"] == ["debias=kd", "trainer.lr=2", "seed=0"])
+    save_evaluation(tmp_path, "mdqa_dev", BASE, 0.25)
+    for r in plan["runs"]:
+        if r["seed"] == 0 and r["n"] != kd_lr2_seed0:
+            save_evaluation(tmp_path, "mdqa_dev", run_target(r["n"]), 0.5)
+    started: list[str] = []
+    monkeypatch.setattr(reads_middle.Scheduler, "run", lambda self, jobs: started.extend(j.name for j in jobs))
+    command = [str(tmp_path), "--sweep", *sweep, "--choose-on-seeds", "0", "--base", "base",
+               "--phase", "select", "dev", "test"]
+    assert reads_middle.main(command) == 1
+    err = capsys.readouterr().err
+    assert f"the choice is incomplete (settings and their runs without a dev evaluation: {{'kd trainer.lr=2': " \
+           f"[{kd_lr2_seed0}]}})" in err and "--accept-partial-choice" in err
+    assert "the other seeds: not started" in err and "the test evaluations: not started" in err
+    seed_0 = {f"mdqa_dev:run-{r['n']}" for r in plan["runs"] if r["seed"] == 0}
+    assert set(started) == seed_0  # the dev evaluations of the seeds the choice reads, nothing after the choice
+    assert reads_middle.main(command + ["--accept-partial-choice"]) == 0
+    seed_1 = {r["n"] for r in plan["runs"] if r["seed"] == 1 and "trainer.lr=1" in r["overrides"]}
+    assert {f"mdqa_dev:run-{n}" for n in seed_1} <= set(started)  # the chosen lr=1 of both arms, seed 1
+    assert {f"mdqa_test:run-{n}" for r in plan["runs"] if "trainer.lr=1" in r["overrides"]
+            for n in [r["n"]]} <= set(started)
 
 
 def test_the_report_shows_the_chosen_arms_against_the_starting_model(tmp_path):
