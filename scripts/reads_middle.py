@@ -232,16 +232,18 @@ def train_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], e
     return jobs
 
 
-def _refused(selection: dict | None, accept_partial: bool) -> str | None:
-    """Why the phases after the choice do not start: no choice yet, or one that misses a setting (unless
-    `--accept-partial-choice`); None when they may."""
-    if selection is None:
-        return f"not started: no {SELECTION} (the select phase has not chosen)"
+def chosen_settings(out: Path, accept_partial: bool) -> tuple[dict[str, str], str | None]:
+    """Each chosen arm's setting from `out`'s selection.json, and why the phases after the choice do not start (no
+    choice yet, or one that misses a setting unless `--accept-partial-choice`; None when they may)."""
+    if not (out / SELECTION).is_file():
+        return {}, f"not started: no {SELECTION} (the select phase has not chosen)"
+    selection = probe_study.read_selection(out)
+    settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
     if selection["incomplete"] and not accept_partial:
-        return (f"not started: the choice is incomplete (settings and their runs without a dev evaluation: "
-                f"{selection['incomplete']}); run the command again once they have one, or add "
-                f"--accept-partial-choice")
-    return None
+        return settings, (f"not started: the choice is incomplete (settings and their runs without a dev evaluation: "
+                          f"{selection['incomplete']}); run the command again once they have one, or add "
+                          f"--accept-partial-choice")
+    return settings, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -317,22 +319,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"headline {selection['headline']}", flush=True)
     if staged is not None and phases & {"train", "dev"}:
         # the other seeds, at each arm's chosen setting only, once every run the choice reads is evaluated
-        selection = probe_study.read_selection(out) if (out / SELECTION).is_file() else None
-        refused = _refused(selection, args.accept_partial_choice)
+        settings, refused = chosen_settings(out, args.accept_partial_choice)
         if refused:
             scheduler.failed["the other seeds"] = refused
         else:
-            settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
             rest = [r for r in plan.runs if r not in first and settings.get(r.arm) == r.setting]
             scheduler.run(run_jobs(plan, rest, phases, args.exp, args.train_args, per_arm, args.data_dir,
                                    args.eval_args))
     if "test" in phases:
-        selection = probe_study.read_selection(out) if (out / SELECTION).is_file() else None
-        refused = _refused(selection, args.accept_partial_choice)
+        settings, refused = chosen_settings(out, args.accept_partial_choice)
         if refused:
             scheduler.failed["the test evaluations"] = refused
         else:
-            settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
             chosen = [r for r in plan.runs if settings.get(r.arm) == r.setting]
             scheduler.run([_eval_job(plan, name, run_target(r.n), str(plan.run_dir(r.n)), args.data_dir,
                                      args.eval_args)
