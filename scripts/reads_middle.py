@@ -157,7 +157,7 @@ def sweep_grid(exp: str, sweep: Sequence[str]) -> dict[str, list[str]]:
     return grid
 
 
-def make_plan(out: Path, exp: str, grid: dict[str, list[str]], choose_on_seeds: Sequence[int] | None = None) -> dict:
+def make_plan(exp: str, grid: dict[str, list[str]], choose_on_seeds: Sequence[int] | None = None) -> dict:
     runs = []
     for n, values in enumerate(itertools.product(*grid.values())):
         chosen = dict(zip(grid, values))
@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / PLAN
     staged = args.choose_on_seeds
-    fresh = make_plan(out, args.exp, sweep_grid(args.exp, args.sweep), staged)
+    fresh = make_plan(args.exp, sweep_grid(args.exp, args.sweep), staged)
     seeds = sorted({r["seed"] for r in fresh["runs"]})
     if staged is not None and not set(staged) < set(seeds):
         print(f"error: --choose-on-seeds {staged}: must be some, not all, of the plan's seeds {seeds}", file=sys.stderr)

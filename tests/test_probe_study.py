@@ -174,7 +174,7 @@ def test_a_setting_with_a_run_missing_its_dev_evaluation_is_left_out_by_name(tmp
 
 def test_a_partial_choice_takes_nothing_further_unless_accepted(tmp_path, monkeypatch, capsys):
     sweep = ["debias=none,kd", "trainer.lr=1,2", "seed=0,1"]
-    plan = reads_middle.make_plan(tmp_path, "reads_middle", reads_middle.sweep_grid("reads_middle", sweep), [0])
+    plan = reads_middle.make_plan("reads_middle", reads_middle.sweep_grid("reads_middle", sweep), [0])
     (tmp_path / PLAN).write_text(json.dumps(plan))
     kd_lr2_seed0 = next(r["n"] for r in plan["runs"] if r["overrides"] == ["debias=kd", "trainer.lr=2", "seed=0"])
     save_evaluation(tmp_path, "mdqa_dev", BASE, 0.25)
@@ -213,17 +213,17 @@ def test_the_report_shows_the_chosen_arms_against_the_starting_model(tmp_path):
     assert study.numbers["goals"]["kd"] and [r["changes"] for r in study.numbers["runs"]][0]["middle"] == 1
 
 
-def test_the_plan_is_the_product_of_the_experiments_sweep(tmp_path):
+def test_the_plan_is_the_product_of_the_experiments_sweep():
     grid = reads_middle.sweep_grid("reads_middle", ["trainer.lr=1e-3"])
     assert grid == {"debias": ["none", "pos2distill", "pos2distill_guard"], "trainer.lr": ["1e-3"], "seed": ["0", "1"]}
-    plan = reads_middle.make_plan(tmp_path, "reads_middle", reads_middle.sweep_grid("reads_middle", []))
+    plan = reads_middle.make_plan("reads_middle", reads_middle.sweep_grid("reads_middle", []))
     assert len(plan["runs"]) == 12 and plan["dev"] == "mdqa_dev"
     assert plan["runs"][3] == {"n": 3, "arm": "none", "setting": "trainer.lr=0.001", "seed": 1,
                                "overrides": ["debias=none", "trainer.lr=0.001", "seed=1"]}
 
 
 def test_runs_go_seed_by_seed_each_evaluated_before_the_next_trains(tmp_path):
-    plan = reads_middle.make_plan(tmp_path, "reads_middle", reads_middle.sweep_grid("reads_middle", []))
+    plan = reads_middle.make_plan("reads_middle", reads_middle.sweep_grid("reads_middle", []))
     (tmp_path / PLAN).write_text(json.dumps(plan))
     plan = probe_study.read_plan(tmp_path)
     jobs = reads_middle.run_jobs(plan, plan.runs, {"train", "dev"}, "reads_middle", [], {}, "data", [])
