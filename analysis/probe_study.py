@@ -254,7 +254,7 @@ def choose(plan: Plan, seeds: Sequence[int] | None = None) -> dict[str, Any]:
     """Each arm's setting with the best mean `dev_score` over its seeds (ties: the first in the plan's order), and
     the headline arm: the arm whose chosen setting scores best. Reads the dev evaluation only, of the runs of
     `seeds` (default: every seed). A setting with a run that has no dev evaluation is left out (named under
-    `incomplete`); ProbeStudyError when no arm has a complete setting."""
+    `incomplete`, its arm's choice not `complete`); ProbeStudyError when no arm has a complete setting."""
     arms: dict[str, Any] = {}
     incomplete: dict[str, list[int]] = {}
     for arm in plan.arms:
@@ -270,7 +270,8 @@ def choose(plan: Plan, seeds: Sequence[int] | None = None) -> dict[str, Any]:
         if not scores:
             continue
         best = max(scores, key=lambda k: (scores[k], -list(scores).index(k)))
-        arms[arm] = {"setting": best, "dev_scores": scores, "runs": [r.n for r in plan.runs_of(arm, best)]}
+        arms[arm] = {"setting": best, "dev_scores": scores, "runs": [r.n for r in plan.runs_of(arm, best)],
+                     "complete": len(scores) == len(plan.settings(arm))}
     if not arms:
         raise ProbeStudyError(f"{plan.folder}: no arm has a setting whose every run has its {plan.dev} evaluation "
                               f"(missing: {incomplete})")

@@ -25,12 +25,25 @@ the settings that were not chosen (a quarter of the grid's training at 2 setting
 seed of every setting is trained, seed 0 of each first.
 
 The same command run again continues: a finished run (its `finished.json`) and a written evaluation are kept, an
-interrupted run continues from its newest checkpoint (`trainer.resume_from=latest`). A failing job is logged in
-`<out>/logs/` and named at the end; the others go on. `--deadline SECONDS` starts nothing new after that long.
+interrupted run continues from its newest checkpoint (`trainer.resume_from=latest`). A run is trained only while an
+evaluation still needs it: one whose dev evaluation is written is not trained again for the choice, and a chosen
+run is trained (again) before its test evaluations when they are missing. A failing job is logged in
+`<out>/logs/` and named at the end; the others go on. `--deadline SECONDS` starts nothing new after that long;
+SIGTERM or Ctrl-C stops the jobs under way (a run saves a checkpoint at its step, an evaluation keeps the answers
+it recorded).
 
-A choice that misses a setting (a run failed or was not evaluated on dev: `incomplete` in selection.json) takes
-nothing further: the other seeds and the test evaluations wait until the command, run again, completes it, or
-`--accept-partial-choice` goes on with the arms chosen so far (the report names what the choice did not see).
+The jobs use the experiment's own cache, `<out>/cache` (`POSDEBIAS_CACHE`; its `models` is linked to the user's):
+the teacher answers and the answer records there are the experiment's. `--keep DIR` makes the experiment outlive
+its machine: whatever of it is small and costly (the plan and the choice, every evaluation's results, the answer
+records of evaluations under way, the teacher answers, and each finished run's summary, metrics and teacher
+answers) is copied into DIR after every job and when the command stops, and a fresh `<out>` is filled from DIR
+before anything starts. With DIR in a repository and committed, a new machine continues the experiment where the
+last one stopped; checkpoints are not kept, so a chosen run whose test evaluations are missing is trained again.
+
+The choice is per arm: an arm whose every setting has its dev evaluations goes on to its other seeds and its test
+evaluations while another arm waits for a run. A setting that misses a run (it failed or was not evaluated on dev:
+`incomplete` in selection.json) holds its arm back until the command, run again, completes it, or
+`--accept-partial-choice` goes on with the settings chosen so far (the report names what the choice did not see).
 """
 from __future__ import annotations
 
@@ -38,19 +51,22 @@ import argparse
 import itertools
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from analysis import probe_study
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
-from data_builders.files import atomic_write_text
-from models.training.run_dir import RunDir
+from data_builders.files import atomic_file, atomic_write_text
+from data_builders.tokenizer import default_cache_dir
+from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, RunDir
 from train import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +82,11 @@ EVALUATIONS = {
     "kv": ("kv", None, ["probes=[kv]", "kv.n_pairs=10", "examples=100"]),
 }
 DEV = "mdqa_dev"
+CACHE = "cache"  # <out>/cache: the jobs' POSDEBIAS_CACHE
+# what --keep copies: paths under <out>, as globs (a run's files once it finished)
+KEPT = (PLAN, SELECTION, "evals/*/*/eval/*.json", f"{CACHE}/distill_responses/*.json",
+        f"{CACHE}/evaluations/answered/*.jsonl", *(f"runs/*/{name}" for name in (SUMMARY, METRICS, DISTILL_RESPONSES)))
+STOP_GRACE_S = 600  # how long a stopped job may take to save its checkpoint or flush its answers
 
 
 @dataclass
@@ -89,17 +110,34 @@ class Scheduler:
 
     parallel: int
     deadline: float | None = None
+    env: dict[str, str] = field(default_factory=dict)  # added to the jobs' environment
+    after_each: Callable[[], None] | None = None  # called whenever a job ends
     started_at: float = field(default_factory=time.monotonic)
     failed: dict[str, str] = field(default_factory=dict)
 
     def run(self, jobs: Sequence[Job]) -> None:
+        running: dict[str, tuple[subprocess.Popen, Job]] = {}
+        try:
+            self._run(jobs, running)
+        finally:  # stopped (SIGTERM, Ctrl-C): each job under way stops cleanly too
+            for proc, _ in running.values():
+                proc.terminate()
+            for proc, job in running.values():
+                try:
+                    proc.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                self.failed[job.name] = f"stopped (log {job.log})"
+
+    def _run(self, jobs: Sequence[Job], running: dict[str, tuple[subprocess.Popen, Job]]) -> None:
         waiting = [j for j in jobs if not j.done]
         finished = {j.name for j in jobs if j.done}
-        running: dict[str, tuple[subprocess.Popen, Job]] = {}
         while waiting or running:
             for name, (proc, job) in list(running.items()):
                 if proc.poll() is not None:
                     del running[name]
+                    if self.after_each is not None:
+                        self.after_each()
                     if proc.returncode == 0:
                         finished.add(name)
                         print(f"[reads_middle] done: {name}", flush=True)
@@ -129,13 +167,66 @@ class Scheduler:
                 print(f"[reads_middle] start: {job.name}: {' '.join(job.command)}", flush=True)
                 with open(job.log, "ab") as log:
                     proc = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
                 running[job.name] = (proc, job)
             if waiting and not running:  # nothing can start any more: what they wait for will never come
                 for job in waiting:
                     self.failed[job.name] = "not run: what it waits for did not finish"
                 waiting = []
             time.sleep(0.5)
+
+
+def grid_cache(out: Path) -> Path:
+    """`<out>/cache`, the experiment's jobs' POSDEBIAS_CACHE, its `models` linked to the user's cache's (a model
+    is fetched and converted once for every experiment)."""
+    cache = out / CACHE
+    models = cache / "models"
+    if not models.exists() and not models.is_symlink():
+        shared = default_cache_dir() / "models"
+        shared.mkdir(parents=True, exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        models.symlink_to(shared.resolve(), target_is_directory=True)
+    return cache
+
+
+@dataclass
+class Keep:
+    """The part of an experiment folder that outlives its machine (`KEPT`), mirrored in `folder`."""
+
+    folder: Path
+    out: Path
+
+    @staticmethod
+    def files(root: Path) -> list[Path]:
+        return sorted({p.relative_to(root) for pattern in KEPT for p in root.glob(pattern) if p.is_file()})
+
+    def restore(self) -> list[Path]:
+        """Copy into `out` every kept file it lacks; the paths copied. ValueError when the two hold other plans."""
+        plans = [root / PLAN for root in (self.folder, self.out)]
+        if all(p.is_file() for p in plans) and plans[0].read_bytes() != plans[1].read_bytes():
+            raise ValueError(f"{plans[0]} and {plans[1]} are the plans of two experiments: keep each in its own folder")
+        missing = [rel for rel in self.files(self.folder) if not (self.out / rel).exists()]
+        for rel in missing:
+            _copy(self.folder / rel, self.out / rel)
+        return missing
+
+    def save(self) -> list[Path]:
+        """Copy into `folder` every kept file of `out` that it lacks or holds otherwise (a run's files once the run
+        finished); the paths copied."""
+        changed = []
+        for rel in self.files(self.out):
+            if rel.parts[0] == "runs" and not RunDir(self.out / rel.parent).finished.is_file():
+                continue
+            kept = self.folder / rel
+            if not kept.is_file() or kept.read_bytes() != (self.out / rel).read_bytes():
+                _copy(self.out / rel, kept)
+                changed.append(rel)
+        return changed
+
+
+def _copy(src: Path, dst: Path) -> None:
+    with open(src, "rb") as f, atomic_file(dst) as out:
+        shutil.copyfileobj(f, out)
 
 
 def sweep_grid(exp: str, sweep: Sequence[str]) -> dict[str, list[str]]:
@@ -170,11 +261,16 @@ def make_plan(exp: str, grid: dict[str, list[str]], choose_on_seeds: Sequence[in
             "choose_on_seeds": None if choose_on_seeds is None else sorted(choose_on_seeds)}
 
 
+def evaluated(plan: probe_study.Plan, name: str, target: str) -> bool:
+    """Whether evaluation `name` of `target` is written."""
+    return any(RunDir(plan.eval_dir(name, target)).eval.glob(f"{plan.evaluations[name]['probe']}_step*.json"))
+
+
 def _eval_job(plan: probe_study.Plan, name: str, target: str, ckpt: str, data_dir: str, eval_args: Sequence[str],
               after: Sequence[str] = ()) -> Job:
     out = plan.eval_dir(name, target)
     spec = plan.evaluations[name]
-    done = any(RunDir(out).eval.glob(f"{spec['probe']}_step*.json"))
+    done = evaluated(plan, name, target)
     command = [sys.executable, "-m", "scripts.eval_checkpoint", ckpt, "chat_template=true", f"data_dir={data_dir}",
                *spec["args"], *eval_args, f"out={out}"]
     return Job(f"{name}:{target}", command, plan.folder / "logs" / f"{name}_{target}.log", tuple(after), done)
@@ -203,7 +299,9 @@ def run_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], pha
     listed right after its training: one process at a time, a run is evaluated before the next one trains, and the
     first seed of every arm and setting comes before the second."""
     runs = sorted(runs, key=lambda r: (r.seed, r.n))
-    trains = {job.name: job for job in train_jobs(plan, runs, exp, train_args, per_arm)} if "train" in phases else {}
+    needed = (lambda r: not evaluated(plan, DEV, run_target(r.n))) if "dev" in phases else None
+    trains = {job.name: job for job in train_jobs(plan, runs, exp, train_args, per_arm, needed)} \
+        if "train" in phases else {}
     jobs = []
     for r in runs:
         if f"train:{r.n}" in trains:
@@ -215,35 +313,61 @@ def run_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], pha
 
 
 def train_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], exp: str, train_args: Sequence[str],
-               per_arm: dict[str, list[str]] | None = None) -> list[Job]:
+               per_arm: dict[str, list[str]] | None = None,
+               needed: Callable[[probe_study.PlannedRun], bool] | None = None) -> list[Job]:
+    """Each run's training, done when it finished or when `needed` says that no evaluation waits for it; the first
+    run to train of the arms that distil answers the teacher prompts, the others wait for its answers."""
     jobs = []
-    teachers = [r for r in runs if distills(exp, r.arm, train_args)]
+    done = {r.n: RunDir(plan.run_dir(r.n)).finished.is_file() or (needed is not None and not needed(r))
+            for r in runs}
+    teachers = [r for r in runs if not done[r.n] and distills(exp, r.arm, train_args)]
     leader = teachers[0] if teachers else None
     for r in runs:
         run_dir = plan.run_dir(r.n)
-        finished = RunDir(run_dir).finished.is_file()
-        resume = ["trainer.resume_from=latest"] if not finished and any(RunDir(run_dir).checkpoints.glob("step-*")) \
-            else []
+        resume = ["trainer.resume_from=latest"] \
+            if not done[r.n] and any(RunDir(run_dir).checkpoints.glob("step-*")) else []
         command = [sys.executable, "train.py", f"+exp={exp}", *r.overrides, *train_args,
                    *(per_arm or {}).get(r.arm, []), *resume, f"hydra.run.dir={run_dir}"]
         wait = (RunDir(plan.run_dir(leader.n)).distill_responses, f"train:{leader.n}") \
             if leader is not None and r in teachers and r != leader else None
-        jobs.append(Job(f"train:{r.n}", command, plan.folder / "logs" / f"train_{r.n}.log", (), finished, wait))
+        jobs.append(Job(f"train:{r.n}", command, plan.folder / "logs" / f"train_{r.n}.log", (), done[r.n], wait))
     return jobs
 
 
-def chosen_settings(out: Path, accept_partial: bool) -> tuple[dict[str, str], str | None]:
-    """Each chosen arm's setting from `out`'s selection.json, and why the phases after the choice do not start (no
-    choice yet, or one that misses a setting unless `--accept-partial-choice`; None when they may)."""
-    if not (out / SELECTION).is_file():
+def test_jobs(plan: probe_study.Plan, chosen: Sequence[probe_study.PlannedRun], phases: set[str], exp: str,
+              train_args: Sequence[str], per_arm: dict[str, list[str]], data_dir: str,
+              eval_args: Sequence[str]) -> list[Job]:
+    """The chosen runs' evaluations other than dev, each run (with phase `train`) trained first when one of them is
+    missing and the run is not there (a kept experiment on a fresh machine)."""
+    tests = [name for name in plan.evaluations if name != DEV]
+    chosen = sorted(chosen, key=lambda r: (r.seed, r.n))
+    trains = {job.name: job for job in train_jobs(
+        plan, chosen, exp, train_args, per_arm,
+        lambda r: not all(evaluated(plan, name, run_target(r.n)) for name in tests))} if "train" in phases else {}
+    jobs = []
+    for r in chosen:
+        after = [f"train:{r.n}"] if trains else []
+        jobs += [trains[f"train:{r.n}"]] if trains else []
+        jobs += [_eval_job(plan, name, run_target(r.n), str(plan.run_dir(r.n)), data_dir, eval_args, after)
+                 for name in tests]
+    return jobs
+
+
+def chosen_settings(plan: probe_study.Plan, accept_partial: bool) -> tuple[dict[str, str], str | None]:
+    """The chosen setting of each arm that the phases after the choice go on with (from selection.json: the arms
+    whose every setting was seen, or every chosen arm with `--accept-partial-choice`), and why the other arms wait
+    (None when none does)."""
+    if not (plan.folder / SELECTION).is_file():
         return {}, f"not started: no {SELECTION} (the select phase has not chosen)"
-    selection = probe_study.read_selection(out)
-    settings = {arm: info["setting"] for arm, info in selection["arms"].items()}
-    if selection["incomplete"] and not accept_partial:
-        return settings, (f"not started: the choice is incomplete (settings and their runs without a dev evaluation: "
-                          f"{selection['incomplete']}); run the command again once they have one, or add "
-                          f"--accept-partial-choice")
-    return settings, None
+    selection = probe_study.read_selection(plan.folder)
+    settings = {arm: info["setting"] for arm, info in selection["arms"].items()
+                if accept_partial or info.get("complete", not selection["incomplete"])}
+    waiting = [arm for arm in plan.arms if arm not in settings]
+    if not waiting:
+        return settings, None
+    return settings, (f"not started for {', '.join(waiting)}: the choice is incomplete (settings and their runs "
+                      f"without a dev evaluation: {selection['incomplete']}); run the command again once they have "
+                      f"one, or add --accept-partial-choice")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,9 +395,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="train these seeds of every setting, choose each arm's setting on their dev "
                              "evaluations, then train the other seeds at the chosen settings only (default: every "
                              "seed of every setting, the choice on all of them)")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="copy what of the experiment is small and costly into DIR as it is written, and fill a "
+                             "fresh experiment folder from it (a folder in a repository, committed: the experiment "
+                             "outlives its machine)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    keep = None if args.keep is None else Keep(args.keep.resolve(), out)
+    if keep is not None:
+        try:
+            restored = keep.restore()
+        except ValueError as err:
+            print(f"error: --keep: {err}", file=sys.stderr)
+            return 2
+        if restored:
+            print(f"[reads_middle] {len(restored)} files restored from {keep.folder}", flush=True)
+    stop = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return _main(args, out, keep)
+    finally:
+        signal.signal(signal.SIGTERM, stop)
+        if keep is not None:
+            saved = keep.save()
+            if saved:
+                print(f"[reads_middle] {len(saved)} files kept in {keep.folder}", flush=True)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _main(args: argparse.Namespace, out: Path, keep: Keep | None) -> int:
     plan_path = out / PLAN
     staged = args.choose_on_seeds
     fresh = make_plan(args.exp, sweep_grid(args.exp, args.sweep), staged)
@@ -295,7 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         atomic_write_text(plan_path, json.dumps(fresh, indent=1))
     plan = probe_study.read_plan(out)
     base = args.base or compose_config([f"+exp={args.exp}", *args.train_args]).model.get("pretrained") or DEFAULT_BASE
-    scheduler = Scheduler(max(1, args.parallel), args.deadline)
+    scheduler = Scheduler(max(1, args.parallel), args.deadline, {"POSDEBIAS_CACHE": str(grid_cache(out))},
+                          None if keep is None else keep.save)
     phases = set(args.phase)
 
     per_arm = arm_args(args.arm_args)
@@ -318,23 +472,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[reads_middle] chosen: {json.dumps({a: v['setting'] for a, v in selection['arms'].items()})}; "
               f"headline {selection['headline']}", flush=True)
     if staged is not None and phases & {"train", "dev"}:
-        # the other seeds, at each arm's chosen setting only, once every run the choice reads is evaluated
-        settings, refused = chosen_settings(out, args.accept_partial_choice)
+        # the other seeds, at each arm's chosen setting only, once every run its choice reads is evaluated
+        settings, refused = chosen_settings(plan, args.accept_partial_choice)
         if refused:
             scheduler.failed["the other seeds"] = refused
-        else:
-            rest = [r for r in plan.runs if r not in first and settings.get(r.arm) == r.setting]
-            scheduler.run(run_jobs(plan, rest, phases, args.exp, args.train_args, per_arm, args.data_dir,
-                                   args.eval_args))
+        rest = [r for r in plan.runs if r not in first and settings.get(r.arm) == r.setting]
+        scheduler.run(run_jobs(plan, rest, phases, args.exp, args.train_args, per_arm, args.data_dir, args.eval_args))
     if "test" in phases:
-        settings, refused = chosen_settings(out, args.accept_partial_choice)
+        settings, refused = chosen_settings(plan, args.accept_partial_choice)
         if refused:
             scheduler.failed["the test evaluations"] = refused
-        else:
-            chosen = [r for r in plan.runs if settings.get(r.arm) == r.setting]
-            scheduler.run([_eval_job(plan, name, run_target(r.n), str(plan.run_dir(r.n)), args.data_dir,
-                                     args.eval_args)
-                           for name in plan.evaluations if name != DEV for r in chosen])
+        scheduler.run(test_jobs(plan, [r for r in plan.runs if settings.get(r.arm) == r.setting], phases, args.exp,
+                                args.train_args, per_arm, args.data_dir, args.eval_args))
     if "report" in phases:
         try:
             print(f"wrote {probe_study.write_report(probe_study.study_numbers(out), out / 'report')}")

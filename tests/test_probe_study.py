@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -172,7 +174,8 @@ def test_a_setting_with_a_run_missing_its_dev_evaluation_is_left_out_by_name(tmp
     assert "**A partial choice:** it did not see these settings" in report and "none lr=2 (runs 1)" in report
 
 
-def test_a_partial_choice_takes_nothing_further_unless_accepted(tmp_path, monkeypatch, capsys):
+def test_an_arm_whose_choice_saw_every_setting_goes_on_while_a_partial_one_waits_unless_accepted(
+        tmp_path, monkeypatch, capsys):
     sweep = ["debias=none,kd", "trainer.lr=1,2", "seed=0,1"]
     plan = reads_middle.make_plan("reads_middle", reads_middle.sweep_grid("reads_middle", sweep), [0])
     (tmp_path / PLAN).write_text(json.dumps(plan))
@@ -187,16 +190,20 @@ def test_a_partial_choice_takes_nothing_further_unless_accepted(tmp_path, monkey
                "--phase", "select", "dev", "test"]
     assert reads_middle.main(command) == 1
     err = capsys.readouterr().err
-    assert f"the choice is incomplete (settings and their runs without a dev evaluation: {{'kd trainer.lr=2': " \
-           f"[{kd_lr2_seed0}]}})" in err and "--accept-partial-choice" in err
-    assert "the other seeds: not started" in err and "the test evaluations: not started" in err
+    assert f"not started for kd: the choice is incomplete (settings and their runs without a dev evaluation: " \
+           f"{{'kd trainer.lr=2': [{kd_lr2_seed0}]}})" in err and "--accept-partial-choice" in err
+    assert "the other seeds: not started for kd" in err and "the test evaluations: not started for kd" in err
+    runs = {(r["arm"], r["setting"], r["seed"]): r["n"] for r in plan["runs"]}
     seed_0 = {f"mdqa_dev:run-{r['n']}" for r in plan["runs"] if r["seed"] == 0}
-    assert set(started) == seed_0  # the dev evaluations of the seeds the choice reads, nothing after the choice
+    none_chosen = [runs["none", "trainer.lr=1", 0], runs["none", "trainer.lr=1", 1]]  # ties go to the first lr
+    assert set(started[:len(seed_0)]) == seed_0  # the dev evaluations the choice reads, then the none arm's alone
+    assert started[len(seed_0):] == [f"mdqa_dev:run-{none_chosen[1]}",
+                                     *(f"{name}:run-{n}" for n in none_chosen for name in ("mdqa_test", "kv"))]
+    started.clear()
     assert reads_middle.main(command + ["--accept-partial-choice"]) == 0
-    seed_1 = {r["n"] for r in plan["runs"] if r["seed"] == 1 and "trainer.lr=1" in r["overrides"]}
-    assert {f"mdqa_dev:run-{n}" for n in seed_1} <= set(started)  # the chosen lr=1 of both arms, seed 1
-    assert {f"mdqa_test:run-{n}" for r in plan["runs"] if "trainer.lr=1" in r["overrides"]
-            for n in [r["n"]]} <= set(started)
+    kd_chosen = [runs["kd", "trainer.lr=1", 0], runs["kd", "trainer.lr=1", 1]]
+    assert f"mdqa_dev:run-{kd_chosen[1]}" in started
+    assert {f"{name}:run-{n}" for n in kd_chosen for name in ("mdqa_test", "kv")} <= set(started)
 
 
 def test_the_report_shows_the_chosen_arms_against_the_starting_model(tmp_path):
@@ -271,6 +278,108 @@ def test_the_scheduler_waits_for_what_a_job_needs_and_fails_its_dependants(tmp_p
     assert order.read_text().split() == ["leader", "follower"]
     assert scheduler.failed["broken"].startswith("exit 3")
     assert "broken failed" in scheduler.failed["after_broken"]
+
+
+def test_a_stopped_scheduler_stops_its_jobs(tmp_path):
+    pid_file = tmp_path / "pid"
+    job = _job(tmp_path, "long", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                                 f"time.sleep(60)")
+
+    stops = []
+
+    def stop_once_started():
+        if pid_file.is_file() and not stops:
+            stops.append(1)
+            raise KeyboardInterrupt
+
+    scheduler = reads_middle.Scheduler(parallel=1)
+    sleep = time.sleep
+    with pytest.MonkeyPatch.context() as mp:  # the scheduler's poll is where a SIGTERM or Ctrl-C lands
+        mp.setattr(time, "sleep", lambda s: (stop_once_started(), sleep(s)))
+        with pytest.raises(KeyboardInterrupt):
+            scheduler.run([job])
+    with pytest.raises(ProcessLookupError):  # terminated and reaped
+        os.kill(int(pid_file.read_text()), 0)
+    assert scheduler.failed["long"].startswith("stopped")
+
+
+def _write(path: Path, text: str = "x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_path):
+    out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
+    small = ["plan.json", "selection.json", "evals/mdqa_dev/run-0/eval/mdqa_step150.json",
+             "cache/distill_responses/ab.json", "cache/evaluations/answered/cd.jsonl",
+             "runs/0/summary.md", "runs/0/metrics.jsonl", "runs/0/distill_responses.json"]
+    for rel in small + ["runs/0/finished.json", "runs/0/checkpoints/step-150/adapter_model.safetensors",
+                        "runs/1/summary.md", "runs/1/metrics.jsonl",  # run 1 is under way
+                        "cache/models/smollm2/model.safetensors", "cache/distill_responses/.ab.json.x.tmp"]:
+        _write(out / rel, rel)
+    keep = reads_middle.Keep(kept, out)
+    assert sorted(map(str, keep.save())) == sorted(small)
+    assert keep.save() == []  # nothing changed
+    _write(out / "cache/evaluations/answered/cd.jsonl", "more answers")
+    assert list(map(str, keep.save())) == ["cache/evaluations/answered/cd.jsonl"]
+    restored = reads_middle.Keep(kept, fresh).restore()
+    assert sorted(map(str, restored)) == sorted(small)
+    assert (fresh / "cache/evaluations/answered/cd.jsonl").read_text() == "more answers"
+    assert not (fresh / "runs/0/finished.json").exists()  # no checkpoint comes back: the run is not there
+    _write(fresh / "evals/mdqa_dev/run-0/eval/mdqa_step150.json", "kept here")
+    assert reads_middle.Keep(kept, fresh).restore() == []  # what a folder holds is never replaced
+    _write(fresh / "plan.json", "another experiment")
+    with pytest.raises(ValueError, match="the plans of two experiments"):
+        reads_middle.Keep(kept, fresh).restore()
+
+
+def test_a_restored_experiment_trains_only_the_runs_an_evaluation_still_needs(tmp_path):
+    plan = reads_middle.make_plan("reads_middle", reads_middle.sweep_grid("reads_middle", []), [0])
+    (tmp_path / PLAN).write_text(json.dumps(plan))
+    plan = probe_study.read_plan(tmp_path)
+    runs = {(r.arm, r.setting, r.seed): r for r in plan.runs}
+    evaluated = [runs["none", "trainer.lr=0.0002", 0], runs["pos2distill", "trainer.lr=0.0002", 0]]
+    for r in evaluated:
+        save_evaluation(tmp_path, "mdqa_dev", run_target(r.n), 0.5)
+    seed_0 = [r for r in plan.runs if r.seed == 0]
+    jobs = {j.name: j for j in reads_middle.run_jobs(plan, seed_0, {"train", "dev"}, "reads_middle", [], {}, "d", [])}
+    assert {n for n, j in jobs.items() if j.done} == {name for r in evaluated
+                                                      for name in (f"train:{r.n}", f"mdqa_dev:run-{r.n}")}
+    # the teacher prompts are answered by the first distilling run that trains, not by one that is not trained
+    leader = runs["pos2distill", "trainer.lr=0.001", 0].n
+    assert jobs[f"train:{leader}"].wait_for is None
+    assert {j.wait_for[1] for j in jobs.values() if j.wait_for} == {f"train:{leader}"}
+    # the chosen runs: one with its test evaluations (not trained), one without (trained, then evaluated)
+    chosen = [runs["none", "trainer.lr=0.0002", 0], runs["none", "trainer.lr=0.0002", 1]]
+    save_evaluation(tmp_path, "mdqa_test", run_target(chosen[0].n), 0.5)
+    _write(tmp_path / "evals" / "kv" / run_target(chosen[0].n) / "eval" / "kv_step150.json")
+    tests = reads_middle.test_jobs(plan, chosen, {"train", "test"}, "reads_middle", [], {}, "d", [])
+    assert [(j.name, j.done, j.after) for j in tests] == [
+        (f"train:{chosen[0].n}", True, ()),
+        (f"mdqa_test:run-{chosen[0].n}", True, (f"train:{chosen[0].n}",)),
+        (f"kv:run-{chosen[0].n}", True, (f"train:{chosen[0].n}",)),
+        (f"train:{chosen[1].n}", False, ()),
+        (f"mdqa_test:run-{chosen[1].n}", False, (f"train:{chosen[1].n}",)),
+        (f"kv:run-{chosen[1].n}", False, (f"train:{chosen[1].n}",))]
+
+
+def test_the_command_fills_a_fresh_folder_from_its_keep_and_keeps_what_it_chose(tmp_path, monkeypatch):
+    sweep = ["debias=none", "trainer.lr=1,2", "seed=0,1"]
+    kept, out = tmp_path / "kept", tmp_path / "out"
+    plan = reads_middle.make_plan("reads_middle", reads_middle.sweep_grid("reads_middle", sweep), [0])
+    _write(kept / PLAN, json.dumps(plan, indent=1))
+    save_evaluation(kept, "mdqa_dev", BASE, 0.25)
+    for r in plan["runs"][::2]:  # seed 0: lr=1 scores 0.25, lr=2 0.5
+        save_evaluation(kept, "mdqa_dev", run_target(r["n"]), 0.25 * (1 + r["n"] // 2))
+    envs: list[dict] = []
+    monkeypatch.setattr(reads_middle.Scheduler, "run", lambda self, jobs: envs.append(self.env))
+    command = [str(out), "--sweep", *sweep, "--choose-on-seeds", "0", "--base", "base", "--phase", "select",
+               "--keep", str(kept)]
+    assert reads_middle.main(command) == 0
+    assert (out / "evals" / "mdqa_dev" / run_target(2) / "eval" / "mdqa_step0.json").is_file()
+    assert json.loads((kept / SELECTION).read_text())["arms"]["none"]["setting"] == "trainer.lr=2"
+    assert envs[0] == {"POSDEBIAS_CACHE": str(out / "cache")} and (out / "cache" / "models").is_symlink()
 
 
 def _kv_file(path: Path, records: int = 12, pairs: int = 12) -> Path:
