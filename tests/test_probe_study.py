@@ -416,7 +416,8 @@ def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_pa
         "trainer.save_every=2", "eval.every=2", "logger.mode=disabled", "jacobian.seq_len=32", "jacobian.chunk_len=16",
         "data.in2.heldout_doc_len=64",
         "--arm-args", *[f"pos2distill_guard:{o}" for o in distill],
-        "--eval-args", "chat_template=false", "examples=4", "mdqa.n_docs=3", "kv.n_pairs=4"]
+        "--eval-args", "chat_template=false", "examples=4", "mdqa.n_docs=3", "kv.n_pairs=4",
+        "--keep", str(tmp_path / "kept")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     exp = tmp_path / "exp"
@@ -436,3 +437,9 @@ def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_pa
     assert sum("answers reused" in t for t in teacher_logs) == 2  # one run answers the teacher prompts, two read them
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "start:" not in again.stdout
+    # a fresh machine: the kept folder alone (no run, no checkpoint) holds everything, so nothing is trained again
+    assert list((tmp_path / "kept" / "cache" / "distill_responses").glob("*.json"))
+    command[3] = str(tmp_path / "fresh")
+    fresh = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0 and "start:" not in fresh.stdout, fresh.stdout[-2000:] + fresh.stderr[-2000:]
+    assert (tmp_path / "fresh" / "report" / "report.md").read_text() == report.replace(str(exp), command[3])
