@@ -29,16 +29,18 @@ interrupted run continues from its newest checkpoint (`trainer.resume_from=lates
 evaluation still needs it: one whose dev evaluation is written is not trained again for the choice, and a chosen
 run is trained (again) before its test evaluations when they are missing. A failing job is logged in
 `<out>/logs/` and named at the end; the others go on. `--deadline SECONDS` starts nothing new after that long;
-SIGTERM or Ctrl-C stops the jobs under way (a run saves a checkpoint at its step, an evaluation keeps the answers
-it recorded).
+SIGTERM or Ctrl-C stops the jobs under way (a training run saves a checkpoint at its step, or keeps the chunks of
+teacher answers it made; an evaluation keeps the answers it recorded).
 
 The jobs use the experiment's own cache, `<out>/cache` (`POSDEBIAS_CACHE`; its `models` is linked to the user's):
-the teacher answers and the answer records there are the experiment's. `--keep DIR` makes the experiment outlive
-its machine: whatever of it is small and costly (the plan and the choice, every evaluation's results, the answer
-records of evaluations under way, the teacher answers, and each finished run's summary, metrics and teacher
-answers) is copied into DIR after every job and when the command stops, and a fresh `<out>` is filled from DIR
-before anything starts. With DIR in a repository and committed, a new machine continues the experiment where the
-last one stopped; checkpoints are not kept, so a chosen run whose test evaluations are missing is trained again.
+what they compute there (teacher answers, answer records, built data) is the experiment's. `--keep DIR` makes the
+experiment outlive its machine: whatever of it is small and costly (the plan and the choice, every evaluation's
+results, every answer record, so that an evaluation under way continues, the teacher answers, and each finished
+run's summary, metrics, log and teacher answers) is copied into DIR whenever a job ends, every 5 minutes while one
+runs, and when the command is stopped (SIGTERM, Ctrl-C; not a SIGKILL); a fresh `<out>` is filled from DIR before
+anything starts. With DIR in a repository and committed, a new machine continues the experiment where the last one
+stopped. Checkpoints are not kept, so a chosen run whose test evaluations are missing is trained again (its record
+in DIR then becomes the new run's).
 
 The choice is per arm: an arm whose every setting has its dev evaluations goes on to its other seeds and its test
 evaluations while another arm waits for a run. A setting that misses a run (it failed or was not evaluated on dev:
@@ -66,7 +68,7 @@ from analysis import probe_study
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
 from data_builders.files import atomic_file, atomic_write_text
 from data_builders.tokenizer import default_cache_dir
-from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, RunDir
+from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, TRAIN_LOG, RunDir
 from train import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,8 +87,11 @@ DEV = "mdqa_dev"
 CACHE = "cache"  # <out>/cache: the jobs' POSDEBIAS_CACHE
 # what --keep copies: paths under <out>, as globs (a run's files once it finished)
 KEPT = (PLAN, SELECTION, "evals/*/*/eval/*.json", f"{CACHE}/distill_responses/*.json",
-        f"{CACHE}/evaluations/answered/*.jsonl", *(f"runs/*/{name}" for name in (SUMMARY, METRICS, DISTILL_RESPONSES)))
+        f"{CACHE}/evaluations/answered/*.jsonl",
+        *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, DISTILL_RESPONSES)))
 STOP_GRACE_S = 600  # how long a stopped job may take to save its checkpoint or flush its answers
+CHECKPOINT_EVERY_S = 300  # --keep copies at least this often while a job runs (a machine can die any time)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass
@@ -111,7 +116,8 @@ class Scheduler:
     parallel: int
     deadline: float | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the jobs' environment
-    after_each: Callable[[], None] | None = None  # called whenever a job ends
+    # called whenever a job ends, every CHECKPOINT_EVERY_S while one runs, and when the scheduler is stopped
+    checkpoint: Callable[[], None] | None = None
     started_at: float = field(default_factory=time.monotonic)
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -120,6 +126,8 @@ class Scheduler:
         try:
             self._run(jobs, running)
         finally:  # stopped (SIGTERM, Ctrl-C): each job under way stops cleanly too
+            if running and self.checkpoint is not None:
+                self.checkpoint()
             for proc, _ in running.values():
                 proc.terminate()
             for proc, job in running.values():
@@ -132,12 +140,13 @@ class Scheduler:
     def _run(self, jobs: Sequence[Job], running: dict[str, tuple[subprocess.Popen, Job]]) -> None:
         waiting = [j for j in jobs if not j.done]
         finished = {j.name for j in jobs if j.done}
+        checkpointed = time.monotonic()
         while waiting or running:
+            ended_now = False
             for name, (proc, job) in list(running.items()):
                 if proc.poll() is not None:
                     del running[name]
-                    if self.after_each is not None:
-                        self.after_each()
+                    ended_now = True
                     if proc.returncode == 0:
                         finished.add(name)
                         print(f"[reads_middle] done: {name}", flush=True)
@@ -173,6 +182,9 @@ class Scheduler:
                 for job in waiting:
                     self.failed[job.name] = "not run: what it waits for did not finish"
                 waiting = []
+            if self.checkpoint is not None and (ended_now or time.monotonic() - checkpointed > CHECKPOINT_EVERY_S):
+                self.checkpoint()
+                checkpointed = time.monotonic()
             time.sleep(0.5)
 
 
@@ -211,14 +223,15 @@ class Keep:
         return missing
 
     def save(self) -> list[Path]:
-        """Copy into `folder` every kept file of `out` that it lacks or holds otherwise (a run's files once the run
-        finished); the paths copied."""
+        """Copy into `folder` every kept file of `out` that it lacks or holds otherwise, never one that is the start
+        of what is kept (an answer record behind the kept one); a run's files once the run finished (a run trained
+        again replaces its earlier record). The paths copied."""
         changed = []
         for rel in self.files(self.out):
             if rel.parts[0] == "runs" and not RunDir(self.out / rel.parent).finished.is_file():
                 continue
-            kept = self.folder / rel
-            if not kept.is_file() or kept.read_bytes() != (self.out / rel).read_bytes():
+            kept, mine = self.folder / rel, (self.out / rel).read_bytes()
+            if not kept.is_file() or not kept.read_bytes().startswith(mine):
                 _copy(self.out / rel, kept)
                 changed.append(rel)
         return changed
@@ -367,7 +380,7 @@ def chosen_settings(plan: probe_study.Plan, accept_partial: bool) -> tuple[dict[
         return settings, None
     return settings, (f"not started for {', '.join(waiting)}: the choice is incomplete (settings and their runs "
                       f"without a dev evaluation: {selection['incomplete']}); run the command again once they have "
-                      f"one, or add --accept-partial-choice")
+                      f"one" + ("" if accept_partial else ", or add --accept-partial-choice"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -411,18 +424,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if restored:
             print(f"[reads_middle] {len(restored)} files restored from {keep.folder}", flush=True)
-    stop = signal.signal(signal.SIGTERM, _stopped)
+    handlers = {sig: signal.signal(sig, _stopped) for sig in STOP_SIGNALS}
     try:
         return _main(args, out, keep)
     finally:
-        signal.signal(signal.SIGTERM, stop)
         if keep is not None:
             saved = keep.save()
             if saved:
                 print(f"[reads_middle] {len(saved)} files kept in {keep.folder}", flush=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _stopped(signum: int, frame: object) -> None:
+    """SIGTERM or Ctrl-C: stop (the jobs under way stop cleanly, the keep is saved); a second one is ignored so
+    that the stop finishes."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

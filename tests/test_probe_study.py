@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -273,9 +274,10 @@ def test_the_scheduler_waits_for_what_a_job_needs_and_fails_its_dependants(tmp_p
         _job(tmp_path, "broken", "raise SystemExit(3)"),
         _job(tmp_path, "after_broken", log.format("after_broken"), after=["broken"]),
     ]
-    scheduler = reads_middle.Scheduler(parallel=4)
+    ended = []
+    scheduler = reads_middle.Scheduler(parallel=4, checkpoint=lambda: ended.append(1))
     scheduler.run(jobs)
-    assert order.read_text().split() == ["leader", "follower"]
+    assert order.read_text().split() == ["leader", "follower"] and len(ended) >= 2  # kept as jobs end
     assert scheduler.failed["broken"].startswith("exit 3")
     assert "broken failed" in scheduler.failed["after_broken"]
 
@@ -292,7 +294,8 @@ def test_a_stopped_scheduler_stops_its_jobs(tmp_path):
             stops.append(1)
             raise KeyboardInterrupt
 
-    scheduler = reads_middle.Scheduler(parallel=1)
+    checkpoints = []
+    scheduler = reads_middle.Scheduler(parallel=1, checkpoint=lambda: checkpoints.append(pid_file.is_file()))
     sleep = time.sleep
     with pytest.MonkeyPatch.context() as mp:  # the scheduler's poll is where a SIGTERM or Ctrl-C lands
         mp.setattr(time, "sleep", lambda s: (stop_once_started(), sleep(s)))
@@ -301,6 +304,7 @@ def test_a_stopped_scheduler_stops_its_jobs(tmp_path):
     with pytest.raises(ProcessLookupError):  # terminated and reaped
         os.kill(int(pid_file.read_text()), 0)
     assert scheduler.failed["long"].startswith("stopped")
+    assert checkpoints == [True]  # kept once more as the stop begins
 
 
 def _write(path: Path, text: str = "x") -> Path:
@@ -313,7 +317,7 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
     out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
     small = ["plan.json", "selection.json", "evals/mdqa_dev/run-0/eval/mdqa_step150.json",
              "cache/distill_responses/ab.json", "cache/evaluations/answered/cd.jsonl",
-             "runs/0/summary.md", "runs/0/metrics.jsonl", "runs/0/distill_responses.json"]
+             "runs/0/summary.md", "runs/0/metrics.jsonl", "runs/0/train.log", "runs/0/distill_responses.json"]
     for rel in small + ["runs/0/finished.json", "runs/0/checkpoints/step-150/adapter_model.safetensors",
                         "runs/1/summary.md", "runs/1/metrics.jsonl",  # run 1 is under way
                         "cache/models/smollm2/model.safetensors", "cache/distill_responses/.ab.json.x.tmp"]:
@@ -323,6 +327,9 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
     assert keep.save() == []  # nothing changed
     _write(out / "cache/evaluations/answered/cd.jsonl", "more answers")
     assert list(map(str, keep.save())) == ["cache/evaluations/answered/cd.jsonl"]
+    _write(out / "cache/evaluations/answered/cd.jsonl", "more")  # an older copy never replaces a longer record
+    assert keep.save() == [] and (kept / "cache/evaluations/answered/cd.jsonl").read_text() == "more answers"
+    _write(out / "cache/evaluations/answered/cd.jsonl", "more answers")
     restored = reads_middle.Keep(kept, fresh).restore()
     assert sorted(map(str, restored)) == sorted(small)
     assert (fresh / "cache/evaluations/answered/cd.jsonl").read_text() == "more answers"
@@ -380,6 +387,17 @@ def test_the_command_fills_a_fresh_folder_from_its_keep_and_keeps_what_it_chose(
     assert (out / "evals" / "mdqa_dev" / run_target(2) / "eval" / "mdqa_step0.json").is_file()
     assert json.loads((kept / SELECTION).read_text())["arms"]["none"]["setting"] == "trainer.lr=2"
     assert envs[0] == {"POSDEBIAS_CACHE": str(out / "cache")} and (out / "cache" / "models").is_symlink()
+
+    def stopped_while_evaluating(self, jobs):  # a SIGTERM lands while a job writes its answers
+        _write(out / "cache" / "evaluations" / "answered" / "ab.jsonl", "half an evaluation")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(reads_middle.Scheduler, "run", stopped_while_evaluating)
+    with pytest.raises(SystemExit) as stop:
+        reads_middle.main(command)
+    assert stop.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == handler
+    assert (kept / "cache" / "evaluations" / "answered" / "ab.jsonl").read_text() == "half an evaluation"
 
 
 def _kv_file(path: Path, records: int = 12, pairs: int = 12) -> Path:
