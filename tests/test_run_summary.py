@@ -12,7 +12,7 @@ import pytest
 from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.metrics_log import read_metrics
-from analysis.report.run_summary import run_summary
+from analysis.report.run_summary import progress_lines, run_summary, training_wall_time
 from tests.conftest import ROOT, TINY
 
 JACOBIAN = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2",
@@ -75,6 +75,16 @@ def test_the_summary_numbers_are_the_run_files_numbers(cli_run):
     assert f"`wandb sync {offline}`" in summary
     assert f"`python -m analysis.compare {run_dir}`" in summary
     assert summary == run_summary(run_dir, "default")  # nothing in it but what the files say
+
+
+def test_a_resumed_runs_wall_time_adds_up_its_processes():
+    # steps 1-3 in one process (60 s by step 3), steps 4-5 after a resume (its clock starts again: 25 s by step 5)
+    rows = [{"step": s, "train/loss": 1.0, "train/wall_s": w, "train/tokens": 100}
+            for s, w in [(1, 20.0), (2, 40.0), (3, 60.0), (4, 12.0), (5, 25.0)]]
+    assert training_wall_time(rows) == (85.0, 2)
+    assert "- training wall time 85 s over 2 processes (evaluation and Jacobian included), 6 tokens/s" \
+        in progress_lines(rows)
+    assert training_wall_time(rows[:3]) == (60.0, 1) and "over" not in progress_lines(rows[:3])[1]
 
 
 def test_train_log_holds_start_up_evaluations_and_saves(cli_run):

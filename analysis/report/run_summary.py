@@ -79,12 +79,27 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
+def training_wall_time(trained: Sequence[Mapping[str, Any]]) -> tuple[float, int]:
+    """The wall time of the logged training steps and how many processes made them: `train/wall_s` counts from its
+    own process's loop start, so a resumed run's rows start again near 0; each process's last value is summed (the
+    steps a kill lost after the last checkpoint are not in the rows, nor their time)."""
+    total, last, processes = 0.0, 0.0, 0
+    for row in trained:
+        wall = row.get("train/wall_s")
+        if wall is None:
+            continue
+        if wall < last or not processes:
+            total, processes = total + last, processes + 1
+        last = wall
+    return total + last, processes
+
+
 def progress_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Steps, wall time, tokens/s and peak memory of the training rows."""
     trained = [row for row in rows if "train/loss" in row]
     if not trained:
         return ["- no training step was logged"]
-    wall = max(row.get("train/wall_s", 0.0) for row in trained)
+    wall, processes = training_wall_time(trained)
     tokens = sum(row.get("train/tokens", 0) for row in trained)
     peak = max(row.get("train/peak_mem_mib", 0.0) for row in trained)
     steps = [row["step"] for row in trained]
@@ -93,7 +108,8 @@ def progress_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
              f"{num(trained[-1]['train/loss'], missing=MISSING)}"]
     if first > 1:
         lines[0] += f" (resumed at step {first - 1})"
-    lines.append(f"- training wall time {_duration(wall)} (evaluation and Jacobian included), "
+    over = f" over {processes} processes" if processes > 1 else ""
+    lines.append(f"- training wall time {_duration(wall)}{over} (evaluation and Jacobian included), "
                  f"{tokens / wall:.0f} tokens/s" if wall > 0 else "- training wall time not logged")
     jacobian = [row["jacobian/wall_s"] for row in rows if "jacobian/wall_s" in row]
     if jacobian and wall > 0:
