@@ -74,7 +74,7 @@ def test_an_evaluation_killed_at_10_random_moments_ends_with_the_uninterrupted_a
                                 stderr=subprocess.DEVNULL)
         before = _recorded_chunks(cache)
         if moment < 3:  # anywhere: start-up, loading, the first chunk's answers
-            _wait_for_a_new_chunk(proc, cache, before, patience=rng.uniform(0.5, 8.0))
+            _wait_for_a_new_chunk(proc, cache, before, patience=rng.uniform(0.5, 4.0))
         else:
             count = _wait_for_a_new_chunk(proc, cache, before)
             if chunk_seconds is None:  # one chunk timed, once
