@@ -117,14 +117,20 @@ def read_plan(folder: str | Path) -> Plan:
         raise ProbeStudyError(f"{path}: unreadable plan ({err}); scripts.reads_middle writes it") from err
 
 
+def result_files(plan: Plan, evaluation: str, target: str) -> list[Path]:
+    """The eval JSONs that evaluation `evaluation` of `target` wrote, sorted (one when it is done, none before)."""
+    probe = plan.evaluations[evaluation]["probe"]
+    return sorted(RunDir(plan.eval_dir(evaluation, target)).eval.glob(f"{probe}_step*.json"))
+
+
 def load_result(plan: Plan, evaluation: str, target: str) -> ProbeResult | None:
     """The evaluation's result for `target`, None when it was not made (yet)."""
-    probe = plan.evaluations[evaluation]["probe"]
-    found = sorted(RunDir(plan.eval_dir(evaluation, target)).eval.glob(f"{probe}_step*.json"))
+    found = result_files(plan, evaluation, target)
     if not found:
         return None
     if len(found) > 1:
-        raise ProbeStudyError(f"{found[0].parent}: {len(found)} {probe} evaluations of one target; keep one")
+        raise ProbeStudyError(f"{found[0].parent}: {len(found)} {plan.evaluations[evaluation]['probe']} "
+                              "evaluations of one target; keep one")
     try:
         return ProbeResult.load_json(found[0])
     except (OSError, ValueError, KeyError) as err:

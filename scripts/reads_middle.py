@@ -276,7 +276,7 @@ def make_plan(exp: str, grid: dict[str, list[str]], choose_on_seeds: Sequence[in
 
 def evaluated(plan: probe_study.Plan, name: str, target: str) -> bool:
     """Whether evaluation `name` of `target` is written."""
-    return any(RunDir(plan.eval_dir(name, target)).eval.glob(f"{plan.evaluations[name]['probe']}_step*.json"))
+    return bool(probe_study.result_files(plan, name, target))
 
 
 def _eval_job(plan: probe_study.Plan, name: str, target: str, ckpt: str, data_dir: str, eval_args: Sequence[str],
