@@ -106,7 +106,6 @@ from analysis.evaluation.config import (
 )
 from analysis.evaluation.interventions import Intervention, InterventionName
 from analysis.evaluation.result import ProbeResult, write_eval_json
-from analysis.evaluation.valprobing import scores_of as valprobing_scores
 from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
 from analysis.report.valprobing import report_lines as valprobing_report
@@ -282,7 +281,7 @@ def summary_table(results: dict[str, ProbeResult]) -> str:
     lines += [f"{s.task}: Avg {s.avg.value:.3f} [{s.avg.low:.3f}, {s.avg.high:.3f}], Gap {s.gap:.3f} "
               f"(VaLProbing, {s.score.label})"
               for probe, result in results.items() if Probe(probe).valprobing_task is not None
-              for score in valprobing_scores(result) for s in [summarize_valprobing(result, score=score)]]
+              for score in result.scores for s in [summarize_valprobing(result, score=score)]]
     return "\n".join(lines)
 
 

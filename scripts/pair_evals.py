@@ -13,10 +13,18 @@ that Δ at each position (closed-book too). `--figure` also draws every row's ac
 `--shared-items` first restricts every result to the items all of them answered (runs that asked different
 numbers of questions of the same seeded sample: the rows then describe one item set). Results of different
 probes or metrics fail, naming the file; an item id twice in one result fails, naming the result.
+
+A PATH may be a folder (a run's `eval/`, an `out=`'s `eval/`): the latest step of each probe in it, each of the
+baseline's probes paired in its own section. VaLProbing results (hundreds of positions) are reported as FILM
+reports them instead, all tasks together: Avg and Gap of each row, each row's paired Δ Avg and Δ Gap against the
+baseline (`analysis.report.valprobing`), and `--figure` a panel per task.
+
+    python -m scripts.pair_evals base/eval tuned=run/eval --score loglik --figure valprobing.png
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +35,7 @@ from analysis.evaluation.result import LOGLIK, ProbeResult, paired_delta
 from analysis.report.figures import plot_position_accuracy
 from analysis.report.position_tables import answers_table, contrast_table
 from analysis.report.tables import markdown_table, num, paired_cell, with_ci
+from analysis.report.valprobing import report_lines as valprobing_lines
 
 
 def _named(text: str) -> tuple[str, Path]:
@@ -36,18 +45,47 @@ def _named(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-def load_results(baseline: Path, others: Sequence[tuple[str, Path]]) -> dict[str, ProbeResult]:
-    """name -> result, the baseline first (named `plain`); ValueError naming a file that does not pair."""
-    first = ProbeResult.load_json(baseline)
-    results = {"plain": first}
+EVAL_JSON = re.compile(r"(?P<probe>\w+)_step(?P<step>\d+)\.json")
+
+
+def eval_files(path: Path) -> list[Path]:
+    """A file is itself; a folder (a run's `eval/`, an `out=`'s) is the latest step of each probe's
+    `<probe>_step<N>.json` in it, by probe name; FileNotFoundError naming a folder with none."""
+    if not path.is_dir():
+        return [path]
+    latest: dict[str, tuple[int, Path]] = {}
+    for file in path.glob("*_step*.json"):
+        match = EVAL_JSON.fullmatch(file.name)
+        if match and match["probe"] != "metrics" and int(match["step"]) >= latest.get(match["probe"], (-1,))[0]:
+            latest[match["probe"]] = (int(match["step"]), file)
+    if not latest:
+        raise FileNotFoundError(f"{path}: no <probe>_step<N>.json in this folder")
+    return [latest[probe][1] for probe in sorted(latest)]
+
+
+def _load(path: Path) -> dict[str, tuple[Path, ProbeResult]]:
+    """probe -> (file, result) of a file or a folder (`eval_files`)."""
+    loaded = ((file, ProbeResult.load_json(file)) for file in eval_files(path))
+    return {result.probe: (file, result) for file, result in loaded}
+
+
+def load_results(baseline: Path, others: Sequence[tuple[str, Path]]) -> dict[str, dict[str, ProbeResult]]:
+    """probe -> {name -> result} for every probe of the baseline, the baseline first (named `plain`); ValueError
+    naming a file or folder that does not pair (another probe or metric)."""
+    firsts = _load(baseline)
+    by_probe = {probe: {"plain": result} for probe, (_, result) in firsts.items()}
     for name, path in others:
-        if name in results:
+        if name == "plain" or name in by_probe[next(iter(by_probe))]:
             raise ValueError(f"{name}={path}: the name {name!r} is given twice")
-        result = results[name] = ProbeResult.load_json(path)
-        if result.probe != first.probe or result.settings.get("metric") != first.settings.get("metric"):
-            raise ValueError(f"{path}: probe {result.probe!r} with metric {result.settings.get('metric')!r}, but "
-                             f"{baseline} is {first.probe!r} with {first.settings.get('metric')!r}")
-    return results
+        found = _load(path)
+        for probe, (first_file, first) in firsts.items():
+            file, result = found.get(probe, (path, None))
+            if result is None or result.settings.get("metric") != first.settings.get("metric"):
+                held = ", ".join(f"{p!r} with metric {r.settings.get('metric')!r}" for p, (_, r) in found.items())
+                raise ValueError(f"{file}: holds {held}, but {first_file} is {probe!r} with "
+                                 f"{first.settings.get('metric')!r}")
+            by_probe[probe][name] = result
+    return by_probe
 
 
 def shared_items(results: dict[str, ProbeResult]) -> dict[str, ProbeResult]:
@@ -99,17 +137,45 @@ def delta_by_position_table(results: dict[str, ProbeResult], n_boot: int = stats
     return markdown_table(["arm", *_position_header(labels)], rows)
 
 
+def probe_lines(results: dict[str, ProbeResult], score: stats.Score, strong: int | None, n_boot: int,
+                figure: Path | None) -> list[str]:
+    """The tables of one probe's results (and its figure, when asked): built whole, so an id asked twice in one
+    file fails before anything is printed."""
+    plain = results["plain"]
+    strong = strong if strong is not None else plain.strong_end(score)
+    lines = [*paired_table(results, n_boot, score), "",
+             "Δ vs plain at each position, paired by item [95% CI, questions resampled]:", "",
+             *delta_by_position_table(results, n_boot, score), "",
+             f"Each position minus the strong end (gold {plain.labels()[strong]}), paired by question; "
+             "`change vs plain`: that contrast's change against the baseline (the debiasing effect):", "",
+             *contrast_table(results, strong, n_boot, score)]
+    if answers := answers_table(results):
+        lines += ["", "What the answers are (first line; shares of the position's answers):", "", *answers]
+    if figure is not None:
+        png = plot_position_accuracy(results, figure, f"{plain.probe}: {score.label} by gold position",
+                                     POSITION_AXIS.get(plain.probe, "gold position"), score)
+        lines += ["", f"figure: {png}"]
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.pair_evals", description=__doc__.split("\n\n")[0])
-    parser.add_argument("baseline", type=Path, help="the baseline's eval JSON (eval/<probe>_step<N>.json)")
-    parser.add_argument("others", nargs="+", type=_named, help="NAME=PATH of each eval JSON compared with it")
+    parser.add_argument("baseline", type=Path,
+                        help="the baseline's eval JSON (eval/<probe>_step<N>.json), or a folder of them (the latest "
+                             "step of each probe)")
+    parser.add_argument("others", nargs="+", type=_named,
+                        help="NAME=PATH of each eval JSON (or folder) compared with it")
     parser.add_argument("--score", choices=sorted(SCORES), default="correct",
                         help="correct: the probe's metric (default); loglik: the teacher-forced log-likelihood of "
                              "the gold answer, in nats")
     parser.add_argument("--strong", type=int, default=None,
                         help="the strong gold position the contrasts are taken against (default: the first or the "
                              "last, whichever the baseline scores better)")
-    parser.add_argument("--figure", type=Path, help="also write the score by position of every row to this PNG")
+    parser.add_argument("--figure", type=Path,
+                        help="also write the score by position of every row to this PNG (several probes: "
+                             "<stem>_<probe>.png; VaLProbing: FILM's figure, <stem>_loglik.png by log-likelihood)")
+    parser.add_argument("--film-bins", action="store_true",
+                        help="VaLProbing: FILM's bins, each bin's last position left out (plot.py's quirk)")
     parser.add_argument("--n-boot", type=int, default=stats.N_BOOT,
                         help=f"bootstrap resamples of every interval (default {stats.N_BOOT})")
     parser.add_argument("--shared-items", action="store_true",
@@ -117,34 +183,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     score = SCORES[args.score]
     try:
-        results = load_results(args.baseline, args.others)
+        by_probe = load_results(args.baseline, args.others)
         if args.shared_items:
-            results = shared_items(results)
-        missing = [name for name, r in results.items() if not all(score.field in o for o in r.outcomes)]
-        if missing:
-            raise ValueError(f"--score {args.score}: {', '.join(missing)} has no {score.field!r} in its outcomes "
-                             "(answered before log-likelihoods were kept, or with eval.loglik=false)")
-        strong = args.strong if args.strong is not None else results["plain"].strong_end(score)
-        # Built before printing: an id asked twice in one file fails here, naming it, with nothing printed.
-        tables = (paired_table(results, args.n_boot, score), delta_by_position_table(results, args.n_boot, score),
-                  contrast_table(results, strong, args.n_boot, score), answers_table(results))
+            by_probe = {probe: shared_items(results) for probe, results in by_probe.items()}
+        for probe, results in by_probe.items():
+            missing = [name for name, r in results.items() if score not in r.scores]
+            if missing:
+                raise ValueError(f"--score {args.score}: {', '.join(missing)} has no {score.field!r} in its {probe} "
+                                 "outcomes (answered before log-likelihoods were kept, or with eval.loglik=false)")
+        valprobing = {probe: results for probe, results in by_probe.items() if probe.startswith("valprobing_")}
+        sections = {probe: results for probe, results in by_probe.items() if probe not in valprobing}
+        several = len(sections) + bool(valprobing) > 1
+
+        def figure(tag: str) -> Path | None:
+            if args.figure is None or not several:
+                return args.figure
+            return args.figure.with_name(f"{args.figure.stem}_{tag}{args.figure.suffix}")
+
+        out = {probe: probe_lines(results, score, args.strong, args.n_boot, figure(probe))
+               for probe, results in sections.items()}
+        if valprobing:
+            rows = {name: {probe: results[name] for probe, results in valprobing.items()}
+                    for name in next(iter(valprobing.values()))}
+            out["VaLProbing"] = valprobing_lines(rows, figure("valprobing"), args.film_bins, "VaLProbing", (score,))
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print("\n".join(tables[0]))
-    print("\nΔ vs plain at each position, paired by item [95% CI, questions resampled]:\n")
-    print("\n".join(tables[1]))
-    print(f"\nEach position minus the strong end (gold {results['plain'].labels()[strong]}), paired by question; "
-          "`change vs plain`: that contrast's change against the baseline (the debiasing effect):\n")
-    print("\n".join(tables[2]))
-    if tables[3]:
-        print("\nWhat the answers are (first line; shares of the position's answers):\n")
-        print("\n".join(tables[3]))
-    if args.figure is not None:
-        probe = results["plain"].probe
-        png = plot_position_accuracy(results, args.figure, f"{probe}: {score.label} by gold position",
-                                     POSITION_AXIS.get(probe, "gold position"), score)
-        print(f"\nfigure: {png}")
+    for title, lines in out.items():
+        print("\n".join([f"## {title}", "", *lines, ""] if several else lines))
     return 0
 
 

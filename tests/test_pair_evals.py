@@ -1,6 +1,8 @@
 """scripts.pair_evals: eval JSONs of one item set side by side, Δ paired by item id, mismatches refused."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from analysis.evaluation.result import ProbeResult
@@ -123,3 +125,55 @@ def test_answers_table_shows_the_format(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| plain | 9 | 1.000 | 0.000 | 0.000 | 16.0 | 0.000 | 1.000 |" in out
     assert "| arm | 9 | 0.000 | 1.000 | 0.000 | 2.0 | 0.000 | 0.000 |" in out
+
+
+def valprobing_result(loglik: dict[tuple[int, int], float], task: str = "code") -> ProbeResult:
+    """(set, piece) -> the gold's log-likelihood; bins of 3 pieces, nothing answered (`correct` nan)."""
+    outcomes = [{"id": f"{task}-s{s}-{p:04d}", "query": None, "position": p // 3, "label": str(p // 3 * 3),
+                 "prediction": "", "answers": [f"gold {p}"], "correct": math.nan, "loglik": v,
+                 "extra": {"set": s, "piece": p}}
+                for (s, p), v in loglik.items()]
+    return ProbeResult(f"valprobing_{task}", outcomes, {"metric": "name_in_output"})
+
+
+def test_valprobing_folders_are_reported_by_avg_and_gap(tmp_path, capsys):
+    """Bins of 3 over 6 pieces: the base −4 then −2 nats (Avg −3, Gap 2); the fine-tune lifts the first bin by
+    1 nat (Avg −2.5, Gap 1), so Δ Avg is +0.5 and Δ Gap −1. Each folder holds two tasks, an older step of one and
+    a metrics file, which are not read."""
+    base = {(s, p): -4.0 if p < 3 else -2.0 for s in range(2) for p in range(6)}
+    tuned = {k: v + 1.0 if k[1] < 3 else v for k, v in base.items()}
+    for folder, values, step in (("base", base, 0), ("tuned", tuned, 150)):
+        valprobing_result(values).save_json(tmp_path / folder / f"valprobing_code_step{step}.json")
+        valprobing_result(values, "document").save_json(tmp_path / folder / f"valprobing_document_step{step}.json")
+        (tmp_path / folder / f"metrics_step{step}.json").write_text("{}")
+    valprobing_result(base).save_json(tmp_path / "tuned" / "valprobing_code_step10.json")  # older: not read
+    assert main([str(tmp_path / "base"), f"tuned={tmp_path / 'tuned'}", "--score", "loglik",
+                 "--figure", str(tmp_path / "vp.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| plain | -3.0 [-3.0, -3.0] | 2.0 | -3.0 [-3.0, -3.0] | 2.0 |" in out
+    assert "| tuned | -2.5 [-2.5, -2.5] | 1.0 | -2.5 [-2.5, -2.5] | 1.0 |" in out
+    assert "| tuned | code | +0.5 [+0.5, +0.5] | -1.0 |" in out and "| tuned | document | +0.5 [" in out
+    assert "gold 0" not in out and "## VaLProbing" not in out  # no table of hundreds of positions; one section
+    assert (tmp_path / "vp_loglik.png").stat().st_size > 0 and "![valprobing](vp_loglik.png)" in out
+    assert main([str(tmp_path / "base"), f"tuned={tmp_path / 'tuned'}"]) == 1  # FILM's score: nothing answered
+    assert "plain, tuned has no 'correct' in its valprobing_code outcomes" in capsys.readouterr().err
+
+
+def test_folders_pair_probe_by_probe(tmp_path, capsys):
+    """Two probes in each folder: a section each, a figure each; a folder without one of the baseline's probes
+    fails, naming the folder and the probe."""
+    cells = {(q, p): float(p == 9) for q in range(4) for p in (0, 9)}
+    for folder in ("base", "arm"):
+        result("mdqa", cells).save_json(tmp_path / folder / "mdqa_step0.json")
+        result("kv", cells, metric="kv_em").save_json(tmp_path / folder / "kv_step0.json")
+    assert main([str(tmp_path / "base"), f"arm={tmp_path / 'arm'}", "--figure", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.index("## kv") < out.index("## mdqa") and out.count("| arm | 0.000 [") == 2
+    assert (tmp_path / "f_kv.png").is_file() and (tmp_path / "f_mdqa.png").is_file()
+    (tmp_path / "arm" / "kv_step0.json").unlink()
+    assert main([str(tmp_path / "base"), f"arm={tmp_path / 'arm'}"]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "arm") in err and "'kv'" in err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), f"arm={tmp_path / 'arm'}"]) == 1
+    assert "no <probe>_step<N>.json" in capsys.readouterr().err

@@ -129,6 +129,12 @@ class ProbeResult:
         """Every outcome holds the teacher-forced log-likelihood of its answer (`analysis.evaluation.loglik`)."""
         return bool(self.outcomes) and all(LOGLIK.field in o for o in self.outcomes)
 
+    @property
+    def scores(self) -> list[stats.Score]:
+        """What the result can be summarized by: its metric when some item was answered, the gold's
+        log-likelihood when measured."""
+        return [score for score, measured in ((stats.ACCURACY, self.answered), (LOGLIK, self.has_loglik)) if measured]
+
     def answers_by_position(self) -> dict[int, dict[str, Any]]:
         """`answer_kinds.summarize` of the answers at each position (kinds, first-line length, short-answer
         scores), for results whose outcomes describe their answers."""

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from analysis import stats
-from analysis.evaluation.result import LOGLIK, ProbeResult
+from analysis.evaluation.result import ProbeResult
 from data_builders.valprobing import Task
 
 
@@ -153,8 +153,3 @@ def compare(base: ProbeResult, tuned: ProbeResult, film_bins: bool = False, scor
     observed, p = stats.extreme_permutation_test(a[used], b[used], bins[used], "gap", score, n_perm)
     return Comparison(s_base.task, s_base, s_tuned, stats.linear_interval(a - b, _stat(cells, n_sets, n_bins)),
                       s_tuned.gap - s_base.gap, float(p))
-
-
-def scores_of(result: ProbeResult) -> list[stats.Score]:
-    """What a result can be summarized by: FILM's score when it answered, the gold's log-likelihood when measured."""
-    return [score for score, measured in ((stats.ACCURACY, result.answered), (LOGLIK, result.has_loglik)) if measured]

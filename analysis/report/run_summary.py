@@ -15,7 +15,6 @@ import numpy as np
 
 from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import LOGLIK, ProbeResult
-from analysis.evaluation.valprobing import scores_of as valprobing_scores
 from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num
@@ -157,7 +156,7 @@ def valprobing_lines(run_dir: Path) -> list[str]:
         steps = sorted({min(files), max(files)})
         results = [ProbeResult.load_json(files[step]) for step in steps]
         for score in (ACCURACY, LOGLIK):
-            if not all(score in valprobing_scores(r) for r in results):
+            if not all(score in r.scores for r in results):
                 continue
             k = 100.0 if score.rate else 1.0
             cells = []

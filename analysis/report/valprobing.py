@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 
 from analysis import stats
 from analysis.evaluation.result import LOGLIK, ProbeResult
-from analysis.evaluation.valprobing import Summary, compare, scores_of, summarize
+from analysis.evaluation.valprobing import Summary, compare, summarize
 from analysis.report.figures import plot_valprobing
 from data_builders.valprobing import Task
 
@@ -31,11 +31,13 @@ def table_lines(summaries: Mapping[str, Sequence[Summary]], percent: bool = True
     return lines
 
 
-def report_lines(results: Mapping[str, Mapping[str, ProbeResult]], out_png: str | Path, film_bins: bool = False,
-                 title: str = "") -> list[str]:
+def report_lines(results: Mapping[str, Mapping[str, ProbeResult]], out_png: str | Path | None,
+                 film_bins: bool = False, title: str = "",
+                 scores: Sequence[stats.Score] = (stats.ACCURACY, LOGLIK)) -> list[str]:
     """Markdown of the VaLProbing results of several models ({model: {probe: result}}, the first the reference),
-    by FILM's score and by the gold completion's log-likelihood where measured: Avg and Gap of each, each later
-    model's paired Δ against the first, and FILM's figure (`out_png`; `<stem>_loglik.png` for the log-likelihood)."""
+    by each of `scores` where measured (FILM's score, the gold completion's log-likelihood): Avg and Gap of each,
+    each later model's paired Δ against the first, and FILM's figure (`out_png`; `<stem>_loglik.png` for the
+    log-likelihood; none when `out_png` is None)."""
     valprobing = {model: {p: r for p, r in by_probe.items() if p.startswith("valprobing_")}
                   for model, by_probe in results.items()}
     valprobing = {m: r for m, r in valprobing.items() if r}
@@ -43,8 +45,8 @@ def report_lines(results: Mapping[str, Mapping[str, ProbeResult]], out_png: str 
         return []
     bins = "FILM's bins (each bin's last position left out)" if film_bins else "every position in its bin"
     lines = []
-    for score in (stats.ACCURACY, LOGLIK):
-        summaries = {model: [summarize(r, film_bins, score) for r in by_probe.values() if score in scores_of(r)]
+    for score in scores:
+        summaries = {model: [summarize(r, film_bins, score) for r in by_probe.values() if score in r.scores]
                      for model, by_probe in valprobing.items()}
         summaries = {m: s for m, s in summaries.items() if s}
         if not summaries:
@@ -55,8 +57,9 @@ def report_lines(results: Mapping[str, Mapping[str, ProbeResult]], out_png: str 
                   f"drawn within their set and bin); Gap: the best bin minus the worst; {bins}.", "",
                   *table_lines(summaries), ""]
         lines += _delta_lines(valprobing, summaries, film_bins, score)
-        png = Path(out_png) if score.rate else Path(out_png).with_name(f"{Path(out_png).stem}_loglik.png")
-        lines += [f"![valprobing]({plot_valprobing(summaries, png, title).name})", ""]
+        if out_png is not None:
+            png = Path(out_png) if score.rate else Path(out_png).with_name(f"{Path(out_png).stem}_loglik.png")
+            lines += [f"![valprobing]({plot_valprobing(summaries, png, title).name})", ""]
     return lines
 
 
@@ -69,7 +72,7 @@ def _delta_lines(results: Mapping[str, Mapping[str, ProbeResult]], summaries: Ma
     for model in models[1:]:
         for probe, tuned in results[model].items():
             base = results[models[0]].get(probe)
-            if base is None or score not in scores_of(base) or score not in scores_of(tuned):
+            if base is None or score not in base.scores or score not in tuned.scores:
                 continue
             c = compare(base, tuned, film_bins, score)
             rows.append(f"| {model} | {c.task} | {k * c.delta_avg.value:+.1f} [{k * c.delta_avg.low:+.1f}, "
