@@ -74,9 +74,11 @@ def load_results(baseline: Path, others: Sequence[tuple[str, Path]]) -> dict[str
     naming a file or folder that does not pair (another probe or metric)."""
     firsts = _load(baseline)
     by_probe = {probe: {"plain": result} for probe, (_, result) in firsts.items()}
+    names = {"plain"}
     for name, path in others:
-        if name == "plain" or name in by_probe[next(iter(by_probe))]:
+        if name in names:
             raise ValueError(f"{name}={path}: the name {name!r} is given twice")
+        names.add(name)
         found = _load(path)
         for probe, (first_file, first) in firsts.items():
             file, result = found.get(probe, (path, None))
@@ -98,6 +100,8 @@ def shared_items(results: dict[str, ProbeResult]) -> dict[str, ProbeResult]:
 
 
 SCORES = {"correct": stats.ACCURACY, "loglik": LOGLIK}
+WHY_MISSING = {"correct": "nothing answered: the log-likelihood alone was measured",
+               "loglik": "answered before log-likelihoods were kept, or with eval.loglik=false"}
 
 
 def _position_header(labels: dict[int, str]) -> list[str]:
@@ -190,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             missing = [name for name, r in results.items() if score not in r.scores]
             if missing:
                 raise ValueError(f"--score {args.score}: {', '.join(missing)} has no {score.field!r} in its {probe} "
-                                 "outcomes (answered before log-likelihoods were kept, or with eval.loglik=false)")
+                                 f"outcomes ({WHY_MISSING[args.score]})")
         valprobing = {probe: results for probe, results in by_probe.items() if probe.startswith("valprobing_")}
         sections = {probe: results for probe, results in by_probe.items() if probe not in valprobing}
         several = len(sections) + bool(valprobing) > 1
