@@ -24,7 +24,6 @@ baseline (`analysis.report.valprobing`), and `--figure` a panel per task.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -36,6 +35,7 @@ from analysis.report.figures import plot_position_accuracy
 from analysis.report.position_tables import answers_table, contrast_table
 from analysis.report.tables import markdown_table, num, paired_cell, with_ci
 from analysis.report.valprobing import report_lines as valprobing_lines
+from models.training.run_dir import latest_eval_files
 
 
 def _named(text: str) -> tuple[str, Path]:
@@ -45,22 +45,15 @@ def _named(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-EVAL_JSON = re.compile(r"(?P<probe>\w+)_step(?P<step>\d+)\.json")
-
-
 def eval_files(path: Path) -> list[Path]:
     """A file is itself; a folder (a run's `eval/`, an `out=`'s) is the latest step of each probe's
-    `<probe>_step<N>.json` in it, by probe name; FileNotFoundError naming a folder with none."""
+    `<probe>_step<N>.json` in it (`run_dir.latest_eval_files`); FileNotFoundError naming a folder with none."""
     if not path.is_dir():
         return [path]
-    latest: dict[str, tuple[int, Path]] = {}
-    for file in path.glob("*_step*.json"):
-        match = EVAL_JSON.fullmatch(file.name)
-        if match and match["probe"] != "metrics" and int(match["step"]) >= latest.get(match["probe"], (-1,))[0]:
-            latest[match["probe"]] = (int(match["step"]), file)
+    latest = latest_eval_files(path)
     if not latest:
         raise FileNotFoundError(f"{path}: no <probe>_step<N>.json in this folder")
-    return [latest[probe][1] for probe in sorted(latest)]
+    return list(latest.values())
 
 
 def _load(path: Path) -> dict[str, tuple[Path, ProbeResult]]:

@@ -153,6 +153,17 @@ class RunDir:
         return dict(sorted(found.items()))
 
 
+def latest_eval_files(folder: Path) -> dict[str, Path]:
+    """{probe: path} of the latest step of each probe's `<probe>_step<N>.json` in `folder` (a run's `eval/` or a
+    copy of one), by probe name; the `metrics_step<N>.json` files are not a probe's."""
+    latest: dict[str, tuple[int, Path]] = {}
+    for path in folder.glob("*_step*.json"):
+        match = EVAL_FILE.match(path.name)
+        if match and match["probe"] != "metrics" and int(match["step"]) >= latest.get(match["probe"], (-1,))[0]:
+            latest[match["probe"]] = (int(match["step"]), path)
+    return {probe: latest[probe][1] for probe in sorted(latest)}
+
+
 def run_dir_of(checkpoint: str | Path) -> Path | None:
     """The run directory of a `<run>/checkpoints/step-<N>` folder; None for a folder outside a run."""
     checkpoint = Path(checkpoint).resolve()
