@@ -351,9 +351,11 @@ def test_jobs(plan: probe_study.Plan, chosen: Sequence[probe_study.PlannedRun], 
               train_args: Sequence[str], per_arm: dict[str, list[str]], data_dir: str,
               eval_args: Sequence[str]) -> list[Job]:
     """The chosen runs' evaluations other than dev, each run (with phase `train`) trained first when one of them is
-    missing and the run is not there (a kept experiment on a fresh machine)."""
+    missing and the run is not there (a kept experiment on a fresh machine). The runs whose weights are here come
+    first: their evaluations are kept by the keep, their weights are not, so a machine lost midway costs only the
+    training of the runs that were not here anyway."""
     tests = [name for name in plan.evaluations if name != DEV]
-    chosen = sorted(chosen, key=lambda r: (r.seed, r.n))
+    chosen = sorted(chosen, key=lambda r: (not RunDir(plan.run_dir(r.n)).finished.is_file(), r.seed, r.n))
     trains = {job.name: job for job in train_jobs(
         plan, chosen, exp, train_args, per_arm,
         lambda r: not all(evaluated(plan, name, run_target(r.n)) for name in tests))} if "train" in phases else {}

@@ -20,6 +20,7 @@ from analysis import probe_study, stats
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
 from data_builders.mdqa import write_jsonl_gz
+from models.training.run_dir import RunDir
 from scripts import reads_middle
 from scripts.synthetic_oracle import oracle_records
 
@@ -357,18 +358,25 @@ def test_a_restored_experiment_trains_only_the_runs_an_evaluation_still_needs(tm
     leader = runs["pos2distill", "trainer.lr=0.001", 0].n
     assert jobs[f"train:{leader}"].wait_for is None
     assert {j.wait_for[1] for j in jobs.values() if j.wait_for} == {f"train:{leader}"}
-    # the chosen runs: one with its test evaluations (not trained), one without (trained, then evaluated)
-    chosen = [runs["none", "trainer.lr=0.0002", 0], runs["none", "trainer.lr=0.0002", 1]]
+    # the chosen runs: one with its test evaluations (not trained), one without (trained, then evaluated), and one
+    # whose weights are here (finished), evaluated first though its seed and number come last
+    chosen = [runs["none", "trainer.lr=0.0002", 0], runs["none", "trainer.lr=0.0002", 1],
+              runs["pos2distill", "trainer.lr=0.0002", 1]]
     save_evaluation(tmp_path, "mdqa_test", run_target(chosen[0].n), 0.5)
     _write(tmp_path / "evals" / "kv" / run_target(chosen[0].n) / "eval" / "kv_step150.json")
+    _write(RunDir(plan.run_dir(chosen[2].n)).finished)
     tests = reads_middle.test_jobs(plan, chosen, {"train", "test"}, "reads_middle", [], {}, "d", [])
+    first, trains, here = (r.n for r in chosen)
     assert [(j.name, j.done, j.after) for j in tests] == [
-        (f"train:{chosen[0].n}", True, ()),
-        (f"mdqa_test:run-{chosen[0].n}", True, (f"train:{chosen[0].n}",)),
-        (f"kv:run-{chosen[0].n}", True, (f"train:{chosen[0].n}",)),
-        (f"train:{chosen[1].n}", False, ()),
-        (f"mdqa_test:run-{chosen[1].n}", False, (f"train:{chosen[1].n}",)),
-        (f"kv:run-{chosen[1].n}", False, (f"train:{chosen[1].n}",))]
+        (f"train:{here}", True, ()),
+        (f"mdqa_test:run-{here}", False, (f"train:{here}",)),
+        (f"kv:run-{here}", False, (f"train:{here}",)),
+        (f"train:{first}", True, ()),
+        (f"mdqa_test:run-{first}", True, (f"train:{first}",)),
+        (f"kv:run-{first}", True, (f"train:{first}",)),
+        (f"train:{trains}", False, ()),
+        (f"mdqa_test:run-{trains}", False, (f"train:{trains}",)),
+        (f"kv:run-{trains}", False, (f"train:{trains}",))]
 
 
 def test_the_command_fills_a_fresh_folder_from_its_keep_and_keeps_what_it_chose(tmp_path, monkeypatch):
