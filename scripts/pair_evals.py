@@ -5,11 +5,12 @@
 
 `scripts.eval_checkpoint` answers one intervention (or checkpoint) a run; this puts several such runs side by
 side, as `analysis.compare`'s interventions section does for the runs it answers itself. The first JSON is the
-baseline; each further one is NAME=PATH. Per row: accuracy at each gold position with its 95% interval
-(closed-book too, when asked), the mean over gold positions, and the mean difference against the baseline on
-the items both answered (paired by item id, closed-book left out) with its paired 95% interval, which resamples
-whole questions, a question's positions together (`*`: excludes 0; `analysis.stats`); a second table gives
-that Δ at each position (closed-book too). `--figure` also draws every row's accuracy by position.
+baseline (NAME=PATH, or a bare PATH named `plain`); each further one is NAME=PATH. Per row: accuracy at each gold
+position with its 95% interval (closed-book too, when asked), the mean over gold positions, and the mean
+difference against the baseline on the items both answered (paired by item id, closed-book left out) with its
+paired 95% interval, which resamples whole questions, a question's positions together (`*`: excludes 0;
+`analysis.stats`); a second table gives that Δ at each position (closed-book too). `--figure` also draws every
+row's accuracy by position.
 `--shared-items` first restricts every result to the items all of them answered (runs that asked different
 numbers of questions of the same seeded sample: the rows then describe one item set). Results of different
 probes or metrics fail, naming the file; an item id twice in one result fails, naming the result.
@@ -37,12 +38,19 @@ from analysis.report.tables import markdown_table, num, paired_cell, with_ci
 from analysis.report.valprobing import report_lines as valprobing_lines
 from models.training.run_dir import latest_eval_files
 
+BASELINE = "plain"  # a bare baseline PATH's name (the interventions study's baseline: no intervention)
+
 
 def _named(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
     return name, Path(path)
+
+
+def _baseline(text: str) -> tuple[str, Path]:
+    """The baseline's NAME=PATH, or a bare PATH (an existing path is a path, `=` or not) named `plain`."""
+    return (BASELINE, Path(text)) if Path(text).exists() or "=" not in text else _named(text)
 
 
 def eval_files(path: Path) -> list[Path]:
@@ -62,12 +70,13 @@ def _load(path: Path) -> dict[str, tuple[Path, ProbeResult]]:
     return {result.probe: (file, result) for file, result in loaded}
 
 
-def load_results(baseline: Path, others: Sequence[tuple[str, Path]]) -> dict[str, dict[str, ProbeResult]]:
-    """probe -> {name -> result} for every probe of the baseline, the baseline first (named `plain`); ValueError
+def load_results(baseline: tuple[str, Path], others: Sequence[tuple[str, Path]]) -> dict[str, dict[str, ProbeResult]]:
+    """probe -> {name -> result} for every probe of the baseline (NAME, PATH), the baseline first; ValueError
     naming a file or folder that does not pair (another probe or metric)."""
-    firsts = _load(baseline)
-    by_probe = {probe: {"plain": result} for probe, (_, result) in firsts.items()}
-    names = {"plain"}
+    base_name, base_path = baseline
+    firsts = _load(base_path)
+    by_probe = {probe: {base_name: result} for probe, (_, result) in firsts.items()}
+    names = {base_name}
     for name, path in others:
         if name in names:
             raise ValueError(f"{name}={path}: the name {name!r} is given twice")
@@ -103,18 +112,18 @@ def _position_header(labels: dict[int, str]) -> list[str]:
 
 def paired_table(results: dict[str, ProbeResult], n_boot: int = stats.N_BOOT,
                  score: stats.Score = stats.ACCURACY) -> list[str]:
-    """The markdown table: a row per result, a column per position of the baseline."""
-    plain = results["plain"]
-    labels = plain.labels()
+    """The markdown table: a row per result, a column per position of the baseline (the first)."""
+    base_name, base = next(iter(results.items()))
+    labels = base.labels()
     header = ["arm", *_position_header(labels), "mean over gold positions",
-              "Δ vs plain [95% CI, questions resampled]", "items"]
+              f"Δ vs {base_name} [95% CI, questions resampled]", "items"]
     rows = []
     for name, result in results.items():
         value, ci = result.accuracy_by_position(score), result.ci_by_position(n_boot, score=score)
         cells = [with_ci(value[p], *ci[p]) if p in value else "n/a" for p in labels]
         delta, items = "", str(sum(o["position"] >= 0 for o in result.outcomes))
-        if name != "plain":
-            interval, n = paired_delta(plain, result, score=score, n_boot=n_boot, where=("plain", name))
+        if name != base_name:
+            interval, n = paired_delta(base, result, score=score, n_boot=n_boot, where=(base_name, name))
             delta, items = paired_cell(interval), str(n)
         rows.append([name, *cells, num(result.mean_of(score)), delta, items])
     return markdown_table(header, rows)
@@ -124,11 +133,11 @@ def delta_by_position_table(results: dict[str, ProbeResult], n_boot: int = stats
                             score: stats.Score = stats.ACCURACY) -> list[str]:
     """The markdown table of each result's paired Δ against the baseline at every position of the baseline (the
     same items, by id), with its paired 95% interval over questions (`*`: excludes 0)."""
-    plain = results["plain"]
-    labels = plain.labels()
+    base_name, base = next(iter(results.items()))
+    labels = base.labels()
     rows = []
     for name, result in list(results.items())[1:]:
-        cells = [paired_cell(paired_delta(plain, result, {position}, score, n_boot, where=("plain", name))[0])
+        cells = [paired_cell(paired_delta(base, result, {position}, score, n_boot, where=(base_name, name))[0])
                  for position in labels]
         rows.append([name, *cells])
     return markdown_table(["arm", *_position_header(labels)], rows)
@@ -138,28 +147,28 @@ def probe_lines(results: dict[str, ProbeResult], score: stats.Score, strong: int
                 figure: Path | None) -> list[str]:
     """The tables of one probe's results (and its figure, when asked): built whole, so an id asked twice in one
     file fails before anything is printed."""
-    plain = results["plain"]
-    strong = strong if strong is not None else plain.strong_end(score)
+    base_name, base = next(iter(results.items()))
+    strong = strong if strong is not None else base.strong_end(score)
     lines = [*paired_table(results, n_boot, score), "",
-             "Δ vs plain at each position, paired by item [95% CI, questions resampled]:", "",
+             f"Δ vs {base_name} at each position, paired by item [95% CI, questions resampled]:", "",
              *delta_by_position_table(results, n_boot, score), "",
-             f"Each position minus the strong end (gold {plain.labels()[strong]}), paired by question; "
-             "`change vs plain`: that contrast's change against the baseline (the debiasing effect):", "",
+             f"Each position minus the strong end (gold {base.labels()[strong]}), paired by question; "
+             f"`change vs {base_name}`: that contrast's change against the baseline (the debiasing effect):", "",
              *contrast_table(results, strong, n_boot, score)]
     if answers := answers_table(results):
         lines += ["", "What the answers are (first line; shares of the position's answers):", "", *answers]
     if figure is not None:
-        png = plot_position_accuracy(results, figure, f"{plain.probe}: {score.label} by gold position",
-                                     POSITION_AXIS.get(plain.probe, "gold position"), score)
+        png = plot_position_accuracy(results, figure, f"{base.probe}: {score.label} by gold position",
+                                     POSITION_AXIS.get(base.probe, "gold position"), score)
         lines += ["", f"figure: {png}"]
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.pair_evals", description=__doc__.split("\n\n")[0])
-    parser.add_argument("baseline", type=Path,
+    parser.add_argument("baseline", type=_baseline,
                         help="the baseline's eval JSON (eval/<probe>_step<N>.json), or a folder of them (the latest "
-                             "step of each probe)")
+                             f"step of each probe); NAME=PATH names it (default {BASELINE!r})")
     parser.add_argument("others", nargs="+", type=_named,
                         help="NAME=PATH of each eval JSON (or folder) compared with it")
     parser.add_argument("--score", choices=sorted(SCORES), default="correct",

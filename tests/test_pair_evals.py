@@ -56,6 +56,22 @@ def test_shared_items_restricts_every_row_to_the_items_all_answered(tmp_path, ca
     assert "no item id" in capsys.readouterr().err
 
 
+def test_the_baseline_takes_a_name_and_a_path_with_an_equals_sign_stays_a_path(tmp_path, capsys):
+    plain = {(q, p): float(p == 9) for q in range(4) for p in (0, 9)}
+    folder = tmp_path / "trainer.lr=0.001"  # a Hydra sweep's folder name: a path, not NAME=PATH
+    folder.mkdir()
+    result("mdqa", plain).save_json(folder / "mdqa_step0.json")
+    result("mdqa", {**plain, (0, 0): 1.0}).save_json(tmp_path / "arm.json")
+    assert main([f"base={folder}", f"arm={tmp_path / 'arm.json'}"]) == 0
+    out = capsys.readouterr().out
+    assert "| Δ vs base [95% CI, questions resampled] |" in out and "\n| base | 0.000 [" in out
+    assert "Δ vs base at each position" in out and "| arm: change vs base |" in out and "plain" not in out
+    assert main([str(folder), f"arm={tmp_path / 'arm.json'}"]) == 0
+    assert "\n| plain | 0.000 [" in capsys.readouterr().out
+    assert main([f"base={tmp_path / 'missing'}", f"arm={tmp_path / 'arm.json'}"]) == 1
+    assert str(tmp_path / "missing") in capsys.readouterr().err
+
+
 def test_a_result_of_another_probe_or_metric_fails_naming_the_file(tmp_path, capsys):
     cells = {(0, 0): 1.0}
     result("mdqa", cells).save_json(tmp_path / "plain.json")
