@@ -44,6 +44,7 @@ from analysis import stats
 from analysis.evaluation.answer_kinds import summarize
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.figures import plot_arm_curves
+from analysis.report.position_tables import answer_columns
 from analysis.report.tables import markdown_table, num
 from analysis.study import VALLEY_METRICS, merged_metrics, valley_ends
 from data_builders.files import atomic_write_text, json_safe
@@ -490,7 +491,8 @@ def _marked(e: Mapping[str, Any]) -> str:
     return _iv(e) + (" *" if e.get("resolved") else "")
 
 
-def answer_lines(answers: Mapping[str, Any]) -> list[str]:
+def answer_lines(answers: Mapping[str, Any], probe: str) -> list[str]:
+    """The answer kinds table of one evaluation (`position_tables.answer_columns`)."""
     rows = []
     for who, by_position in answers.items():
         for p, s in by_position.items():
@@ -498,8 +500,7 @@ def answer_lines(answers: Mapping[str, Any]) -> list[str]:
                          *[num(s.get(f"share_{k}")) for k in ("gold", "distractor", "none")],
                          num(s.get("median_first_line_words"), missing="–"), num(s.get("short_em")),
                          num(s.get("whole_word"))])
-    return markdown_table(["model", "position", "span of the gold", "span of a distractor", "in no document",
-                           "median first-line words", "exact match", "whole-word match"], rows)
+    return markdown_table(["model", "position", *answer_columns(probe)], rows)
 
 
 def run_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -549,7 +550,7 @@ def report_lines(study: Study) -> list[str]:
             lines += [f"### {score.label}", "", f"{e['questions']} questions ({e['dropped']} left out for a non-finite "
                       f"score); intervals: {method}; `*`: the interval excludes 0.", ""]
             lines += position_lines(est, score) + [""]
-        lines += ["### What the answers are (first line)", ""] + answer_lines(est["answers"]) + [""]
+        lines += ["### What the answers are", ""] + answer_lines(est["answers"], spec["probe"]) + [""]
     lines += ["## Every run: the Jacobian beside its change on the test mdqa", ""] + run_lines(numbers["runs"])
     return lines
 

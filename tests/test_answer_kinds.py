@@ -8,8 +8,10 @@ from analysis.evaluation.answer_kinds import (
     answer_kind,
     describe_answer,
     gold_segment_index,
+    kv_values,
     segment_texts,
     summarize,
+    value_kind,
 )
 
 CURIE = ("Document [1](Title: Marie Curie) Marie Curie was the first woman to win a Nobel Prize, in 1903, "
@@ -120,6 +122,36 @@ def test_kv_pairs():
     assert answer_kind("3a4b-5c6d", pairs, 1) == "gold"  # normalized "3a4b5c6d"
     assert answer_kind('"5e6f-7a8b"', pairs, 1) == "distractor"
     assert answer_kind("3a4b-5c6", pairs, 1) == "none"
+
+
+KV_PAIRS = ['"1a2b-3c4d": "5e6f-7a8b"', '"9c0d-1e2f": "3a4b-5c6d"', '"0f1e-2d3c": "4b5a-6978"']
+KV_VALUES = ["5e6f-7a8b", "3a4b-5c6d", "4b5a-6978"]
+PREAMBLE = 'The value corresponding to the key "9c0d-1e2f" is:\n\n```json\n{\n  "9c0d-1e2f": "%s"\n}\n```'
+
+
+def test_kv_values_read_each_pair_and_name_a_text_that_is_not_one():
+    assert kv_values(KV_PAIRS) == KV_VALUES
+    with pytest.raises(ValueError, match="not a kv pair.*Document"):
+        kv_values(KV_PAIRS[:1] + [CURIE])
+
+
+def test_a_kv_answer_is_the_pair_whose_value_it_names_wherever_in_the_answer():
+    # the value below a preamble that repeats the gold key: the first line names no value at all
+    assert answer_kind(PREAMBLE % "3A4B-5C6D", KV_PAIRS, 1) == "none"
+    assert value_kind(PREAMBLE % "3A4B-5C6D", KV_VALUES, 1) == "gold"  # case ignored
+    assert value_kind(PREAMBLE % "4b5a-6978", KV_VALUES, 1) == "distractor"
+    assert value_kind(PREAMBLE % "4b5a-69", KV_VALUES, 1) == "none"  # cut short by the token budget
+    assert value_kind("5e6f-7a8b or 3a4b-5c6d", KV_VALUES, 1) == "gold"  # the gold wins, as accuracy credits it
+    assert value_kind("3a4b-5c6d", KV_VALUES, None) == "distractor"  # no gold: every value is another pair's
+    assert value_kind("3a4b-5c6d", KV_VALUES, 3) == "distractor"  # out of range is no gold
+    assert value_kind(" \n ", KV_VALUES, 1) == "empty"
+
+
+def test_describe_reads_a_kv_answers_kind_on_the_whole_answer_and_the_rest_on_its_first_line():
+    d = describe_answer(PREAMBLE % "3a4b-5c6d", ["3a4b-5c6d"], KV_PAIRS, 1, values=KV_VALUES)
+    assert (d["kind"], d["first_line_words"], d["short_em"], d["whole_word"]) == ("gold", 8, 0.0, 0.0)
+    assert describe_answer("3a4b-5c6d", ["3a4b-5c6d"], KV_PAIRS, 1, values=KV_VALUES)["short_em"] == 1.0
+    assert describe_answer(PREAMBLE % "3a4b-5c6d", ["3a4b-5c6d"], KV_PAIRS, 1)["kind"] == "none"  # without values
 
 
 def test_describe_is_json():

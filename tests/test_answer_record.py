@@ -12,11 +12,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import analysis.evaluation.probes as probes
-from analysis.evaluation.answer_record import RECORD_SUBDIR, chunks_of
-from analysis.evaluation.config import EvalConfig
+from analysis.evaluation.answer_record import RECORD_SUBDIR, AnswerRecord, chunks_of
+from analysis.evaluation.config import EvalConfig, probe_metric
 from analysis.evaluation.probes import evaluate_in2, evaluate_probes
 from analysis.evaluation.reuse import function_digest
-from data_builders.probes import ProbeItem, synthetic_filler
+from data_builders.probes import ProbeItem, kv_probe, synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 from tests.conftest import TINY
@@ -181,3 +181,26 @@ def test_a_run_reads_the_step0_answers_of_an_earlier_run_of_the_same_weights(tmp
         run(compose_config([*overrides, "seed=1"]), tmp_path / "third")  # another random init: asked again
         run(compose_config([*overrides, "seed=1", "eval.resume=false"]), tmp_path / "fourth")  # no record read
     assert "read back" not in caplog.text
+
+
+def test_what_an_answer_is_is_described_again_when_it_is_read_back(tmp_path):
+    # a kv record made when a kv answer's kind was read on its first line: read back, its kind is the value it names
+    items = kv_probe(n_pairs=3, positions=[1], n_examples=2)
+    answer = 'The value of the key "{key}" is:\n\n```json\n"{value}"\n```'
+    predictions = [answer.format(key=it.extra["key"], value=it.answers[0]) for it in items]
+    ids = [it.id for it in items]
+    record = AnswerRecord(tmp_path / "record.jsonl", "k", [ids])
+    stale = [{"id": it.id, "query": it.query, "position": it.position, "label": it.label, "prediction": p,
+              "answers": it.answers, "correct": 1.0, "extra": {**it.extra, "answer": {"kind": "none"}},
+              "loglik": -2.5} for it, p in zip(items, predictions)]
+    record.append(0, stale)
+
+    def never(chunk):
+        raise AssertionError("a recorded chunk was answered again")
+
+    result = probes.run_probe(items, never, probe_metric("kv", EvalConfig()), record=record)
+    assert [o["extra"]["answer"]["kind"] for o in result.outcomes] == ["gold", "gold"]
+    assert [o["extra"]["answer"]["first_line_words"] for o in result.outcomes] == [7, 7]
+    # what is costly and recorded stays as it was
+    assert [(o["prediction"], o["correct"], o["loglik"]) for o in result.outcomes] == [(p, 1.0, -2.5)
+                                                                                       for p in predictions]

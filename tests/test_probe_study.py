@@ -222,6 +222,13 @@ def test_the_report_shows_the_chosen_arms_against_the_starting_model(tmp_path):
     assert study.numbers["goals"]["kd"] and [r["changes"] for r in study.numbers["runs"]][0]["middle"] == 1
 
 
+def test_the_answer_kinds_table_names_what_a_kind_is_for_each_probe():
+    kinds = probe_study.answer_kinds(result({"q0": {0: 1}}, kinds="gold"), {})
+    header = {probe: probe_study.answer_lines(kinds, probe)[0] for probe in ("mdqa", "kv")}
+    assert "span of the gold" in header["mdqa"] and "the gold pair's value" in header["kv"]
+    assert probe_study.answer_lines(kinds, "kv")[2] == "| base | 0 | 1.000 | 0.000 | 0.000 | 3.000 | 0.000 | 1.000 |"
+
+
 def test_the_plan_is_the_product_of_the_experiments_sweep():
     grid = reads_middle.sweep_grid("reads_middle", ["trainer.lr=1e-3"])
     assert grid == {"debias": ["none", "pos2distill", "pos2distill_guard"], "trainer.lr": ["1e-3"], "seed": ["0", "1"]}

@@ -11,9 +11,15 @@ The documents are the texts of the prompt's segments (`segment_texts`: mdqa docu
 "Document [k](Title: ...)" header, or kv `"key": "value"` pairs); the gold is the segment at
 `gold_segment_index` (`extra["final_position"]` after an inference-time reordering, else the item's position).
 Everything is compared after `normalize_answer` (SQuAD normalization), word by word.
+
+A kv answer's kind is read on the whole answer instead (`value_kind`): which pair's value it names. Its accuracy
+reads the whole answer too, and an instruct model often opens with a line that repeats the key ("The value
+corresponding to the key ... is:") and gives the value in a JSON block below, so its first line is the kind of no
+answer at all.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -103,18 +109,50 @@ def answer_kind(prediction: str, documents: Sequence[str], gold_index: int | Non
     return _kind(line, documents, gold, gold_text)
 
 
+def kv_values(pairs: Sequence[str]) -> list[str]:
+    """The value of each kv segment text (`"key": "value"`, a member of a JSON object); ValueError naming the text
+    when one is not such a pair."""
+    values = []
+    for text in pairs:
+        try:
+            (value,) = json.loads("{" + text + "}").values()
+        except (json.JSONDecodeError, ValueError) as err:
+            raise ValueError(f"not a kv pair (\"key\": \"value\"): {text[:80]!r}") from err
+        values.append(str(value))
+    return values
+
+
+def value_kind(prediction: str, values: Sequence[str], gold_index: int | None) -> str:
+    """Which pair's value the whole answer names (kv), as `answer_kind`'s kinds: "gold" when the gold pair's value
+    occurs in it (it wins over the others, as accuracy credits it), "distractor" when only another pair's value
+    does, "none" when no value does (a value cut short, or one made up), "empty" for a blank answer. Values are
+    matched as they are, ignoring case (UUIDs: `scoring.substring_match`, the kv accuracy's own test)."""
+    text = prediction.strip().lower()
+    if not text:
+        return "empty"
+    gold = _gold_of(values, gold_index)
+    if gold is not None and values[gold].lower() in text:
+        return "gold"
+    if any(value.lower() in text for k, value in enumerate(values) if k != gold):
+        return "distractor"
+    return "none"
+
+
 def _copies(line_words: Sequence[str], gold_text: str, n: int = COPY_WORDS) -> bool:
     """Whether `n` consecutive normalized words of the line also occur consecutively in the padded gold."""
     return any(_is_run(_padded(" ".join(line_words[i : i + n])), gold_text) for i in range(len(line_words) - n + 1))
 
 
 def describe_answer(
-    prediction: str, answers: Sequence[str], documents: Sequence[str], gold_index: int | None
+    prediction: str, answers: Sequence[str], documents: Sequence[str], gold_index: int | None,
+    values: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The kind and the short-answer scores of one answer, all read on its first line (`scoring.first_line`).
+    """The kind and the short-answer scores of one answer, all read on its first line (`scoring.first_line`), but
+    the kind of a kv answer: with `values` (the value each document holds, `kv_values`) it is read on the whole
+    answer.
 
     Keys:
-    - kind: `answer_kind` (str);
+    - kind: `answer_kind` (str), or `value_kind` with `values`;
     - first_line_words: number of whitespace-separated words of the first line as generated (int);
     - short_em: 1.0 if the first line normalizes to a gold answer (`scoring.exact_match`), else 0.0;
     - whole_word: 1.0 if a normalized gold answer is a run of whole words of the first line
@@ -132,7 +170,8 @@ def describe_answer(
     # Each document is normalized at most once: the gold here, shared by the kind and the copy test.
     gold_text = _padded(normalize_answer(documents[gold])) if gold is not None else None
     return {
-        "kind": _kind(_padded(words), documents, gold, gold_text),
+        "kind": _kind(_padded(words), documents, gold, gold_text) if values is None
+        else value_kind(prediction, values, gold_index),
         "first_line_words": len(line.split()),
         "short_em": exact_match(line, answers),
         "whole_word": whole_word_subspan_em(line, answers),

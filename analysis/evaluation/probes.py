@@ -32,7 +32,7 @@ from data_builders.probes import (
 if TYPE_CHECKING:
     from models.attention.attn_calibration import AttnCalibration
 
-from analysis.evaluation.answer_kinds import describe_answer, gold_segment_index, segment_texts
+from analysis.evaluation.answer_kinds import describe_answer, gold_segment_index, kv_values, segment_texts
 from analysis.evaluation.answer_record import AnswerRecord, chunks_of, record_path
 from analysis.evaluation.comparability import probe_settings
 from analysis.evaluation.config import (
@@ -65,11 +65,13 @@ PREFILL = "answers and log-likelihoods share each batch's prefill"
 
 
 def _answer_details(item: ProbeItem, prediction: str) -> dict[str, Any]:
-    """What an answer is, beside its score: its kind of span (the gold document, a distractor, none) when the
-    prompt's documents are known, the length of its first line and its short-answer scores."""
+    """What an answer is, beside its score: its kind of span (the gold document, a distractor, none; for kv the
+    pair whose value it names) when the prompt's documents are known, the length of its first line and its
+    short-answer scores."""
     if isinstance(item.prompt, str) and item.segments:
-        return describe_answer(prediction, item.answers, segment_texts(item.prompt, item.segments),
-                               gold_segment_index(item.position, item.extra))
+        documents = segment_texts(item.prompt, item.segments)
+        return describe_answer(prediction, item.answers, documents, gold_segment_index(item.position, item.extra),
+                               kv_values(documents) if item.probe == Probe.kv else None)
     line = first_line(prediction)
     return {"first_line_words": len(line.split()), "short_em": exact_match(line, item.answers),
             "whole_word": whole_word_subspan_em(line, item.answers)}
@@ -84,6 +86,13 @@ def _outcome(item: ProbeItem, prediction: str | None, metric: Metric, values: li
         outcome["loglik"] = best(values)
         outcome["extra"]["loglik_aliases"] = values
     return outcome
+
+
+def _described(item: ProbeItem, outcome: dict[str, Any]) -> dict[str, Any]:
+    """A read-back outcome with `extra["answer"]` made again from its item and prediction."""
+    if "answer" not in outcome.get("extra", {}):
+        return outcome  # nothing was answered (the log-likelihood alone)
+    return {**outcome, "extra": {**outcome["extra"], "answer": _answer_details(item, outcome["prediction"])}}
 
 
 def run_probe(
@@ -117,7 +126,9 @@ def run_probe(
               postfix={"read back": read_back} if record is not None else None) as bar:
         for c, rows in enumerate(chunks):
             if c in done:
-                outcomes += done[c]
+                # what an answer is follows from it and its item: described again, so that a record made by
+                # earlier code reads as this code describes (the record keeps what is costly, the answers)
+                outcomes += [_described(items[i], o) for i, o in zip(rows, done[c])]
                 continue
             chunk = [items[i] for i in rows]
             predictions = generate_fn(chunk) if generate_fn is not None else [None] * len(chunk)

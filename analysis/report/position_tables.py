@@ -31,10 +31,19 @@ def _words(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
 
+def answer_columns(probe: str) -> list[str]:
+    """The columns of an answer-kinds table: the kinds' shares (a kv answer's kind is the pair whose value the
+    whole answer names, `answer_kinds.value_kind`; any other's, where its first line comes from), the median
+    first-line length and the short-answer scores on the first line."""
+    kinds = ["the gold pair's value", "another pair's value", "no pair's value"] if probe == "kv" \
+        else ["span of the gold", "span of a distractor", "in no document"]
+    return [*kinds, "median first-line words", "exact match (first line)", "whole-word match (first line)"]
+
+
 def answers_table(results: Mapping[str, ProbeResult]) -> list[str]:
-    """What the answers are, per result and position: the share that is a span of the gold document, of a
-    distractor, or of no document (`analysis.evaluation.answer_kinds`), the median first-line length and the
-    short-answer scores. Empty for results saved before answers were described."""
+    """What the answers are, per result and position: the share of each answer kind (`answer_columns`), the
+    median first-line length and the short-answer scores. Empty for results saved before answers were
+    described."""
     rows = []
     for name, result in results.items():
         labels = result.labels()
@@ -44,5 +53,4 @@ def answers_table(results: Mapping[str, ProbeResult]) -> list[str]:
                          num(kinds["short_em"]), num(kinds["whole_word"])])
     if not rows:
         return []
-    return markdown_table(["", "position", "span of gold", "span of a distractor", "in no document",
-                           "median first-line words", "exact match (first line)", "whole-word match"], rows)
+    return markdown_table(["", "position", *answer_columns(next(iter(results.values())).probe)], rows)
