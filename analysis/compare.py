@@ -614,7 +614,7 @@ def _loglik_lines(out: Path, entries: Sequence[Entry], probes: Sequence[str]) ->
         if first.asks_at_several_positions:  # in2 asks each question at one depth: no within-question contrast
             lines += [*contrast_table(results, strong, score=LOGLIK), ""]
         if answers := answers_table(results):
-            lines += ["What the answers are (first line; shares of each position's answers):", "", *answers, ""]
+            lines += ["What the answers are (shares of each position's answers):", "", *answers, ""]
     if not lines:
         return []
     return ["## Position without answer format: log-likelihood of the gold answer", "",

@@ -156,7 +156,7 @@ def probe_lines(results: dict[str, ProbeResult], score: stats.Score, strong: int
              f"`change vs {base_name}`: that contrast's change against the baseline (the debiasing effect):", "",
              *contrast_table(results, strong, n_boot, score)]
     if answers := answers_table(results):
-        lines += ["", "What the answers are (first line; shares of the position's answers):", "", *answers]
+        lines += ["", "What the answers are (shares of the position's answers):", "", *answers]
     if figure is not None:
         png = plot_position_accuracy(results, figure, f"{base.probe}: {score.label} by gold position",
                                      POSITION_AXIS.get(base.probe, "gold position"), score)
