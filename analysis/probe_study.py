@@ -44,7 +44,7 @@ from analysis import stats
 from analysis.evaluation.answer_kinds import summarize
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.figures import plot_arm_curves
-from analysis.report.position_tables import answer_columns
+from analysis.report.position_tables import answer_cells, answer_columns
 from analysis.report.tables import markdown_table, num
 from analysis.study import VALLEY_METRICS, merged_metrics, valley_ends
 from data_builders.files import atomic_write_text, json_safe
@@ -493,13 +493,9 @@ def _marked(e: Mapping[str, Any]) -> str:
 
 def answer_lines(answers: Mapping[str, Any], probe: str) -> list[str]:
     """The answer kinds table of one evaluation (`position_tables.answer_columns`)."""
-    rows = []
-    for who, by_position in answers.items():
-        for p, s in by_position.items():
-            rows.append([who, "closed-book" if int(p) == CLOSED_BOOK else p,
-                         *[num(s.get(f"share_{k}")) for k in ("gold", "distractor", "none")],
-                         num(s.get("median_first_line_words"), missing="–"), num(s.get("short_em")),
-                         num(s.get("whole_word"))])
+    rows = [["starting model" if who == BASE else who, "closed-book" if int(p) == CLOSED_BOOK else f"gold {p}",
+             *answer_cells(summary)]
+            for who, by_position in answers.items() for p, summary in by_position.items()]
     return markdown_table(["model", "position", *answer_columns(probe)], rows)
 
 

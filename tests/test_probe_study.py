@@ -226,7 +226,8 @@ def test_the_answer_kinds_table_names_what_a_kind_is_for_each_probe():
     kinds = probe_study.answer_kinds(result({"q0": {0: 1}}, kinds="gold"), {})
     header = {probe: probe_study.answer_lines(kinds, probe)[0] for probe in ("mdqa", "kv")}
     assert "span of the gold" in header["mdqa"] and "the gold pair's value" in header["kv"]
-    assert probe_study.answer_lines(kinds, "kv")[2] == "| base | 0 | 1.000 | 0.000 | 0.000 | 3.000 | 0.000 | 1.000 |"
+    row = probe_study.answer_lines(kinds, "kv")[2]
+    assert row == "| starting model | gold 0 | 1.000 | 0.000 | 0.000 | 3.0 | 0.000 | 1.000 |"
 
 
 def test_the_plan_is_the_product_of_the_experiments_sweep():

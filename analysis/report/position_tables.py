@@ -3,6 +3,7 @@ against a baseline (the debiasing effect), and what the answers are (`scripts.pa
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from analysis import stats
 from analysis.evaluation.result import ProbeResult, contrast_change
@@ -40,6 +41,12 @@ def answer_columns(probe: str) -> list[str]:
     return [*kinds, "median first-line words", "exact match (first line)", "whole-word match (first line)"]
 
 
+def answer_cells(summary: Mapping[str, Any]) -> list[str]:
+    """One position's cells under `answer_columns`, from `answer_kinds.summarize`."""
+    return [*(num(summary.get(f"share_{kind}")) for kind in ("gold", "distractor", "none")),
+            _words(summary.get("median_first_line_words")), num(summary.get("short_em")), num(summary.get("whole_word"))]
+
+
 def answers_table(results: Mapping[str, ProbeResult]) -> list[str]:
     """What the answers are, per result and position: the share of each answer kind (`answer_columns`), the
     median first-line length and the short-answer scores. Empty for results saved before answers were
@@ -48,9 +55,7 @@ def answers_table(results: Mapping[str, ProbeResult]) -> list[str]:
     for name, result in results.items():
         labels = result.labels()
         for p, kinds in result.answers_by_position().items():
-            shares = [num(kinds.get(f"share_{kind}")) for kind in ("gold", "distractor", "none")]
-            rows.append([name, "closed-book" if p < 0 else labels[p], *shares, _words(kinds["median_first_line_words"]),
-                         num(kinds["short_em"]), num(kinds["whole_word"])])
+            rows.append([name, "closed-book" if p < 0 else labels[p], *answer_cells(kinds)])
     if not rows:
         return []
     return markdown_table(["", "position", *answer_columns(next(iter(results.values())).probe)], rows)
