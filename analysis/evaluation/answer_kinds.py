@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from analysis.evaluation.scoring import exact_match, first_line, whole_word_subspan_em
+from analysis.evaluation.scoring import exact_match, first_line, substring_match, whole_word_subspan_em
 from data_builders.text import normalize_answer
 
 KINDS = ("gold", "distractor", "none", "empty")
@@ -127,13 +127,12 @@ def value_kind(prediction: str, values: Sequence[str], gold_index: int | None) -
     occurs in it (it wins over the others, as accuracy credits it), "distractor" when only another pair's value
     does, "none" when no value does (a value cut short, or one made up), "empty" for a blank answer. Values are
     matched as they are, ignoring case (UUIDs: `scoring.substring_match`, the kv accuracy's own test)."""
-    text = prediction.strip().lower()
-    if not text:
+    if not prediction.strip():
         return "empty"
     gold = _gold_of(values, gold_index)
-    if gold is not None and values[gold].lower() in text:
+    if gold is not None and substring_match(prediction, [values[gold]]):
         return "gold"
-    if any(value.lower() in text for k, value in enumerate(values) if k != gold):
+    if substring_match(prediction, [value for k, value in enumerate(values) if k != gold]):
         return "distractor"
     return "none"
 
