@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -486,6 +487,20 @@ def position_lines(numbers: Mapping[str, Any], score: stats.Score) -> list[str]:
         + markdown_table(["", *header], rows)
 
 
+def interval_method(estimates: Mapping[str, Any]) -> str:
+    """How the arms' intervals of one score were made, with the range of their degrees of freedom: each cell has
+    its own (Satterthwaite), and a cell whose seed part dominates has few, so its interval is wide."""
+    shown = ("value", "change", "contrast", "contrast_change")  # what `position_lines` prints
+    cells = [cell[k] for row in estimates["arms"].values() for cell in row.values() for k in shown
+             if cell.get(k) and cell[k].get("df") is not None]
+    if not cells:
+        return "none"
+    design = {re.sub(r"^t\([^)]*\), ", "", iv["method"]) for iv in cells}
+    dfs = [iv["df"] for iv in cells]
+    return f"t with each cell's own df ({min(dfs):.1f} to {max(dfs):.1f}; every cell's in study.json), " + \
+        "; ".join(sorted(design))
+
+
 def _marked(e: Mapping[str, Any]) -> str:
     """A change with its interval, ` *` when the interval excludes 0."""
     return _iv(e) + (" *" if e.get("resolved") else "")
@@ -542,9 +557,8 @@ def report_lines(study: Study) -> list[str]:
             if score.field not in est:
                 continue
             e = est[score.field]
-            method = next(iter(next(iter(e["arms"].values())).values()))["value"]["method"]
             lines += [f"### {score.label}", "", f"{e['questions']} questions ({e['dropped']} left out for a non-finite "
-                      f"score); intervals: {method}; `*`: the interval excludes 0.", ""]
+                      f"score); intervals: {interval_method(e)}; `*`: the interval excludes 0.", ""]
             lines += position_lines(est, score) + [""]
         lines += ["### What the answers are", ""] + answer_lines(est["answers"], spec["probe"]) + [""]
     lines += ["## Every run: the Jacobian beside its change on the test mdqa", ""] + run_lines(numbers["runs"])

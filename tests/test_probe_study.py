@@ -222,6 +222,17 @@ def test_the_report_shows_the_chosen_arms_against_the_starting_model(tmp_path):
     assert study.numbers["goals"]["kd"] and [r["changes"] for r in study.numbers["runs"]][0]["middle"] == 1
 
 
+def test_the_report_gives_the_range_of_the_shown_intervals_degrees_of_freedom():
+    def cell(df):
+        return {"df": df, "method": f"t({df:.1f}), crossed design: 2 seeds (shared) x 9 questions"}
+    estimates = {"arms": {"a": {"0": {"value": cell(199.0), "change": cell(1.2), "contrast": None,
+                                      "vs_first_arm": cell(0.5)}},
+                          "b": {"0": {"value": cell(37.5), "contrast_change": cell(3.0)}}}}
+    # an arm-to-arm difference is not in the tables: its df (0.5) is not in the range
+    assert probe_study.interval_method(estimates) == \
+        "t with each cell's own df (1.2 to 199.0; every cell's in study.json), crossed design: 2 seeds (shared) x 9 questions"
+
+
 def test_the_answer_kinds_table_names_what_a_kind_is_for_each_probe():
     kinds = probe_study.answer_kinds(result({"q0": {0: 1}}, kinds="gold"), {})
     header = {probe: probe_study.answer_lines(kinds, probe)[0] for probe in ("mdqa", "kv")}
