@@ -229,8 +229,8 @@ def test_the_report_gives_the_range_of_the_shown_intervals_degrees_of_freedom():
                                       "vs_first_arm": cell(0.5)}},
                           "b": {"0": {"value": cell(37.5), "contrast_change": cell(3.0)}}}}
     # an arm-to-arm difference is not in the tables: its df (0.5) is not in the range
-    assert probe_study.interval_method(estimates) == \
-        "t with each cell's own df (1.2 to 199.0; every cell's in study.json), crossed design: 2 seeds (shared) x 9 questions"
+    assert probe_study.interval_method(estimates) == ("t with each cell's own df (1.2 to 199.0; every cell's in "
+                                                      "study.json), crossed design: 2 seeds (shared) x 9 questions")
 
 
 def test_the_answer_kinds_table_names_what_a_kind_is_for_each_probe():
