@@ -495,7 +495,7 @@ def interval_method(estimates: Mapping[str, Any]) -> str:
              if cell.get(k) and cell[k].get("df") is not None]
     if not cells:
         return "none"
-    design = {re.sub(r"^t\([^)]*\), ", "", iv["method"]) for iv in cells}
+    design = {re.sub(r"^t\([^)]*\),? ", "", iv["method"]) for iv in cells}  # `stats.crossed_interval`'s, df dropped
     dfs = [iv["df"] for iv in cells]
     return f"t with each cell's own df ({min(dfs):.1f} to {max(dfs):.1f}; every cell's in study.json), " + \
         "; ".join(sorted(design))

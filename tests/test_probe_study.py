@@ -233,6 +233,16 @@ def test_the_report_gives_the_range_of_the_shown_intervals_degrees_of_freedom():
                                                       "study.json), crossed design: 2 seeds (shared) x 9 questions")
 
 
+def test_one_seed_intervals_are_described_once_whatever_their_degrees_of_freedom():
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=(2, 1, 30))  # 2 arms, 1 seed, 30 questions
+    cells = {"value": stats.crossed_interval(y, stats.mean_of(30), 0).as_dict(),
+             "change": stats.crossed_interval(y[:, :, :20], stats.mean_of(20), 1).as_dict()}
+    assert probe_study.interval_method({"arms": {"a": {"0": cells}}}) == (
+        "t with each cell's own df (19.0 to 29.0; every cell's in study.json), over questions; 1 seed: training "
+        "randomness not included")
+
+
 def test_the_answer_kinds_table_names_what_a_kind_is_for_each_probe():
     kinds = probe_study.answer_kinds(result({"q0": {0: 1}}, kinds="gold"), {})
     header = {probe: probe_study.answer_lines(kinds, probe)[0] for probe in ("mdqa", "kv")}
