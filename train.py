@@ -30,7 +30,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -143,8 +143,11 @@ from models.training.engines import (
     zero3_load_context,
 )
 from models.training.loss import causal_lm_loss, labelled_nll
-from models.training.run_dir import RunDir, run_dir_of
+from models.training.required_values import check_required, choices_of
+from models.training.resume_guard import check_resume
+from models.training.run_dir import CHECKPOINT_CONFIG, RunDir, run_dir_of
 from models.training.state import TrainerState
+from models.training.step_health import NonFiniteWeights, StepHealth, TooManyBadSteps, skip_reason
 from models.wheel_models import local_pretrained
 
 log = logging.getLogger("train")
@@ -173,7 +176,11 @@ class TrainerConfig:
     resume_from: Optional[str] = None
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last_n: int = 2  # checkpoints kept; 0 = all
-    max_bad_steps: int = 10  # non-finite losses tolerated (skipped) before the run stops
+    max_bad_steps: int = 10  # steps skipped for a non-finite loss or gradient norm before the run stops
+    # An exploding loss, above loss_spike_factor x the running median for loss_spike_steps steps in a row, is named
+    # in the log and counted (train/loss_spikes, the summary); it does not stop the run.
+    loss_spike_factor: float = 10.0
+    loss_spike_steps: int = 3
     deepspeed: Optional[dict[str, Any]] = None  # DeepSpeed config block (trainer=zero2/zero3/...)
     collective_timeout_s: float = 1800.0  # a collective (or joining the group) that takes longer fails
     # ranks sharing each sequence (DeepSpeed Ulysses, models/sequence_parallel.py); data-parallel over world/N
@@ -277,10 +284,15 @@ def compose_config(overrides: list[str], return_hydra_config: bool = False) -> D
     renamed_keys.check_overrides(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            return compose(config_name="train", overrides=list(overrides), return_hydra_config=return_hydra_config)
+            cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
         except ConfigCompositionException as err:
             renamed_keys.check_composition_error(err)
             raise
+    check_required(CONF_DIR, choices_of(cfg.hydra), overrides)
+    if not return_hydra_config:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
 
 
 def as_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
@@ -298,11 +310,10 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     validate_model(cfg.model)
     resolve_mode(cfg.logger.mode)  # a WANDB_MODE that is no mode fails here, not after the data is built
     t, jac = cfg.trainer, cfg.jacobian
-    for key in ("max_steps", "micro_batch_size", "grad_accum", "pad_to_multiple_of"):
+    for key in ("max_steps", "micro_batch_size", "grad_accum", "pad_to_multiple_of", "loss_spike_steps"):
         if getattr(t, key) < 1:
             raise ValueError(f"trainer.{key}={getattr(t, key)} must be >= 1")
-    if t.lr <= 0:
-        raise ValueError(f"trainer.lr={t.lr} must be > 0")
+    validate_numbers(t)
     if t.pad_to_multiple_of > 1 and cfg.data.packing:
         raise ValueError(f"trainer.pad_to_multiple_of={t.pad_to_multiple_of} with data.packing=true: packed rows are "
                          "data.pack_len wide already; set one of them")
@@ -347,6 +358,26 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)
 
 
+def validate_numbers(t: TrainerConfig) -> None:
+    """The trainer's real numbers: finite, and in the range that makes an update rule (an infinite or negative
+    rate, or a warm-up that starts the schedule partway down its cosine, trains silently wrong)."""
+    for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "loss_spike_factor"):
+        if not math.isfinite(getattr(t, key)):
+            raise ValueError(f"trainer.{key}={getattr(t, key)} must be a finite number")
+    if t.lr <= 0:
+        raise ValueError(f"trainer.lr={t.lr} must be > 0")
+    for key in ("warmup_steps", "weight_decay", "grad_clip", "max_bad_steps", "save_every", "keep_last_n"):
+        if getattr(t, key) < 0:
+            raise ValueError(f"trainer.{key}={getattr(t, key)} must be >= 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ValueError(f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (the cosine's floor, a share of lr)")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ValueError(f"trainer.betas={list(t.betas)} must be two numbers in [0, 1) (AdamW's)")
+    if t.loss_spike_factor <= 1:
+        raise ValueError(f"trainer.loss_spike_factor={t.loss_spike_factor} must be > 1 (a multiple of the running "
+                         "median loss)")
+
+
 def validate_sequence_parallel(cfg: TrainConfig, info: DistInfo) -> None:
     """What `trainer.sequence_parallel=N` (Ulysses) can run on, checked before anything is built."""
     sp = cfg.trainer.sequence_parallel
@@ -368,6 +399,13 @@ def validate_sequence_parallel(cfg: TrainConfig, info: DistInfo) -> None:
         raise ValueError(f"trainer.sequence_parallel={sp} with data.packing=true needs "
                          "model.attn_implementation=flash_attention_2: with sdpa, samples of a packed row "
                          "would attend to each other")
+
+
+def check_resumed_run(cfg: TrainConfig, run_dir: Path) -> None:
+    """`trainer.resume_from` continues the run that wrote the checkpoint, or fails naming the keys that differ
+    (models.training.resume_guard), before anything is built; a checkpoint that cannot be found fails here too."""
+    if cfg.trainer.resume_from and (ckpt := resolve_checkpoint(cfg.trainer.resume_from, run_dir)) is not None:
+        check_resume(ckpt, dataclasses.asdict(cfg), cfg.trainer.resume_from)
 
 
 def seed_everything(seed: int) -> None:
@@ -424,7 +462,7 @@ class Run:
     probe_items: dict[str, list]
     start_step: int = 0
     checkpoint: Optional[Path] = None  # the one resumed from
-    bad_steps: int = 0
+    health: Optional[StepHealth] = None  # bad steps and loss spikes (models.training.step_health); set by setup
     accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
     zero3: Any = None  # under ZeRO-3: keeps transformers partitioning models at load (dropped by cleanup)
     rollout_recorder: Optional[JacobianRecorder] = None  # main process only: rollout.npz
@@ -561,7 +599,8 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
               jacobian_seqs={k: v.to(engine.device) for k, v in seqs.items()}, recorder=recorder,
               eval_records=bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
               probe_items=probe_items, zero3=zero3, rollout_recorder=rollout_recorder,
-              probe_window=ProbeWindow(cfg.jacobian.window) if seqs and cfg.jacobian.window > 1 else None)
+              probe_window=ProbeWindow(cfg.jacobian.window) if seqs and cfg.jacobian.window > 1 else None,
+              health=StepHealth(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor, cfg.trainer.loss_spike_steps))
     if ckpt is not None:
         resume(run, ckpt)
     return run
@@ -718,6 +757,7 @@ def resume(run: Run, ckpt: Path) -> None:
         run.objective.load_state_dict(state.debias or {})
     if run.probe_window is not None:
         run.probe_window.load_state_dict(state.jacobian_window or {})  # an older checkpoint: the window starts anew
+    run.health.load_state_dict(state.health or {})
     if run.is_main:
         log.info("resumed from %s at step %d", ckpt, run.start_step)
     step0 = RunDir(ckpt.parents[1]).eval_json("in2", 0)
@@ -867,16 +907,21 @@ def periodic_eval(run: Run, done: int) -> dict[str, float]:
 
 def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
     """A complete checkpoint `checkpoints/step-<step>` (written aside, then renamed). `metrics_bytes`: where
-    metrics.jsonl ends for this checkpoint (default: now), which resuming in place cuts the file back to."""
+    metrics.jsonl ends for this checkpoint (default: now), which resuming in place cuts the file back to.
+    NonFiniteWeights, and nothing written, when a trainable weight is not finite: a checkpoint is always good."""
+    if (name := run.engine.nonfinite_weight()) is not None:
+        raise NonFiniteWeights(f"not saving step {step}: {name} holds NaN or infinity; {last_good_checkpoint(run)}")
     metrics_bytes = run.logger.bytes_written() if metrics_bytes is None else metrics_bytes
 
     def write(folder: Path) -> None:
         run.engine.save(folder, run.tokenizer)
+        if run.is_main:  # what a resume from here must match (models.training.resume_guard)
+            (folder / CHECKPOINT_CONFIG).write_text(json.dumps(dataclasses.asdict(run.cfg), indent=1, default=str))
         # group_dro's q, loss_weight's averages: an exact resume needs them; the wandb run: a run resumed from
         # here continues it
         state = TrainerState(step=step, stream_position=run.stream.position, metrics_bytes=metrics_bytes,
                              debias=run.objective.state_dict() if run.objective is not None else None,
-                             wandb_run_id=run.logger.run_id,
+                             wandb_run_id=run.logger.run_id, health=run.health.state_dict(),
                              jacobian_window=run.probe_window.state_dict() if run.probe_window is not None else None)
         state.save(folder, run.info.rank)
 
@@ -886,26 +931,45 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
     return folder
 
 
-def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """One update over `grad_accum` micro-batches; a non-finite loss skips it (counted, bounded)."""
+def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
+    """Update `step` over `grad_accum` micro-batches. A non-finite loss or gradient norm skips it (named in the log,
+    counted, bounded by trainer.max_bad_steps); weights the update made non-finite stop the run (NonFiniteWeights);
+    an exploding loss is named in the log and counted (models.training.step_health)."""
     t0, tokens, losses = time.perf_counter(), 0, []
     for _ in range(run.cfg.trainer.grad_accum):
         batch = next(batches)
         tokens += int(batch["num_tokens"])
         losses.append(run.engine.forward_backward(batch))
     loss = all_mean(torch.stack(losses).mean().item(), run.engine.device)
-    finite = math.isfinite(loss)
-    grad_norm = run.engine.optimizer_step(skip=not finite)
-    if not finite:
-        run.bad_steps += 1
-        if run.bad_steps > run.cfg.trainer.max_bad_steps:
-            raise RuntimeError(f"{run.bad_steps} non-finite losses (trainer.max_bad_steps="
-                               f"{run.cfg.trainer.max_bad_steps}); the last good checkpoint is intact under "
-                               f"{run.paths.checkpoints}")
+    grad_norm = run.engine.optimizer_step(skip=not math.isfinite(loss))
+    if (name := run.engine.nonfinite_weight()) is not None:
+        raise NonFiniteWeights(f"step {step + 1}: the update made {name} NaN or infinite (loss {loss:.4g}, gradient "
+                               f"norm {grad_norm:.4g}, lr {run.engine.current_lr():.3g}); nothing of it was saved; "
+                               f"{last_good_checkpoint(run)}")
+    if (reason := skip_reason(loss, grad_norm)) is not None:
+        if run.is_main:
+            log.warning("step %d skipped: %s; %d skipped so far (trainer.max_bad_steps=%d)", step + 1, reason,
+                        run.health.bad_steps + 1, run.cfg.trainer.max_bad_steps)
+        try:
+            run.health.bad_step()
+        except TooManyBadSteps as err:
+            raise TooManyBadSteps(f"{err}; the last was step {step + 1}: {reason}; {last_good_checkpoint(run)}") from None
+    elif (median := run.health.exploding(loss)) is not None and run.is_main:
+        log.warning("step %d: the loss is exploding: %.4g, over %g x its running median %.4g for %d steps in a row "
+                    "(trainer.loss_spike_factor, loss_spike_steps); lower trainer.lr or raise trainer.warmup_steps",
+                    step + 1, loss, run.cfg.trainer.loss_spike_factor, median, run.cfg.trainer.loss_spike_steps)
     return {"train/loss": loss, "train/lr": run.engine.current_lr(), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens / (time.perf_counter() - t0), "train/tokens": tokens,
-            "train/bad_steps": run.bad_steps, "train/peak_mem_mib": peak_memory_mib(run.engine.device),
+            **run.health.metrics(), "train/peak_mem_mib": peak_memory_mib(run.engine.device),
             **(run.objective.metrics() if run.objective is not None else {})}
+
+
+def last_good_checkpoint(run: Run) -> str:
+    """Where the run can continue from, for an error that stops it (every saved checkpoint is finite: `save`)."""
+    ckpt = newest_intact(list_checkpoints(run.run_dir))
+    if ckpt is not None:
+        return f"the last good checkpoint is {ckpt}"
+    return f"no checkpoint was saved under {run.paths.checkpoints} before it"
 
 
 def start(run: Run) -> None:
@@ -934,7 +998,7 @@ def train(run: Run) -> dict[str, float]:
             if run.jacobian_seqs and step % jac.every == 0:
                 # Logged at `step`, the updates its weights have seen: the row jacobian.npz and the charts use.
                 run.logger.log(measure_jacobian(run, step), step=step)
-            metrics = optimizer_step(run, batches)
+            metrics = optimizer_step(run, batches, step)
             metrics.update(diff_lambda_stats(run.model), **{"train/wall_s": time.perf_counter() - loop_start})
             done = step + 1
             metrics.update(periodic_eval(run, done))
@@ -1015,6 +1079,7 @@ def run(cfg: DictConfig | TrainConfig, run_dir: Path) -> dict[str, float]:
     `models.training.run_lock`); returns the last logged metrics."""
     cfg = as_train_config(cfg)
     validate(cfg, dist_info())  # a config that cannot run fails before its run directory exists
+    check_resumed_run(cfg, Path(run_dir))
     with run_lock.holding(run_dir, "give another hydra.run.dir"):
         state = setup(cfg, Path(run_dir))
         try:
@@ -1124,6 +1189,7 @@ def main(cfg: DictConfig) -> None:
     cfg.logger.group = cfg.logger.group or group
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
+        check_required(CONF_DIR, choices_of(hydra_cfg), hydra_cfg.overrides.task)
         if begin_job(cfg, list(hydra_cfg.overrides.task), run_dir, sweep_dir, info):
             run(cfg, run_dir)
     except Exception as exc:

@@ -51,7 +51,7 @@ def test_the_step_loss_is_reduced_on_the_engine_device(collectives):
     engine = SimpleNamespace(device=DEVICE, forward_backward=lambda batch: torch.tensor(2.0))
     run = SimpleNamespace(engine=engine, cfg=SimpleNamespace(trainer=SimpleNamespace(grad_accum=1)))
     with pytest.raises(Collective):
-        train.optimizer_step(run, iter([{"num_tokens": torch.tensor(4)}]))
+        train.optimizer_step(run, iter([{"num_tokens": torch.tensor(4)}]), 0)
     assert collectives == [DEVICE]
 
 

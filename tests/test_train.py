@@ -360,8 +360,8 @@ def test_packed_training_runs_on_rows_of_pack_len_tokens(compose_cfg, tmp_path, 
 
     seen = []
     step = train.optimizer_step
-    monkeypatch.setattr(train, "optimizer_step", lambda run, batches: step(run, iter(
-        seen.append(b) or b for b in batches)))
+    monkeypatch.setattr(train, "optimizer_step", lambda run, batches, number: step(run, iter(
+        seen.append(b) or b for b in batches), number))
     run(compose_cfg(*TINY, "data.packing=true", "data.pack_len=256", "trainer.micro_batch_size=1",
                     "trainer.max_steps=2"), tmp_path)
     assert seen and all(b["input_ids"].shape == (1, 256) and "attention_mask" not in b for b in seen)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +30,11 @@ class Precision(StrEnum):
 # The training loss of a micro-batch: (model, batch, device) -> scalar (models.training.loss.causal_lm_loss, or a
 # models.training.debias objective)
 LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor], torch.device], torch.Tensor]
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
+    """The name of the first tensor holding a NaN or infinity, or None."""
+    return next((name for name, tensor in named if not bool(torch.isfinite(tensor.detach()).all())), None)
 
 
 class TorchEngine:
@@ -83,15 +88,21 @@ class TorchEngine:
         return loss.detach()
 
     def optimizer_step(self, skip: bool = False) -> float:
-        """Clip, step and zero the gradients; with `skip` (a non-finite loss) only zero them."""
+        """Clip, step and zero the gradients; the gradient norm. With `skip` (a non-finite loss), or when the norm
+        is not finite, only zero them: no update, and the schedule does not advance."""
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
             return math.nan
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
-        self.optimizer.step()
-        self.scheduler.step()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf))
+        if math.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+    def nonfinite_weight(self) -> Optional[str]:
+        """The name of the first trainable weight holding a NaN or infinity, or None."""
+        return first_nonfinite((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -256,9 +267,19 @@ class DeepSpeedEngine:
         return loss
 
     def optimizer_step(self, skip: bool = False) -> float:
-        """DeepSpeed steps inside `forward_backward` at the accumulation boundary; report the norm."""
+        """DeepSpeed steps inside `forward_backward` at the accumulation boundary; report the norm. A non-finite
+        norm may have been applied already: `nonfinite_weight` tells."""
         norm = self.engine.get_global_grad_norm()
         return math.nan if skip or norm is None else float(norm)
+
+    def nonfinite_weight(self) -> Optional[str]:
+        """The first trainable weight holding a NaN or infinity on any rank (under ZeRO-3 each rank looks at its own
+        partition), or None; every rank must call it."""
+        local = first_nonfinite((n, getattr(p, "ds_tensor", p)) for n, p in self.module.named_parameters()
+                                if p.requires_grad)
+        found = [None] * self.info.world_size
+        torch.distributed.all_gather_object(found, local)
+        return next((name for name in found if name is not None), None)
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

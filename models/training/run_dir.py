@@ -9,6 +9,7 @@
       eval/metrics_step<N>.json            their metric values (scripts.eval_checkpoint)
       plots/*.png                          figures drawn during and at the end of the run
       checkpoints/step-<N>/                save_pretrained + tokenizer + trainer_state.json + rng-rank<R>.pt
+                                           + checkpoint_config.json (the run's config: a resume must match it)
       base_model/                          the saved base of a LoRA run started from a changed architecture
       tokenizer/                           the run's tokenizer
       summary.md                           the end-of-run summary (analysis.report.run_summary)
@@ -43,6 +44,7 @@ DISTILL_RESPONSES = "distill_responses.json"
 WANDB_RUN = "wandb_run.json"
 LOCK = ".lock"
 TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder: what marks it as complete
+CHECKPOINT_CONFIG = "checkpoint_config.json"  # inside a checkpoint folder: the config of the run that wrote it
 
 EVAL_FILE = re.compile(r"^(?P<probe>\w+?)_step(?P<step>\d+)\.json$")
 STEP_DIR = re.compile(r"^step-(\d+)$")
