@@ -9,8 +9,11 @@ Each PATH is a run directory (its latest checkpoint, metrics.jsonl and jacobian.
 folder (`save_pretrained` with a tokenizer; one inside `<run>/checkpoints/` also finds its run's files).
 Only what is missing is computed:
 
-- probes: `<run>/eval/<probe>_step<N>.json` is reused when it asked exactly the items asked here
-  (same ids and answers), else the checkpoint answers them (greedy, batched, analysis.evaluation.probes);
+- probes: `<run>/eval/<probe>_step<N>.json` is reused when it asked exactly the items asked here (their
+  digests; same ids and answers for a file written before results kept digests) with the same settings, else
+  the checkpoint answers them (greedy, batched, analysis.evaluation.probes); two PATHs that are one checkpoint
+  (the same folder, e.g. a run and its last checkpoint, or the same weights: `reuse.function_digest`) are
+  evaluated once, and a line says so;
 - Jacobian profiles: from `jacobian.npz` when it holds the checkpoint's step (with step 0 beside it),
   else measured on held-out text (NQ long answers from --data-dir, else synthetic documents) joined
   into documents of the checkpoint's own tokens, with the jacobian settings of the first PATH that
@@ -18,7 +21,10 @@ Only what is missing is computed:
 
 IN2 records are token ids, so the in2 probe needs one tokenizer for all PATHs; they come from the
 runs' own `eval/in2_step<N>.json` when those agree, else are rebuilt from the first run config's data
-section (`build_datasets`, cached). `--interventions` also answers the probes each inference-time intervention
+section (`build_datasets`, cached). Results the PATHs would be compared on that were not asked alike (a setting
+both record differs, or an item id holds another prompt: `result.pairing_mismatch`) fail, naming the setting;
+needle and VaLProbing items count each tokenizer's tokens, so PATHs with other tokenizers are compared on them by
+their settings. `--interventions` also answers the probes each inference-time intervention
 changes (analysis.evaluation.interventions) with every PATH, and reports them beside the plain curves: one figure per
 probe and a table with each intervention's accuracy minus the un-intervened checkpoint's on the same items
 (paired 95% interval resampling whole questions, `analysis.stats`). Writes `<out>/report.md` and its PNGs;
@@ -32,7 +38,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -51,12 +57,14 @@ from analysis.evaluation.checkpoints import (
     build_in2_items,
     check_unseen_mdqa,
     count_layers,
+    counts_tokens,
+    evaluated,
     load_checkpoint_tokenizer,
     load_model,
     reference_run,
     resolve_target,
 )
-from analysis.evaluation.comparability import REFERENCE, describe_settings
+from analysis.evaluation.comparability import REFERENCE, describe_settings, probe_settings
 from analysis.evaluation.config import (
     DEFAULT_PROBES,
     POSITION_AXIS,
@@ -74,7 +82,15 @@ from analysis.evaluation.config import (
     with_budget,
 )
 from analysis.evaluation.interventions import Intervention, by_final_position
-from analysis.evaluation.result import LOGLIK, ProbeResult, paired_delta
+from analysis.evaluation.result import (
+    LOGLIK,
+    ProbeResult,
+    fingerprint,
+    paired_delta,
+    pairing_mismatch,
+    settings_mismatch,
+)
+from analysis.evaluation.reuse import function_digest, item_digest
 from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.measure.rollout import (
@@ -129,6 +145,7 @@ class Entry:
     interventions: dict[str, dict[str, ProbeResult]] = field(default_factory=dict)
     intervention_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     plain_seconds: dict[str, float] = field(default_factory=dict)  # probe -> s, for the probes answered now
+    digest: str | None = None  # `reuse.function_digest` of the weights, when the model was loaded
 
 
 def short_labels(paths: Sequence[str | Path]) -> list[str]:
@@ -163,10 +180,13 @@ def _to_ask(items: Iterable[ProbeItem]) -> frozenset[tuple[str, tuple[str, ...]]
     return frozenset((it.id, tuple(it.answers)) for it in items)
 
 
-def _same_setup(saved: ProbeResult, probe: str, cfg: EvalConfig) -> bool:
-    """Whether a saved result was scored with the metric and budget that `cfg` gives the probe."""
-    return (saved.settings.get("metric") == probe_metric(probe, cfg).name
-            and saved.settings.get("max_new_tokens") == probe_budget(probe, cfg))
+def _reusable(saved: ProbeResult, probe: str, items: Sequence[ProbeItem], cfg: EvalConfig) -> bool:
+    """Whether a saved result is what asking `items` as `cfg` says would give, up to the answers: the same items
+    (their digests, when it kept them), metric, budget and every other setting both record."""
+    expected = {"metric": probe_metric(probe, cfg).name, **probe_settings(probe, cfg, items)}
+    return (_asked(saved) == _to_ask(items) and saved.fingerprint in (None, fingerprint(map(item_digest, items)))
+            and all(saved.settings.get(key) == expected[key] for key in ("metric", "max_new_tokens"))
+            and settings_mismatch(probe, saved.settings, expected, ("saved", "asked")) is None)
 
 
 def saved_result(target: Target, probe: str) -> tuple[ProbeResult, Path] | None:
@@ -194,8 +214,9 @@ def in2_items(
     or when no run config exists to rebuild them from; else `build_in2_items` of the reference run.
     """
     saved = [saved_result(t, "in2") for t in targets]
-    if all(saved) and len({_asked(s[0]) for s in saved}) == 1:
-        return None, "the runs' own eval JSONs, which asked the same records"
+    if all(saved) and len({_asked(s[0]) for s in saved}) == 1 and not any(
+            pairing_mismatch(saved[0][0], s[0], (str(saved[0][1]), str(s[1]))) for s in saved[1:]):
+        return None, "the runs' own eval JSONs, which asked the same records alike"
     if reference is None:
         return None, "saved results only: no PATH has a run config (.hydra/config.yaml) to rebuild records"
     items = build_in2_items(reference, tokenizer, examples)
@@ -259,7 +280,10 @@ def measure_profiles(
 
 
 def jacobian_settings(reference: tuple[Target, DictConfig] | None, seq_len: int | None) -> JacobianConfig:
-    """The reference run's jacobian section (the defaults without one), `seq_len` overriding its L."""
+    """The reference run's jacobian section (the defaults without one), `seq_len` overriding its L.
+
+    A profile here is measured once: the probes a run pooled over `window` steps are drawn at once (hutchinson needs
+    2 for its standard error), and a run that measured no set (jacobian=off allows it) measures the default sets."""
     cfg = JacobianConfig()
     if reference is not None:
         source, run_cfg = reference
@@ -267,6 +291,9 @@ def jacobian_settings(reference: tuple[Target, DictConfig] | None, seq_len: int 
             cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JacobianConfig), run_cfg.jacobian))
         except OmegaConfBaseException as err:
             raise CompareError(f"{source.path}: unreadable jacobian section in {RUN_CONFIG}: {err}") from err
+    cfg = replace(cfg, num_probes=max(2, cfg.num_probes * cfg.window), window=1)
+    if cfg.n_vanilla == cfg.n_chunked == 0:
+        cfg = replace(cfg, n_vanilla=JacobianConfig.n_vanilla, n_chunked=JacobianConfig.n_chunked)
     if seq_len is not None:
         cfg.seq_len = seq_len
     return cfg
@@ -366,15 +393,14 @@ def reuse_recorded(entry: Entry, tokenizer: PreTrainedTokenizerBase, plan: Compa
         except CompareError as err:  # needle items depend on this PATH's tokenizer
             raise CompareError(f"{target.path}: {err}") from err
         saved = saved_result(target, probe)
-        if saved is not None and (items is None or (_asked(saved[0]) == _to_ask(items)
-                                                    and _same_setup(saved[0], probe, bank.cfg))):
+        if saved is not None and (items is None or _reusable(saved[0], probe, items, bank.cfg)):
             entry.results[probe] = saved[0]
             entry.notes.append(f"{probe}: reused {saved[1]}")
         elif items:
             pending[probe] = items
             if saved is not None:
-                entry.notes.append(f"{probe}: not reusing {saved[1]}, which asked other items or scored them "
-                                   "with another metric or budget")
+                entry.notes.append(f"{probe}: not reusing {saved[1]}, which asked other items or was made with "
+                                   "other settings")
         else:
             entry.notes.append(f"{probe}: skipped (no items: mdqa needs --data-dir or --mdqa-path, in2 a run config)")
     return pending
@@ -409,19 +435,65 @@ def answer_records(cfg: CompareConfig) -> Path | None:
     return default_cache_dir() if cfg.resume else None
 
 
-def evaluate_target(target: Target, tokenizer: PreTrainedTokenizerBase, plan: ComparePlan, cfg: CompareConfig
-                    ) -> Entry:
-    """Reuse what the PATH's run recorded and compute the rest (loading the model only then); then answer the
-    probes each intervention changes."""
+def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """Whether two tokenizers turn every prompt into the same tokens: one vocabulary, one chat template."""
+    return a.get_vocab() == b.get_vocab() and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+
+
+def one_checkpoint(target: Target, tokenizer: PreTrainedTokenizerBase, digest: str | None,
+                   earlier: Sequence[tuple[Entry, PreTrainedTokenizerBase]]) -> tuple[Entry, str] | None:
+    """The earlier PATH's entry that is `target`'s checkpoint read with the same tokenizer, and how that is known:
+    the same folder (or hub id), or the same weights (`digest`, when known); None when there is none."""
+    where = target.hub_id or Path(target.checkpoint).resolve()
+    for entry, other in earlier:
+        if (entry.target.hub_id or Path(entry.target.checkpoint).resolve()) == where and same_tokenizer(other, tokenizer):
+            return entry, f"both {target.where()}"
+        if digest is not None and entry.digest == digest and same_tokenizer(other, tokenizer):
+            return entry, f"the same weights, digest {digest[:12]}"
+    return None
+
+
+def share_evaluations(entry: Entry, twin: Entry, why: str, pending: dict[str, list[ProbeItem]],
+                      profiles: JacobianProfiles | None) -> tuple[dict[str, list[ProbeItem]], JacobianProfiles]:
+    """Take into `entry` what `twin`, an earlier PATH that is the same checkpoint, evaluated: the probes left to
+    answer, the interventions and, without a recorded profile, the twin's; says so in one line. The probes still
+    left to answer, and the profiles."""
+    print(f"{twin.target.path} and {entry.target.path} are one checkpoint ({why}): evaluated once")
+    entry.notes.append(f"one checkpoint with `{twin.target.label}` ({why}): evaluated once")
+    entry.digest = entry.digest or twin.digest
+    for probe in [p for p in pending if p in twin.results]:
+        entry.results[probe] = twin.results[probe]
+        entry.notes.append(f"{probe}: the answers of `{twin.target.label}`")
+    entry.interventions, entry.intervention_seconds = twin.interventions, twin.intervention_seconds
+    if profiles is None:
+        profiles = replace(twin.profiles, source=f"{twin.profiles.source}, as for `{twin.target.label}`")
+    return {p: items for p, items in pending.items() if p not in entry.results}, profiles
+
+
+def evaluate_target(target: Target, tokenizer: PreTrainedTokenizerBase, plan: ComparePlan, cfg: CompareConfig,
+                    earlier: Sequence[tuple[Entry, PreTrainedTokenizerBase]] = ()) -> Entry:
+    """Reuse what the PATH's run recorded, and what an `earlier` PATH (its entry and tokenizer) that is the same
+    checkpoint evaluated (`one_checkpoint`, `share_evaluations`), and compute the rest (loading the model only
+    then); then answer the probes each intervention changes. What is answered here records the checkpoint."""
     entry = Entry(target, count_layers(target), len(tokenizer))
     pending = reuse_recorded(entry, tokenizer, plan)
     profiles = recorded_profiles(target)
     model = None
-    if pending or profiles is None or plan.interventions:
+    twin = one_checkpoint(target, tokenizer, None, earlier)
+    if twin is None and (pending or profiles is None or plan.interventions):
         model = load_model(target, cfg.device, cfg.dtype)
+        entry.digest = function_digest(model)
+        twin = one_checkpoint(target, tokenizer, entry.digest, earlier)
+    if twin is not None:
+        pending, profiles = share_evaluations(entry, *twin, pending, profiles)
+    if model is None and (pending or profiles is None or len(entry.interventions) < len(plan.interventions)):
+        model = load_model(target, cfg.device, cfg.dtype)
+        entry.digest = function_digest(model)
     if pending:
         results, entry.plain_seconds = answer_checkpoint(model, tokenizer, pending, plan.bank.cfg,
                                                          record_dir=answer_records(cfg))
+        for result in results.values():
+            result.checkpoint = evaluated(target, entry.digest)
         entry.results.update(results)
         for probe, items in pending.items():
             entry.notes.append(f"{probe}: evaluated now ({len(items)} items, up to "
@@ -429,8 +501,33 @@ def evaluate_target(target: Target, tokenizer: PreTrainedTokenizerBase, plan: Co
     if profiles is None:
         profiles = measure_profiles(model, tokenizer, plan.jacobian, cfg.data_dir)
     set_profiles(entry, profiles)
-    answer_interventions(entry, model, tokenizer, plan, answer_records(cfg))
+    if len(entry.interventions) < len(plan.interventions):
+        answer_interventions(entry, model, tokenizer, plan, answer_records(cfg))
+        for results in entry.interventions.values():
+            for result in results.values():
+                result.checkpoint = evaluated(target, entry.digest)
     return entry
+
+
+def check_pairable(entries: Sequence[Entry], tokenizers: Sequence[PreTrainedTokenizerBase],
+                   probes: Sequence[str]) -> None:
+    """CompareError when a PATH's result of a probe, which the report pairs with the first PATH's by question, was
+    not asked alike (`result.pairing_mismatch`). Needle and VaLProbing items count each tokenizer's tokens
+    (`counts_tokens`): PATHs with other tokenizers are compared on them by their settings, less the count of items
+    that did not fit."""
+    for probe in probes:
+        held = [(e, tok) for e, tok in zip(entries, tokenizers) if probe in e.results]
+        if not held:
+            continue
+        first, first_tokenizer = held[0]
+        for other, tokenizer in held[1:]:
+            own_items = counts_tokens(probe) and not same_tokenizer(first_tokenizer, tokenizer)
+            why = pairing_mismatch(first.results[probe], other.results[probe],
+                                   (str(first.target.path), str(other.target.path)),
+                                   free={"skipped"} if own_items else (), items=not own_items)
+            if why is not None:
+                raise CompareError(f"{why}: not asked alike, so nothing pairs them; compare PATHs evaluated with "
+                                   f"the same settings, or leave {probe} out (--probes)")
 
 
 def path_profile(entry: Entry, set_name: str) -> PathProfile | None:
@@ -713,6 +810,10 @@ def compare(paths: Sequence[str | Path], cfg: CompareConfig) -> Path:
     """
     if not paths:
         raise CompareError("no PATH to compare")
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--out {out}: a file, not a folder: give --out a new folder (or an earlier report's, "
+                           "whose report.md is replaced)")
     unknown = [p for p in cfg.probes if p not in PROBES]
     if unknown:
         raise CompareError(f"unknown probes {unknown} (known: {', '.join(PROBES)})")
@@ -731,9 +832,10 @@ def compare(paths: Sequence[str | Path], cfg: CompareConfig) -> Path:
                                f"default split, share={cfg.mdqa.split.share}, salt={cfg.mdqa.split.salt!r})") from err
     tokenizers = [load_checkpoint_tokenizer(t) for t in targets]
     plan, notes = compare_plan(targets, tokenizers, cfg)
-    entries = [evaluate_target(t, tok, plan, cfg)
-               for t, tok in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path")]
-    out = Path(cfg.out)
+    entries: list[Entry] = []
+    for target, tokenizer in tqdm(list(zip(targets, tokenizers)), desc="compare", unit="path"):
+        entries.append(evaluate_target(target, tokenizer, plan, cfg, list(zip(entries, tokenizers))))
+    check_pairable(entries, tokenizers, plan.probes)
     out.mkdir(parents=True, exist_ok=True)
     for e in entries:
         for probe, result in e.results.items():

@@ -63,10 +63,13 @@ writes
 - `<out>/plots/<probe>_accuracy_step<N>.png`: accuracy by gold position with 95% bootstrap intervals;
 - `<out>/plots/needle_grid_step<N>.png`: needle accuracy by context length x depth (the NIAH heatmap);
 
-and prints a summary table. `out` defaults to the checkpoint's run directory (where
-`python -m analysis.compare` then reuses the JSONs; an existing file of the same probe and step is
+and prints a summary table. Every eval JSON records the checkpoint it evaluated (its path and the digest of its
+weights) and a digest of every item it asked (analysis.evaluation.result). `out` defaults to the checkpoint's run
+directory (where `python -m analysis.compare` then reuses the JSONs; an existing file of the same probe and step is
 replaced), or `eval_<checkpoint folder name>/` under the current directory for a checkpoint outside a run
-(`eval_<org>_<name>/` for a hub id).
+(`eval_<org>_<name>/` for a hub id). An `out` that is another run's directory (it has .hydra/config.yaml or
+checkpoints/), or that holds an eval JSON of the same probe and step recording another checkpoint's weights, is
+refused before anything is written: those files are that run's, or that checkpoint's, answers.
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.checkpoints import (
     CompareError,
@@ -87,6 +90,7 @@ from analysis.evaluation.checkpoints import (
     answer_checkpoint,
     build_in2_items,
     check_unseen_mdqa,
+    evaluated,
     load_checkpoint_tokenizer,
     load_model,
     reference_run,
@@ -105,11 +109,12 @@ from analysis.evaluation.config import (
     with_budget,
 )
 from analysis.evaluation.interventions import Intervention, InterventionName
-from analysis.evaluation.result import ProbeResult, write_eval_json
+from analysis.evaluation.result import Checkpoint, ProbeResult, write_eval_json
+from analysis.evaluation.reuse import function_digest
 from analysis.evaluation.valprobing import summarize as summarize_valprobing
 from analysis.report.figures import plot_needle_grid, plot_position_accuracy
 from analysis.report.valprobing import report_lines as valprobing_report
-from data_builders.files import atomic_write_text, json_safe
+from data_builders.files import FileSystemError, atomic_write_text, json_safe
 from data_builders.probes import Order, ProbeItem
 from data_builders.question_split import check_split
 from data_builders.tokenizer import default_cache_dir
@@ -118,7 +123,7 @@ from models.attention.ms_poe import MsPoEConfig
 from models.build import DType
 from models.training import renamed_keys, run_lock
 from models.training.distributed import Device
-from models.training.run_dir import EVAL_DIR, RunDir
+from models.training.run_dir import CHECKPOINTS_DIR, EVAL_DIR, RUN_CONFIG, RunDir
 
 
 @dataclass
@@ -195,9 +200,46 @@ def chosen_intervention(cfg: EvalCheckpointConfig) -> Intervention:
                                       cfg.attn_calibration)
 
 
+def output_folder(target: Target, cfg: EvalCheckpointConfig) -> Path:
+    """`out`, else the checkpoint's run directory, else eval_<checkpoint folder name> (eval_<org>_<name>: a hub id)."""
+    if cfg.out:
+        return Path(cfg.out)
+    return target.run_dir or Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")
+
+
+def check_not_another_run(out: Path, target: Target) -> None:
+    """CompareError when `out` is the run directory of a run other than the checkpoint's own: its eval JSONs and
+    metrics are that run's answers, which this evaluation would replace."""
+    own = target.run_dir is not None and out.resolve() == target.run_dir.resolve()
+    marks = [mark for mark in (RUN_CONFIG, Path(CHECKPOINTS_DIR)) if (out / mark).exists()]
+    if marks and not own:
+        raise CompareError(f"out={out}: the run directory of another run (it holds {marks[0]}), whose own eval files "
+                           "this would replace: give out=<a new folder>")
+
+
+def check_same_checkpoint(out: Path, step: int, probes: Sequence[str], checkpoint: Checkpoint) -> None:
+    """CompareError when an eval JSON this evaluation would replace records another checkpoint: other weights from
+    another path (the same folder loaded in another dtype, or saved anew, is replaced)."""
+    for probe in probes:
+        path = RunDir(out).eval_json(probe, step)
+        try:
+            found = ProbeResult.load_json(path).checkpoint if path.is_file() else None
+        except (OSError, ValueError):  # not a result: nothing of another checkpoint's to keep
+            continue
+        if found is not None and found.digest not in (None, checkpoint.digest) and found.path != checkpoint.path:
+            raise CompareError(f"out={out}: {path} holds the answers of another checkpoint ({found.path}, weights "
+                               f"digest {found.digest[:12]}; this one's is {checkpoint.digest[:12]}): give "
+                               "out=<a new folder>, or delete that file to replace it")
+
+
 def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Path, dict[str, ProbeResult]]:
-    """Answer the probes with the checkpoint and write JSONs, metrics and PNGs; the output folder and results."""
+    """Answer the probes with the checkpoint and write JSONs, metrics and PNGs; the output folder and results.
+
+    Nothing is written where another run's or another checkpoint's results would be replaced
+    (`check_not_another_run`, `check_same_checkpoint`)."""
     target = resolve_target(ckpt)
+    out = output_folder(target, cfg)
+    check_not_another_run(out, target)
     asks_mdqa = Probe.mdqa in cfg.probes and (cfg.data_dir is not None or cfg.mdqa.path is not None)
     if asks_mdqa:  # a fine-tune on NQ is asked only questions it never trained on
         check_unseen_mdqa([target], cfg.mdqa)
@@ -227,31 +269,36 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
     items = {probe: bank.items(probe, tokenizer) for probe in cfg.probes}
     for probe in [p for p, its in items.items() if not its]:
         print(f"{probe}: skipped (mdqa needs data_dir or mdqa.path)", file=sys.stderr)
-    default_out = Path(f"eval_{target.slug if target.hub_id else Path(target.checkpoint).name}")
-    out = Path(cfg.out) if cfg.out else target.run_dir or default_out
     if intervention.name != InterventionName.none:
         out = out / "interventions" / intervention.tag  # beside the plain results, never over them
+    asked = {p: its for p, its in items.items() if its}
+    model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code, tokenizer)
+    checkpoint = evaluated(target, function_digest(model))
+    step = 0 if target.step is None else target.step
     # one writer per run directory: the run's own when `out` is inside it (a training still going writes it)
     inside_run = target.run_dir is not None and out.resolve().is_relative_to(target.run_dir.resolve())
+    if not (inside_run and out.resolve() == target.run_dir.resolve()):
+        # a run's own eval JSONs are of its weights during training, held otherwise (another dtype, adapters unmerged)
+        check_same_checkpoint(out, step, list(asked), checkpoint)
     try:
         with run_lock.holding(target.run_dir if inside_run else out, "give out=<another folder>"):
-            return out, answer_and_write(target, cfg, tokenizer, items, eval_cfg, intervention, out)
+            return out, answer_and_write(target, cfg, model, tokenizer, asked, eval_cfg, intervention, out,
+                                         checkpoint, step)
     except run_lock.RunDirInUse as err:
         raise CompareError(str(err)) from err
 
 
-def answer_and_write(target: Target, cfg: EvalCheckpointConfig, tokenizer: PreTrainedTokenizerBase,
-                     items: dict[str, list[ProbeItem] | None], eval_cfg: EvalConfig, intervention: Intervention,
-                     out: Path) -> dict[str, ProbeResult]:
-    """Load the model, answer the probes and write their JSONs, metrics and figures into `out`."""
-    model = load_model(target, cfg.device, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code, tokenizer)
-    results, _ = answer_checkpoint(model, tokenizer, {p: its for p, its in items.items() if its}, eval_cfg,
-                                   intervention, target.path, default_cache_dir() if cfg.resume else None)
-    step = 0 if target.step is None else target.step
+def answer_and_write(target: Target, cfg: EvalCheckpointConfig, model: PreTrainedModel,
+                     tokenizer: PreTrainedTokenizerBase, items: dict[str, list[ProbeItem]], eval_cfg: EvalConfig,
+                     intervention: Intervention, out: Path, checkpoint: Checkpoint, step: int) -> dict[str, ProbeResult]:
+    """Answer the probes with the checkpoint's `model` and write their JSONs (recording `checkpoint`), metrics and
+    figures of `step` into `out`."""
+    results, _ = answer_checkpoint(model, tokenizer, items, eval_cfg, intervention, target.path,
+                                   default_cache_dir() if cfg.resume else None)
     run = RunDir(out)
     metrics: dict[str, float] = {}
     for probe, result in results.items():
-        write_eval_json(out, step, probe, result)
+        write_eval_json(out, step, probe, result, checkpoint)
         score = result.position_score
         plot_position_accuracy({target.label: result}, run.plot(f"{probe}_accuracy_step{step}"),
                                f"{target.label}, step {step}: {probe} {score.label} by gold position",
@@ -290,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt, cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         out, results = evaluate_checkpoint(ckpt, cfg)
-    except CompareError as err:
+    except (CompareError, FileSystemError) as err:  # FileSystemError: a write the file system refused, named
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(summary_table(results))

@@ -13,7 +13,11 @@ paired 95% interval, which resamples whole questions, a question's positions tog
 row's accuracy by position.
 `--shared-items` first restricts every result to the items all of them answered (runs that asked different
 numbers of questions of the same seeded sample: the rows then describe one item set). Results of different
-probes or metrics fail, naming the file; an item id twice in one result fails, naming the result.
+probes or metrics fail, naming the file; an item id twice in one result fails, naming the result. So does a pair
+that was not asked alike (`result.pairing_mismatch`): a setting both record that differs (another kv pair count,
+budget, chat template...), named with its two values, or an item id that holds another prompt or other answers
+in one file (each outcome's item digest; files written before outcomes kept one are compared by their settings).
+The arms may differ in what they compare: an intervention and the settings it makes, the checkpoint.
 
 A PATH may be a folder (a run's `eval/`, an `out=`'s `eval/`): the latest step of each probe in it, each of the
 baseline's probes paired in its own section. VaLProbing results (hundreds of positions) are reported as FILM
@@ -31,7 +35,7 @@ from typing import Sequence
 
 from analysis import stats
 from analysis.evaluation.config import POSITION_AXIS
-from analysis.evaluation.result import LOGLIK, ProbeResult, paired_delta
+from analysis.evaluation.result import LOGLIK, SAMPLE_SIZE, ProbeResult, paired_delta, pairing_mismatch
 from analysis.report.figures import plot_position_accuracy
 from analysis.report.position_tables import answers_table, contrast_table
 from analysis.report.tables import markdown_table, num, paired_cell, with_ci
@@ -72,7 +76,7 @@ def _load(path: Path) -> dict[str, tuple[Path, ProbeResult]]:
 
 def load_results(baseline: tuple[str, Path], others: Sequence[tuple[str, Path]]) -> dict[str, dict[str, ProbeResult]]:
     """probe -> {name -> result} for every probe of the baseline (NAME, PATH), the baseline first; ValueError
-    naming a file or folder that does not pair (another probe or metric)."""
+    naming a file or folder that does not pair (another probe or metric, a setting or an item asked otherwise)."""
     base_name, base_path = baseline
     firsts = _load(base_path)
     by_probe = {probe: {base_name: result} for probe, (_, result) in firsts.items()}
@@ -88,6 +92,11 @@ def load_results(baseline: tuple[str, Path], others: Sequence[tuple[str, Path]])
                 held = ", ".join(f"{p!r} with metric {r.settings.get('metric')!r}" for p, (_, r) in found.items())
                 raise ValueError(f"{file}: holds {held}, but {first_file} is {probe!r} with "
                                  f"{first.settings.get('metric')!r}")
+            # results of fewer questions of one sample pair on the ids both asked (the items column says how many)
+            why = pairing_mismatch(first, result, (str(first_file), str(file)), free=SAMPLE_SIZE)
+            if why is not None:
+                raise ValueError(f"{why}: not asked alike, so nothing pairs them; pair evaluations made with the "
+                                 "same probe settings")
             by_probe[probe][name] = result
     return by_probe
 

@@ -6,11 +6,15 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from PIL import Image
 
+from analysis import compare as compare_module
 from analysis.compare import (
     CompareConfig,
     Entry,
@@ -22,7 +26,7 @@ from analysis.compare import (
     path_profile,
     short_labels,
 )
-from analysis.evaluation.checkpoints import CompareError, Target
+from analysis.evaluation.checkpoints import CompareError, Target, answer_checkpoint
 from analysis.evaluation.config import NeedleProbeConfig
 from analysis.evaluation.result import ProbeResult
 from analysis.measure.prior import fit_alpha, prior_profile
@@ -99,7 +103,10 @@ def test_report_has_every_section(run_dir, tmp_path, monkeypatch):
         assert_png(report.parent / name)
     # Only what the run lacks is computed: its own in2 result is reused, its profiles read from the npz.
     assert f"`runA`: in2: reused {run_dir / 'eval' / 'in2_step2.json'}" in text
-    assert "`standalone`: in2: evaluated now" in text and "`step-1`: in2: evaluated now" in text
+    assert "`standalone`: in2: evaluated now" in text
+    # step-1 holds the weights standalone is a copy of: one checkpoint, evaluated once
+    assert re.search(r"`step-1`: one checkpoint with `standalone` \(the same weights, digest [0-9a-f]{12}\)", text)
+    assert "`step-1`: in2: the answers of `standalone`" in text and "`step-1`: in2: evaluated now" not in text
     assert "`standalone`: Jacobian: measured on synthetic documents, L=64" in text
     assert "`step-1`: Jacobian: jacobian.npz of its run, step 1" in text
     saved = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "standalone_in2.json")
@@ -275,3 +282,64 @@ def test_interventions_sit_beside_the_plain_curves(run_dir, tmp_path):
     with pytest.raises(CompareError, match="changes none of the probes"):
         compare([run_dir], CompareConfig(out=tmp_path / "x", probes=["needle"], examples=1, interventions=["reorder"],
                                          device="cpu"))
+
+
+def test_a_run_and_its_own_last_checkpoint_are_evaluated_once(run_dir, tmp_path, monkeypatch, capsys):
+    answered = []
+
+    def counted(*args, **kwargs):
+        answered.append(sorted(args[2]))  # the probes asked
+        return answer_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(compare_module, "answer_checkpoint", counted)
+    last = run_dir / "checkpoints" / "step-2"
+    report = compare([run_dir, last], CompareConfig(out=tmp_path / "cmp", probes=["needle"], examples=1, **FAST))
+    assert answered == [["needle"]]
+    assert f"{run_dir} and {last} are one checkpoint (both {last}): evaluated once\n" in capsys.readouterr().out
+    text = report.read_text()
+    assert f"`step-2`: one checkpoint with `runA` (both {last}): evaluated once" in text
+    assert "`step-2`: needle: the answers of `runA`" in text and "`runA`: needle: evaluated now" in text
+    saved = ProbeResult.load_json(tmp_path / "cmp" / "eval" / "runA_needle.json")
+    assert saved.checkpoint.path == str(last.resolve()) and len(saved.checkpoint.digest) == 64
+    assert saved.fingerprint is not None
+
+
+def test_results_not_asked_alike_are_refused_naming_the_setting(run_dir, tmp_path):
+    """Two runs' own in2 results, no run config to ask them again: the report pairs them only when asked alike."""
+    copies = [Path(shutil.copytree(run_dir, tmp_path / name, ignore=shutil.ignore_patterns(".hydra", "wandb")))
+              for name in ("a", "b")]
+    cfg = CompareConfig(out=tmp_path / "cmp", probes=["in2"], examples=1, device="cpu")
+    assert "- `b`: in2: reused" in compare(copies, cfg).read_text()  # asked alike: paired
+    saved = copies[1] / "eval" / "in2_step2.json"
+    data = json.loads(saved.read_text())
+    data["outcomes"][3]["item_digest"] = "0" * 16
+    saved.write_text(json.dumps(data))
+    with pytest.raises(CompareError, match=rf"^in2: 1 of the \d+ item ids both asked \(first .+\) hold another prompt or "
+                                           rf"other answers in {copies[1]} than in {copies[0]}: not asked alike"):
+        compare(copies, replace(cfg, out=tmp_path / "cmp2"))
+    data["settings"]["max_new_tokens"] = 4
+    saved.write_text(json.dumps(data))
+    with pytest.raises(CompareError) as err:
+        compare(copies, replace(cfg, out=tmp_path / "cmp2"))
+    assert str(err.value) == (f"in2 max_new_tokens: 8 in {copies[0]}, 4 in {copies[1]}: not asked alike, so nothing "
+                              "pairs them; compare PATHs evaluated with the same settings, or leave in2 out (--probes)")
+    assert not (tmp_path / "cmp2").exists()
+
+
+def test_a_jacobian_off_run_is_compared(run_dir, tmp_path):
+    """+exp=in2 jacobian=off: one probe a step pooled over 8 steps, never measured; a profile here draws them at once."""
+    run = Path(shutil.copytree(run_dir, tmp_path / "off"))
+    for name in ("jacobian.npz", "rollout.npz"):
+        (run / name).unlink()
+    config = OmegaConf.load(run / ".hydra" / "config.yaml")
+    config.jacobian.update({"every": 0, "num_probes": 1, "window": 8})
+    OmegaConf.save(config, run / ".hydra" / "config.yaml")
+    report = compare([run], CompareConfig(out=tmp_path / "cmp", probes=["needle"], examples=1, **FAST))
+    assert "- `off`: Jacobian: measured on synthetic documents, L=64, hutchinson; no step-0 profile" in report.read_text()
+
+
+def test_out_that_is_a_file_fails_naming_it(run_dir, tmp_path, capsys):
+    (tmp_path / "report.md").write_text("an earlier report\n")
+    assert main([str(run_dir), "--out", str(tmp_path / "report.md")]) == 1
+    assert capsys.readouterr().err == (f"error: --out {tmp_path / 'report.md'}: a file, not a folder: give --out a new "
+                                       "folder (or an earlier report's, whose report.md is replaced)\n")

@@ -17,10 +17,14 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from analysis import compare
 from analysis.evaluation import generate as generation
 from analysis.evaluation import loglik
-from analysis.evaluation.checkpoints import resolve_target
-from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.checkpoints import load_model, resolve_target
+from analysis.evaluation.config import EvalConfig, NeedleProbeConfig, Probe
+from analysis.evaluation.probes import build_probes
+from analysis.evaluation.result import ProbeResult, fingerprint
+from analysis.evaluation.reuse import function_digest, item_digest
 from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
+from models.build import DType
 from scripts import eval_checkpoint
 from tests.conftest import ROOT
 
@@ -111,7 +115,8 @@ def test_missing_hub_id_offline_fails_naming_it(tmp_path, monkeypatch, capsys):
     assert eval_checkpoint.main(["org/no-such-model", *ARGS]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: org/no-such-model: ")
-    assert "treated as a hub id" in err and "HF_HUB_OFFLINE is set" in err
+    assert "no local folder of that name, and as a hub id it is not in the hub cache" in err
+    assert "HF_HUB_OFFLINE is set" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "eval_org_no-such-model").exists()
 
 
@@ -271,3 +276,58 @@ def test_compare_wraps_prompts_in_the_chat_template_when_asked(model_dir, tmp_pa
     assert compare.main([str(folder), *needle, "--out", str(tmp_path / "none"), "--chat-template"]) == 1
     assert f"{folder}: chat templates asked for, but its tokenizer has none" in capsys.readouterr().err
     assert len(generate_calls) == 2
+
+
+def test_eval_json_records_the_checkpoint_and_the_items_it_asked(model_dir, tmp_path, generate_calls):
+    out = tmp_path / "out"
+    assert eval_checkpoint.main([str(model_dir), *ARGS, f"out={out}"]) == 0
+    data = json.loads((out / "eval" / "needle_step0.json").read_text())
+    weights = function_digest(load_model(resolve_target(model_dir), "cpu", DType.float32))  # as evaluated
+    assert data["checkpoint"] == {"path": str(model_dir.resolve()), "digest": weights}
+    needle = NeedleProbeConfig(lengths=[64], depths=[0.0, 0.5, 1.0])
+    cfg = EvalConfig(probes=[Probe.needle], probe_examples=2, needle=needle)
+    items = build_probes(cfg, AutoTokenizer.from_pretrained(model_dir))["needle"]
+    digests = [o["item_digest"] for o in data["outcomes"]]
+    assert sorted(digests) == sorted(item_digest(it) for it in items) and len(set(digests)) == 6
+    saved = ProbeResult.load_json(out / "eval" / "needle_step0.json")
+    assert data["items_fingerprint"] == fingerprint(digests) == saved.fingerprint
+
+
+@pytest.mark.parametrize("mark", [".hydra/config.yaml", "checkpoints/step-3/config.json"])
+def test_out_in_another_runs_directory_is_refused_and_left_as_it_is(model_dir, tmp_path, generate_calls, capsys, mark):
+    """Issue 66: out=<another run> replaced that run's own eval JSONs and metrics with another checkpoint's."""
+    other = tmp_path / "other"
+    (other / mark).parent.mkdir(parents=True)
+    (other / mark).write_text("{}\n")
+    (other / "eval").mkdir()
+    theirs = other / "eval" / "needle_step0.json"
+    theirs.write_text('{"the other run": "its answers"}')
+    before = sorted(p.relative_to(other) for p in other.rglob("*"))
+    assert eval_checkpoint.main([str(model_dir), *ARGS, f"out={other}"]) == 1
+    held = ".hydra/config.yaml" if mark.startswith(".hydra") else "checkpoints"
+    assert capsys.readouterr().err == (f"error: out={other}: the run directory of another run (it holds {held}), whose "
+                                       "own eval files this would replace: give out=<a new folder>\n")
+    assert theirs.read_text() == '{"the other run": "its answers"}' and not generate_calls
+    assert sorted(p.relative_to(other) for p in other.rglob("*")) == before  # nothing written, not even a lock
+
+
+def test_out_holding_another_checkpoints_answers_is_refused(model_dir, tmp_path, generate_calls, capsys):
+    out = tmp_path / "evals"
+    assert eval_checkpoint.main([str(model_dir), *ARGS, f"out={out}"]) == 0
+    written = (out / "eval" / "needle_step0.json").read_bytes()
+    other = tmp_path / "other-model"
+    shutil.copytree(model_dir, other)
+    model = Qwen2ForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    model.save_pretrained(other)
+    capsys.readouterr()
+    assert eval_checkpoint.main([str(other), *ARGS, f"out={out}"]) == 1
+    (said,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert said.startswith(f"error: out={out}: {out / 'eval' / 'needle_step0.json'} holds the answers of another "
+                           f"checkpoint ({model_dir.resolve()}, weights digest ")
+    assert said.endswith("): give out=<a new folder>, or delete that file to replace it")
+    assert (out / "eval" / "needle_step0.json").read_bytes() == written and len(generate_calls) == 1
+    # the same checkpoint loaded otherwise (another dtype: another digest) replaces its own answers
+    assert eval_checkpoint.main([str(model_dir), *ARGS, "dtype=bfloat16", f"out={out}"]) == 0
+    assert eval_checkpoint.main([str(other), *ARGS, f"out={tmp_path / 'other-evals'}"]) == 0

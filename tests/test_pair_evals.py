@@ -1,11 +1,17 @@
 """scripts.pair_evals: eval JSONs of one item set side by side, Δ paired by item id, mismatches refused."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.comparability import probe_settings
+from analysis.evaluation.config import EvalConfig, KVProbeConfig, probe_metric
+from analysis.evaluation.probes import run_probe
+from analysis.evaluation.result import Checkpoint, ProbeResult
+from data_builders.probes import kv_probe
 from scripts.pair_evals import main
 
 
@@ -193,3 +199,85 @@ def test_folders_pair_probe_by_probe(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty"), f"arm={tmp_path / 'arm'}"]) == 1
     assert "no <probe>_step<N>.json" in capsys.readouterr().err
+
+
+def kv_result(path: Path, n_pairs: int, seed: int = 0, answer: str = "x") -> Path:
+    """A kv eval JSON as scripts.eval_checkpoint writes one: synthetic items of `n_pairs` pairs (drawn with `seed`),
+    their settings and item digests, every item answered `answer` with a log-likelihood."""
+    cfg = EvalConfig(probe_examples=2, kv=KVProbeConfig(n_pairs=n_pairs))
+    items = kv_probe(None, n_pairs, None, n_examples=2, seed=seed)
+    result = run_probe(items, lambda chunk: [answer] * len(chunk), probe_metric("kv", cfg),
+                       probe_settings("kv", cfg, items), loglik_fn=lambda chunk: [[-1.0]] * len(chunk))
+    result.checkpoint = Checkpoint(f"/checkpoints/{answer}", answer * 64)
+    return result.save_json(path)
+
+
+def test_evaluations_not_asked_alike_are_refused_naming_the_setting(tmp_path, capsys):
+    """Issue 66: kv evaluations of 10 and 20 pairs shared item ids (kv-0@0 ...) and were paired by them."""
+    ten, twenty = kv_result(tmp_path / "A" / "kv_step3.json", 10), kv_result(tmp_path / "B" / "kv_step3.json", 20)
+    capsys.readouterr()  # the progress bars of answering
+    assert main([str(ten), f"other={twenty}", "--score", "loglik"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"error: kv positions: [0, 1, 4, 7, 9] in {ten}, [0, 4, 9, 14, 19] in {twenty}; slots: [10] in {ten}, [20] in "
+        f"{twenty}: not asked alike, so nothing pairs them; pair evaluations made with the same probe settings\n")
+    redrawn = kv_result(tmp_path / "C" / "kv_step3.json", 10, seed=1)  # the same settings, other pairs
+    capsys.readouterr()
+    assert main([str(ten), f"other={redrawn}"]) == 1
+    assert (f"error: kv: 10 of the 10 item ids both asked (first kv-0@0) hold another prompt or other answers in "
+            f"{redrawn} than in {ten}") in capsys.readouterr().err
+
+
+def test_evaluations_of_the_same_items_pair_whatever_checkpoint_and_old_files_too(tmp_path, capsys):
+    base = kv_result(tmp_path / "base" / "kv_step0.json", 10, answer="x")
+    tuned = kv_result(tmp_path / "tuned" / "kv_step3.json", 10, answer="y")  # another checkpoint's answers
+    assert ProbeResult.load_json(base).checkpoint != ProbeResult.load_json(tuned).checkpoint
+    assert main([str(base), f"tuned={tuned}"]) == 0
+    assert "| tuned | 0.000 [" in capsys.readouterr().out
+    old = json.loads(tuned.read_text())  # a file written before results kept the checkpoint and item digests
+    for key in ("checkpoint", "items_fingerprint"):
+        del old[key]
+    for o in old["outcomes"]:
+        del o["item_digest"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main([str(base), f"old={tmp_path / 'old.json'}"]) == 0
+    assert "| old | 0.000 [" in capsys.readouterr().out
+    old["settings"]["slots"] = [20]  # settings alone still tell results apart
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main([str(base), f"old={tmp_path / 'old.json'}"]) == 1
+    assert f"error: kv slots: [10] in {base}, [20] in {tmp_path / 'old.json'}: not asked alike" in capsys.readouterr().err
+
+
+def test_interventions_pair_with_the_plain_answers_though_their_prompts_differ(tmp_path, capsys):
+    cells = {(q, p): float(p == 9) for q in range(4) for p in (0, 9)}
+    plain, truncated = result("mdqa", cells), result("mdqa", cells)
+    plain.settings.update({"slots": [10], "intervention": "none", "query_aware": False})
+    truncated.settings.update({"slots": [5], "intervention": "truncate-5", "order": None, "keep": 5,
+                               "query_aware": False, "comparable_with_reference": False})
+    for o in plain.outcomes:
+        o["item_digest"] = "p" * 16
+    for o in truncated.outcomes:
+        o["item_digest"] = "t" * 16  # fewer documents: another prompt of the same question
+    plain.save_json(tmp_path / "plain.json")
+    truncated.save_json(tmp_path / "truncated.json")
+    assert main([str(tmp_path / "plain.json"), f"truncate={tmp_path / 'truncated.json'}"]) == 0
+    assert "| truncate | 0.000 [" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("write, says", [
+    (lambda path: path.write_text("not json\n"), "not an evaluation result, not even JSON (Expecting value"),
+    (lambda path: path.write_bytes(b"\x89PNG\r\n"), "not an evaluation result, not even JSON ('utf-8' codec"),
+    (lambda path: path.write_text('{"eval/kv/acc_mean": 0.5}'),
+     "not an evaluation result: no per-item outcomes in it (an eval/metrics_step<N>.json holds metric values only)"),
+])
+def test_a_file_that_is_no_result_fails_naming_it(tmp_path, capsys, write, says):
+    base = kv_result(tmp_path / "kv_step0.json", 10)
+    write(tmp_path / "metrics_step0.json")
+    capsys.readouterr()
+    bad = tmp_path / "metrics_step0.json"
+    for args in ([str(base), f"x={bad}"], [str(bad), f"x={base}"]):  # as the baseline or as an arm
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {bad}: {says}") and err.count("\n") == 1
+        assert err.endswith("give an eval/<probe>_step<N>.json (scripts.eval_checkpoint, train.py), or the folder "
+                            "holding it\n")

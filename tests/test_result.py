@@ -2,13 +2,21 @@
 resampled, duplicate ids refused."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
 from analysis import stats
-from analysis.evaluation.result import ProbeResult, paired_delta
+from analysis.evaluation.result import (
+    SAMPLE_SIZE,
+    Checkpoint,
+    ProbeResult,
+    fingerprint,
+    paired_delta,
+    pairing_mismatch,
+)
 
 
 def outcome(question: int, position: int, correct: float, query: str | None = None, **fields: float) -> dict:
@@ -71,3 +79,55 @@ def test_paired_delta_refuses_a_duplicate_id_naming_the_result():
         paired_delta(plain, other, where=("plain", "arm"))
     nothing, items = paired_delta(plain, ProbeResult("kv", [outcome(7, 0, 1.0)]))
     assert items == 0 and math.isnan(nothing.value) and not nothing.resolved
+
+
+def test_the_json_records_the_checkpoint_and_the_items_and_old_files_still_load(tmp_path):
+    outcomes = [{**outcome(q, p, 1.0), "item_digest": f"{q}{p}" * 8} for q in range(2) for p in (0, 9)]
+    result = ProbeResult("mdqa", outcomes, {"metric": "best_subspan_em"}, Checkpoint("/runs/a/checkpoints/step-3", "d" * 64))
+    data = json.loads(result.save_json(tmp_path / "mdqa_step3.json").read_text())
+    assert data["checkpoint"] == {"path": "/runs/a/checkpoints/step-3", "digest": "d" * 64}
+    assert data["items_fingerprint"] == fingerprint(o["item_digest"] for o in reversed(outcomes))  # any order
+    back = ProbeResult.load_json(tmp_path / "mdqa_step3.json")
+    assert back.checkpoint == result.checkpoint and back.fingerprint == result.fingerprint
+    for key in ("checkpoint", "items_fingerprint"):  # a file written before results recorded them
+        del data[key]
+    for o in data["outcomes"]:
+        del o["item_digest"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = ProbeResult.load_json(tmp_path / "old.json")
+    assert old.checkpoint is None and old.fingerprint is None and old.accuracy_by_position() == {0: 1.0, 9: 1.0}
+
+
+def test_a_file_that_is_no_result_fails_naming_it(tmp_path):
+    (tmp_path / "notes.txt").write_text("a note\n")
+    (tmp_path / "metrics_step3.json").write_text(json.dumps({"eval/kv/acc_mean": 0.5}))
+    with pytest.raises(ValueError, match=r"notes.txt: not an evaluation result, not even JSON \(Expecting value"):
+        ProbeResult.load_json(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match=r"metrics_step3.json: not an evaluation result: no per-item outcomes in it"):
+        ProbeResult.load_json(tmp_path / "metrics_step3.json")
+
+
+def test_pairing_mismatch_names_the_settings_and_items_that_differ():
+    def made(settings: dict, digests: dict[int, str]) -> ProbeResult:
+        return ProbeResult("kv", [{**outcome(q, 0, 1.0), **({"item_digest": digests[q]} if q in digests else {})}
+                                  for q in range(3)], {"metric": "kv_em", **settings})
+
+    where = ("A/kv_step3.json", "B/kv_step3.json")
+    plain = made({"slots": [10], "positions": [0, 9], "source": "/a/kv-75.jsonl.gz", "prefill": "x", "queries": 3},
+                 {0: "a", 1: "b"})
+    assert pairing_mismatch(plain, plain, where) is None
+    elsewhere = made({"slots": [10], "positions": [0, 9], "source": "/b/kv-75.jsonl.gz", "prefill": "y"},
+                     {0: "a", 1: "b"})
+    assert pairing_mismatch(plain, elsewhere, where) is None  # the same file on another machine, computed otherwise
+    more = made({"slots": [20], "positions": [0, 19]}, {})
+    assert pairing_mismatch(plain, more, where) == ("kv slots: [10] in A/kv_step3.json, [20] in B/kv_step3.json; "
+                                                    "positions: [0, 9] in A/kv_step3.json, [0, 19] in B/kv_step3.json")
+    other = made({"slots": [10]}, {0: "a", 1: "c", 2: "z"})
+    assert pairing_mismatch(plain, other, where) == ("kv: 1 of the 3 item ids both asked (first mdqa-1@0) hold another "
+                                                     "prompt or other answers in B/kv_step3.json than in A/kv_step3.json")
+    assert pairing_mismatch(plain, other, where, items=False) is None
+    reordered = made({"slots": [5], "order": "outside_in", "intervention": "truncate-5"}, {0: "x", 1: "y"})
+    assert pairing_mismatch(plain, reordered, where) is None  # an intervention's prompts differ by design
+    fewer = made({"queries": 2}, {})  # fewer questions of one sample: pairs on the ids both asked where asked to
+    assert pairing_mismatch(plain, fewer, where) == "kv queries: 3 in A/kv_step3.json, 2 in B/kv_step3.json"
+    assert pairing_mismatch(plain, fewer, where, free=SAMPLE_SIZE) is None

@@ -12,7 +12,7 @@ import pytest
 from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.metrics_log import read_metrics
-from analysis.report.run_summary import progress_lines, run_summary, training_wall_time
+from analysis.report.run_summary import file_lines, progress_lines, run_summary, training_wall_time
 from tests.conftest import ROOT, TINY
 
 JACOBIAN = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2",
@@ -107,3 +107,15 @@ def test_a_failed_run_says_what_failed_and_where_its_log_is(tmp_path):
     line = next(x for x in done.stderr.splitlines() + done.stdout.splitlines() if "run failed:" in x)
     assert "data.in2.segment_len=500" in line and f"(log: {tmp_path / 'train.log'})" in line
     assert "run failed:" in (tmp_path / "train.log").read_text()
+
+
+def test_where_things_are_lists_only_the_files_the_run_wrote(tmp_path):
+    """Issue 66: a jacobian=off run's summary pointed at a jacobian.npz that does not exist."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    text = "\n".join(file_lines(tmp_path, None))
+    assert f"- every logged number: {tmp_path / 'metrics.jsonl'}\n" in text
+    assert "jacobian.npz" not in text and "rollout.npz" not in text
+    for name in ("jacobian.npz", "rollout.npz"):
+        (tmp_path / name).write_bytes(b"")
+    assert (f"- every logged number: {tmp_path / 'metrics.jsonl'}; Jacobian profiles: {tmp_path / 'jacobian.npz'}; "
+            f"attention rollouts: {tmp_path / 'rollout.npz'}") in "\n".join(file_lines(tmp_path, None))

@@ -26,10 +26,11 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from analysis.evaluation.config import EvalConfig, MDQAProbeConfig, Probe, check_mdqa_questions
 from analysis.evaluation.interventions import Intervention
 from analysis.evaluation.probes import build_probes, evaluate_probes
-from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.result import Checkpoint, ProbeResult
 from data_builders.build import build_datasets, built_with
 from data_builders.config import as_data_config
 from data_builders.probes import ProbeItem, in2_probe
+from data_builders.tokenizer import hub_unreachable, not_on_hub
 from models.build import DType, check_model_folder
 from models.training.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint_model
 from models.training.distributed import resolve_device
@@ -72,6 +73,12 @@ class Target:
         how = (f"HF_HUB_OFFLINE is set: only the hub cache {hub_constants.HF_HUB_CACHE} is read"
                if hub_constants.HF_HUB_OFFLINE else "HF_HUB_OFFLINE is not set: the hub is asked")
         return f"hub id {self.hub_id} (no local folder of that name, so it is treated as a hub id; {how})"
+
+
+def evaluated(target: Target, digest: str) -> Checkpoint:
+    """What a result of the PATH's model evaluated: the checkpoint's absolute folder (or its hub id) and `digest`,
+    its weights' `reuse.function_digest`."""
+    return Checkpoint(target.hub_id or str(Path(target.checkpoint).resolve()), digest)
 
 
 def _checkpoint_step(folder: Path) -> int | None:
@@ -159,6 +166,8 @@ def load_checkpoint_tokenizer(target: Target, trust_remote_code: bool = False) -
     try:
         tokenizer = AutoTokenizer.from_pretrained(target.checkpoint, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
+        if target.hub_id is not None and hub_unreachable(err):
+            raise CompareError(not_on_hub(target.hub_id)) from err
         raise CompareError(f"{target.path}: no readable tokenizer in {target.where()}: {err}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -230,9 +239,15 @@ def build_in2_items(
     return in2_probe(bundle.eval.select(range(min(examples * bins, len(bundle.eval)))), bins=bins)
 
 
+def counts_tokens(probe: str) -> bool:
+    """Whether the probe's items are built by counting a tokenizer's tokens (needle lengths, VaLProbing's positions):
+    another tokenizer asks other items."""
+    return Probe(probe) == Probe.needle or Probe(probe).valprobing_task is not None
+
+
 class ProbeBank:
     """Probe items built once: kv and mdqa are text for every PATH; needle lengths and VaLProbing's token positions
-    count each tokenizer's tokens."""
+    count each tokenizer's tokens (`counts_tokens`)."""
 
     def __init__(self, cfg: EvalConfig, in2: list[ProbeItem] | None) -> None:
         self.cfg = cfg
@@ -247,7 +262,7 @@ class ProbeBank:
             built = build_probes(replace(self.cfg, probes=[probe]), tokenizer).get(probe)
         except (OSError, ValueError, KeyError) as err:
             raise CompareError(f"probe {probe}: cannot build its items: {err}") from err
-        if probe != Probe.needle and probe.valprobing_task is None:
+        if not counts_tokens(probe):
             self._shared[probe] = built
         return built
 

@@ -53,8 +53,8 @@ from analysis.evaluation.loglik import (
     model_loglik_fn,
     shares_prefill,
 )
-from analysis.evaluation.result import ProbeResult
-from analysis.evaluation.reuse import evaluation_key
+from analysis.evaluation.result import ITEM_DIGEST, ProbeResult
+from analysis.evaluation.reuse import evaluation_key, item_digest
 from analysis.evaluation.scoring import exact_match, first_line, whole_word_subspan_em
 from data_builders.valprobing import build_task, read_pieces, shape_of
 
@@ -81,7 +81,8 @@ def _outcome(item: ProbeItem, prediction: str | None, metric: Metric, values: li
     outcome = {"id": item.id, "query": item.query, "position": item.position, "label": item.label,
                "prediction": prediction or "", "answers": item.answers,
                "correct": math.nan if prediction is None else float(metric.score(prediction, item.answers)),
-               "extra": {**item.extra, **({} if prediction is None else {"answer": _answer_details(item, prediction)})}}
+               "extra": {**item.extra, **({} if prediction is None else {"answer": _answer_details(item, prediction)})},
+               ITEM_DIGEST: item_digest(item)}
     if values is not None:
         outcome["loglik"] = best(values)
         outcome["extra"]["loglik_aliases"] = values
@@ -89,7 +90,9 @@ def _outcome(item: ProbeItem, prediction: str | None, metric: Metric, values: li
 
 
 def _described(item: ProbeItem, outcome: dict[str, Any]) -> dict[str, Any]:
-    """A read-back outcome with `extra["answer"]` made again from its item and prediction."""
+    """A read-back outcome with `extra["answer"]` made again from its item and prediction, and its item's digest (a
+    record made before outcomes kept it has none)."""
+    outcome = {**outcome, ITEM_DIGEST: item_digest(item)}
     if "answer" not in outcome.get("extra", {}):
         return outcome  # nothing was answered (the log-likelihood alone)
     return {**outcome, "extra": {**outcome["extra"], "answer": _answer_details(item, outcome["prediction"])}}
@@ -102,9 +105,10 @@ def run_probe(
 ) -> ProbeResult:
     """Answer every item with `generate_fn` and score each answer against the item's answers with `metric`.
 
-    Each outcome also holds `extra["answer"]` (`_answer_details`) and, with `loglik_fn`, `loglik`: the best
-    teacher-forced log-likelihood of the item's first answers (`analysis.evaluation.loglik`), each alias's in
-    `extra["loglik_aliases"]`. The result's settings are `settings` with the metric's name and definition.
+    Each outcome also holds its item's digest (`reuse.item_digest`), `extra["answer"]` (`_answer_details`) and, with
+    `loglik_fn`, `loglik`: the best teacher-forced log-likelihood of the item's first answers
+    (`analysis.evaluation.loglik`), each alias's in `extra["loglik_aliases"]`. The result's settings are `settings`
+    with the metric's name and definition.
     Without `generate_fn` nothing is answered (the log-likelihood alone, which it then needs): every prediction
     is empty and `correct` nan.
 

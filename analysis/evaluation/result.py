@@ -1,13 +1,20 @@
 """One probe run's outcome: per-query answers and scores, their mean and interval by gold position (through
 `analysis.stats`), the paired difference of two runs on the same items (`paired_delta`), its metric keys, and
-its JSON (`<run>/eval/<probe>_step<N>.json`, `models.training.run_dir`)."""
+its JSON (`<run>/eval/<probe>_step<N>.json`, `models.training.run_dir`).
+
+Where a result comes from is in its JSON: the checkpoint it evaluated (`Checkpoint`: its path and the digest of its
+weights), its settings, and the digest of every item it asked (each outcome's `item_digest`, and `items_fingerprint`
+over all of them). `pairing_mismatch` says why two results cannot be paired item by item: a setting that differs,
+or an item asked otherwise; files written before results kept digests are compared by their settings alone.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 import numpy as np
 
@@ -24,6 +31,30 @@ LOGLIK = stats.Score("loglik", higher_is_better=True, rate=False, label="log p(g
 CI_METHOD = (f"{1 - stats.ALPHA:.0%} percentile bootstrap over the questions asked at each position "
              f"({stats.N_BOOT} resamples, seed {stats.RNG_SEED})")
 
+ITEM_DIGEST = "item_digest"  # an outcome's key: `reuse.item_digest` of the item it answers
+# Settings two results paired item by item may differ in: the arms compared (an inference-time intervention and the
+# settings it makes), and texts that describe how a number is computed rather than what was asked or how it is scored
+FREE_SETTINGS = frozenset({"intervention", "order", "keep", "query_aware", "ms_poe", "attn_calibration",
+                           "comparable_with_reference", "metric_definition", "loglik", "reference", "prefill"})
+# What asking fewer questions of one seeded sample changes: results that differ only there pair on the ids both asked
+SAMPLE_SIZE = frozenset({"queries", "skipped"})
+EVAL_FILE_ADVICE = "give an eval/<probe>_step<N>.json (scripts.eval_checkpoint, train.py), or the folder holding it"
+
+
+@dataclass
+class Checkpoint:
+    """What a result evaluated: where its weights came from (a checkpoint folder, a hub id, or the run directory of
+    an evaluation during training) and `reuse.function_digest` of them (None where it was not taken: weights
+    sharded over processes)."""
+
+    path: str
+    digest: str | None = None
+
+
+def fingerprint(digests: Iterable[str]) -> str:
+    """sha256 of a set of item digests (`reuse.item_digest`), in any order: what a result file asked."""
+    return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()
+
 
 @dataclass
 class ProbeResult:
@@ -35,6 +66,7 @@ class ProbeResult:
     # How the numbers were made: metric (its name and definition), generation budget, data source,
     # positions... (`probe_settings`): what a reader needs to know which numbers are comparable.
     settings: dict[str, Any] = field(default_factory=dict)
+    checkpoint: Checkpoint | None = None  # what was evaluated; None when not recorded (older files)
 
     def _scores(self, position: int, score: stats.Score = stats.ACCURACY) -> np.ndarray:
         """(n,) the `score` of every item at `position`."""
@@ -95,6 +127,13 @@ class ProbeResult:
         ends = (min(by_position), max(by_position))
         pick = max if score.higher_is_better else min
         return pick(ends, key=lambda p: (by_position[p], p))
+
+    @property
+    def fingerprint(self) -> str | None:
+        """`fingerprint` of the items asked (each outcome's `item_digest`); None for a result written before
+        outcomes kept their item's digest."""
+        digests = [o.get(ITEM_DIGEST) for o in self.outcomes]
+        return fingerprint(digests) if digests and all(digests) else None
 
     @property
     def mean(self) -> float:
@@ -163,6 +202,8 @@ class ProbeResult:
             "probe": self.probe,
             "metric": self.settings.get("metric"),
             "settings": self.settings,
+            "checkpoint": None if self.checkpoint is None else asdict(self.checkpoint),
+            "items_fingerprint": self.fingerprint,
             "mean": self.mean,
             "accuracy": {labels[p]: acc for p, acc in self.accuracy_by_position().items()},
             "ci95": {labels[p]: list(ci) for p, ci in cis.items()},
@@ -181,13 +222,67 @@ class ProbeResult:
     @classmethod
     def load_json(cls, path: str | Path) -> ProbeResult:
         """Read back a file written by `save_json`; a score saved as null (a nan: not asked or not finite) reads
-        back as nan."""
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        back as nan. ValueError naming the file when it is no such file (not JSON, or no outcomes: a metrics file)."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not an evaluation result, not even JSON ({err}): {EVAL_FILE_ADVICE}") from err
+        if not isinstance(data, dict) or not isinstance(data.get("outcomes"), list) or "probe" not in data:
+            raise ValueError(f"{path}: not an evaluation result: no per-item outcomes in it (an "
+                             f"eval/metrics_step<N>.json holds metric values only): {EVAL_FILE_ADVICE}")
         for o in data["outcomes"]:
             for name in ("correct", LOGLIK.field):
                 if name in o and o[name] is None:
                     o[name] = math.nan
-        return cls(data["probe"], data["outcomes"], data.get("settings", {}))
+        checkpoint = data.get("checkpoint")
+        return cls(data["probe"], data["outcomes"], data.get("settings", {}),
+                   Checkpoint(**checkpoint) if checkpoint else None)
+
+
+def _layout(settings: Mapping[str, Any]) -> tuple[Any, Any, bool]:
+    """How the prompts were laid out: documents reordered or cut, the query before them too. Another layout is
+    another text by design: neither the slot count nor the items' digests of two layouts are compared."""
+    return settings.get("order"), settings.get("keep"), bool(settings.get("query_aware"))
+
+
+def _compared(key: str, value: Any) -> Any:
+    # where a data file lies differs between machines; its name says which file it is
+    return Path(value).name if key == "source" and isinstance(value, str) else value
+
+
+def settings_mismatch(probe: str, a: Mapping[str, Any], b: Mapping[str, Any], where: tuple[str, str],
+                      free: Collection[str] = ()) -> str | None:
+    """`<probe> <key>: <a's value> in <where[0]>, <b's> in <where[1]>` for each setting both record that differs
+    (joined by '; '), or None: what two results paired item by item must share. `FREE_SETTINGS`, `free` and, between
+    prompt layouts, the slot count may differ; a setting only one records (an older file) is not compared."""
+    skip = FREE_SETTINGS | set(free) | ({"slots"} if _layout(a) != _layout(b) else set())
+    differ = [key for key in a if key in b and key not in skip and _compared(key, a[key]) != _compared(key, b[key])]
+    if not differ:
+        return None
+    return f"{probe} " + "; ".join(f"{key}: {a[key]} in {where[0]}, {b[key]} in {where[1]}" for key in differ)
+
+
+def items_mismatch(a: ProbeResult, b: ProbeResult, where: tuple[str, str]) -> str | None:
+    """How many of the item ids both results asked carry different item digests (another prompt or other answers
+    under one id), naming the first, or None. Not compared where either outcome has no digest (an older file) or
+    the prompt layouts differ (`_layout`)."""
+    if _layout(a.settings) != _layout(b.settings):
+        return None
+    theirs = {o["id"]: o.get(ITEM_DIGEST) for o in b.outcomes}
+    both = [(o["id"], o.get(ITEM_DIGEST), theirs[o["id"]]) for o in a.outcomes if o["id"] in theirs]
+    differ = [item for item, mine, other in both if mine and other and mine != other]
+    if not differ:
+        return None
+    return (f"{a.probe}: {len(differ)} of the {len(both)} item ids both asked (first {differ[0]}) hold another prompt "
+            f"or other answers in {where[1]} than in {where[0]}")
+
+
+def pairing_mismatch(a: ProbeResult, b: ProbeResult, where: tuple[str, str], free: Collection[str] = (),
+                     items: bool = True) -> str | None:
+    """Why `a` and `b` (named by `where`) cannot be paired item by item, as one line: their settings
+    (`settings_mismatch`), then, with `items`, their items (`items_mismatch`); None when nothing tells them apart."""
+    return settings_mismatch(a.probe, a.settings, b.settings, where, free) or (
+        items_mismatch(a, b, where) if items else None)
 
 
 def paired_delta(
@@ -225,6 +320,10 @@ def contrast_change(
     return stats.mean_interval((o_k - o_s) - (p_k - p_s), None, n_boot, alpha, seed)
 
 
-def write_eval_json(run_dir: str | Path, step: int, name: str, result: ProbeResult) -> Path:
-    """Save `result` as `run_dir/eval/<name>_step<step>.json`."""
+def write_eval_json(run_dir: str | Path, step: int, name: str, result: ProbeResult,
+                    checkpoint: Checkpoint | None = None) -> Path:
+    """Save `result` as `run_dir/eval/<name>_step<step>.json`, recording `checkpoint` as what it evaluated (None:
+    what `result` records already)."""
+    if checkpoint is not None:
+        result.checkpoint = checkpoint
     return result.save_json(RunDir(run_dir).eval_json(name, step))

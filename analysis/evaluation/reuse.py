@@ -9,6 +9,9 @@ the torch version, the device type, the autocast dtype and the attention impleme
 A LoRA adapter whose B is all zero adds exactly 0 (x A^T B^T with B = 0), so its A is left out: runs whose
 only difference is the adapters' random init share the key. Anything else that differs (a seed-drawn
 parameter, one changed weight) makes another key, so a hit is always the same answers, never stale ones.
+
+A result file records the same two things apart (`analysis.evaluation.result`): `function_digest` of the weights it
+evaluated, and `item_digest` of each item it asked, hashed as the key hashes items.
 """
 from __future__ import annotations
 
@@ -69,11 +72,21 @@ def computation_key(model: torch.nn.Module, adapters: bool = True) -> str:
     return hashlib.sha256(f"{function_digest(model, adapters)}|{how}".encode()).hexdigest()
 
 
+def _item_text(item: ProbeItem) -> str:
+    """What an item asks, as text: its id, prompt (text or token ids), answers, position, label and question."""
+    return json.dumps([item.id, item.prompt, item.answers, item.position, item.label, item.query], default=str)
+
+
+def item_digest(item: ProbeItem) -> str:
+    """sha256 (16 hex digits) of what the item asks (`_item_text`): two results whose outcomes of one id carry the
+    same digest were asked the same prompt for the same answers (`analysis.evaluation.result`)."""
+    return hashlib.sha256(_item_text(item).encode()).hexdigest()[:16]
+
+
 def evaluation_key(model: torch.nn.Module, items: Sequence[ProbeItem], settings: dict) -> str:
     """The cache key of asking `model` `items` under `settings` (generation, batching and scoring)."""
     digest = hashlib.sha256(computation_key(model).encode())
     digest.update(json.dumps({"settings": settings}, sort_keys=True, default=str).encode())
     for it in items:
-        digest.update(json.dumps([it.id, it.prompt, it.answers, it.position, it.label, it.query],
-                                 default=str).encode())
+        digest.update(_item_text(it).encode())
     return digest.hexdigest()[:32]

@@ -115,6 +115,10 @@ def progress_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         lines.append(f"- Jacobian and rollouts: {np.mean(jacobian):.3g} s a measured step, {len(jacobian)} measured, "
                      f"{sum(jacobian) / wall:.0%} of the training wall time")
     lines.append(f"- peak memory {peak:.0f} MiB")
+    last_row = trained[-1]  # the counts are running totals (models.training.step_health)
+    lines.append(f"- skipped steps: {int(last_row.get('train/bad_steps', 0))} (a non-finite loss or gradient norm; "
+                 f"the log says which and why); loss spikes: {int(last_row.get('train/loss_spikes', 0))} (an "
+                 "exploding loss, named in the log)")
     return lines
 
 
@@ -195,12 +199,17 @@ def wandb_sync_command(run_dir: Path) -> Optional[str]:
 
 
 def file_lines(run_dir: Path, start_model: Optional[str]) -> list[str]:
+    """Where the run's files are: only those it wrote (jacobian=off writes no profiles)."""
     checkpoints, paths = list_checkpoints(run_dir), RunDir(run_dir)
     plots = sorted(paths.plots.glob("*.png"))
     lines = ["## Where things are", "",
              f"- checkpoints: {', '.join(c.name for c in checkpoints) or 'none'} under {paths.checkpoints}",
-             f"- plots ({len(plots)}): {', '.join(p.name for p in plots) or 'none'} under {paths.plots}",
-             f"- every logged number: {paths.metrics}; Jacobian profiles: {paths.jacobian}"]
+             f"- plots ({len(plots)}): {', '.join(p.name for p in plots) or 'none'} under {paths.plots}"]
+    written = [f"{what}: {path}" for what, path in (("every logged number", paths.metrics),
+                                                    ("Jacobian profiles", paths.jacobian),
+                                                    ("attention rollouts", paths.rollout)) if path.is_file()]
+    if written:
+        lines.append(f"- {'; '.join(written)}")
     if sync := wandb_sync_command(run_dir):
         lines.append(f"- wandb (offline): `{sync}` uploads it")
     compared = [start_model] if start_model else []
