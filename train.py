@@ -42,7 +42,8 @@ from analysis.evaluation.distill_responses import (
     settings_of,
 )
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes
-from analysis.evaluation.result import ProbeResult, write_eval_json
+from analysis.evaluation.result import Checkpoint, ProbeResult, write_eval_json
+from analysis.evaluation.reuse import function_digest
 from analysis.measure.jacobian import (
     ChunkedSource,
     Estimator,
@@ -844,6 +845,12 @@ def answer_records(run: Run) -> Optional[Path]:
     return default_cache_dir() if run.cfg.eval.resume and run.info.world_size == 1 else None
 
 
+def evaluated_checkpoint(run: Run) -> Checkpoint:
+    """What an in-training evaluation evaluated: this run's weights now (their digest with one process: sharded
+    weights cannot be hashed whole on one rank)."""
+    return Checkpoint(str(run.run_dir.resolve()), function_digest(run.model) if run.info.world_size == 1 else None)
+
+
 def depth_accuracy(run: Run, step: int) -> dict[str, float]:
     """Accuracy (eval.in2_metric) by gold depth on the held-out IN2 records (nothing without questions)."""
     if not run.has_questions:
@@ -854,7 +861,7 @@ def depth_accuracy(run: Run, step: int) -> dict[str, float]:
                  run.cfg.eval.in2_metric.replace("_", " "),
                  metrics["eval/in2/acc_mean"], len(result.outcomes),
                  " ".join(f"{acc:.2f}" for acc in result.accuracy_by_position().values()))
-        write_eval_json(run.run_dir, step, "in2", result)
+        write_eval_json(run.run_dir, step, "in2", result, evaluated_checkpoint(run))
         log_accuracy(run, "in2", result, step)
     return metrics
 
@@ -879,7 +886,7 @@ def run_probes(run: Run, step: int) -> dict[str, float]:
     if run.is_main:
         for name, result in results.items():
             log.info("step %d: %s accuracy %.3f over %d questions", step, name, result.mean, len(result.outcomes))
-            write_eval_json(run.run_dir, step, name, result)
+            write_eval_json(run.run_dir, step, name, result, evaluated_checkpoint(run))
             score = result.position_score
             png = plot_position_accuracy({f"step {step}": result}, run.paths.plot(f"{name}_accuracy_step{step}"),
                                          title=f"{run.cfg.exp_name}: {name} {score.label} by gold position, step {step}",

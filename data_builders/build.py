@@ -3,7 +3,9 @@
 It validates the config, then loads a prebuilt folder (`data.prebuilt`), or builds the format's
 splits: IN2 samples (data_builders.in2) or language-model windows (data_builders.windows). A
 finished IN2 build is cached under default_cache_dir()/in2/<fingerprint>, in the prebuilt-folder
-format that scripts/build_dataset.py writes: save_to_disk splits, tokenizer/, HELDOUT_FILE, BUILD_FILE.
+format that scripts/build_dataset.py writes: save_to_disk splits, tokenizer/, HELDOUT_FILE, BUILD_FILE. BUILD_FILE
+records the size of every other file, so a folder cut short (a full disk, a copy killed half-way) is found: a cached
+build is then built again (logged), a `data.prebuilt` folder fails naming the file.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from data_builders.in2 import build_in2, make_format
 from data_builders.in2_mdqa import build_in2_mdqa, record_features
 from data_builders.pools import tokenizer_digest
 from data_builders.sources import file_identity
-from data_builders.tokenizer import default_cache_dir
+from data_builders.tokenizer import CACHE_ADVICE, default_cache_dir
 from data_builders.windows import build_windows
 
 log = logging.getLogger(__name__)
@@ -146,11 +148,39 @@ def save_built(bundle: DataBundle, folder: Path, replace: bool = False) -> None:
     The folder appears whole or not at all (data_builders.files.atomic_dir); an existing one is kept
     unless `replace`, so a concurrent writer's identical build stands.
     """
-    with atomic_dir(Path(folder), replace=replace) as tmp:
+    with atomic_dir(Path(folder), replace=replace, advice=CACHE_ADVICE) as tmp:
         DatasetDict({"train": bundle.train, "eval": bundle.eval}).save_to_disk(str(tmp))
         bundle.tokenizer.save_pretrained(tmp / "tokenizer")
         (tmp / HELDOUT_FILE).write_text(json.dumps(bundle.heldout_docs))
-        (tmp / BUILD_FILE).write_text(json.dumps(bundle.stats, indent=1, sort_keys=True))
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / BUILD_FILE).write_text(json.dumps({**bundle.stats, "files": files}, indent=1, sort_keys=True))
+
+
+class DamagedBuild(ValueError):
+    """A built dataset folder with a file missing, cut short or unreadable; the message names it."""
+
+
+def _load_built(folder: Path, tokenizer: Optional[PreTrainedTokenizerBase]) -> DataBundle:
+    """The bundle of a built folder; DamagedBuild naming the file that is missing, of another size than BUILD_FILE
+    recorded, or unreadable."""
+    try:
+        stats = json.loads((folder / BUILD_FILE).read_text()) if (folder / BUILD_FILE).exists() else {}
+        for name, size in stats.get("files", {}).items():
+            path = folder / name
+            if not path.is_file():
+                raise DamagedBuild(f"{path} is missing")
+            if path.stat().st_size != size:
+                raise DamagedBuild(f"{path} has {path.stat().st_size} bytes, {size} were written")
+        splits = load_from_disk(str(folder))
+        saved = AutoTokenizer.from_pretrained(folder / "tokenizer")
+        heldout = json.loads((folder / HELDOUT_FILE).read_text())
+    except (OSError, ValueError) as err:  # pyarrow reports a stream cut short as an OSError or ArrowInvalid
+        if isinstance(err, DamagedBuild):
+            raise
+        raise DamagedBuild(f"{folder} is unreadable ({err})") from err
+    if tokenizer is not None and tokenizer.get_vocab() != saved.get_vocab():
+        raise ValueError(f"data.prebuilt={folder} was built with another tokenizer than the model's")
+    return DataBundle(splits["train"], splits["eval"], heldout, tokenizer or saved, stats)
 
 
 def load_prebuilt(folder: str | Path, tokenizer: Optional[PreTrainedTokenizerBase] = None) -> DataBundle:
@@ -161,13 +191,11 @@ def load_prebuilt(folder: str | Path, tokenizer: Optional[PreTrainedTokenizerBas
     for name in ("dataset_dict.json", "tokenizer", HELDOUT_FILE):
         if not (folder / name).exists():
             raise FileNotFoundError(f"data.prebuilt: {folder / name} is missing (not a built dataset folder)")
-    splits = load_from_disk(str(folder))
-    saved = AutoTokenizer.from_pretrained(folder / "tokenizer")
-    if tokenizer is not None and tokenizer.get_vocab() != saved.get_vocab():
-        raise ValueError(f"data.prebuilt={folder} was built with another tokenizer than the model's")
-    stats = json.loads((folder / BUILD_FILE).read_text()) if (folder / BUILD_FILE).exists() else {}
-    heldout = json.loads((folder / HELDOUT_FILE).read_text())
-    return DataBundle(splits["train"], splits["eval"], heldout, tokenizer or saved, stats)
+    try:
+        return _load_built(folder, tokenizer)
+    except DamagedBuild as err:
+        raise ValueError(f"data.prebuilt: {err}: the folder is damaged or cut short; build it again "
+                         "(python -m scripts.build_dataset) or copy it again") from None
 
 
 def built_with(cfg: DataConfig) -> DataConfig:
@@ -197,10 +225,15 @@ def build_datasets(cfg: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None
         return DataBundle(*build_windows(cfg, tokenizer))
     key = build_key(cfg, tokenizer)
     folder = default_cache_dir() / "in2" / key
+    damaged = False
     if cfg.cache and (folder / BUILD_FILE).exists():
-        return load_prebuilt(folder, tokenizer)
+        try:
+            return _load_built(folder, tokenizer)
+        except DamagedBuild as err:
+            log.warning("the dataset cache %s is damaged (%s): building it again", folder, err)
+            damaged = True
     bundle = _build_in2(cfg, tokenizer, key)
     if not cfg.cache:
         return bundle
-    save_built(bundle, folder)
+    save_built(bundle, folder, replace=damaged)
     return load_prebuilt(folder, bundle.tokenizer if tokenizer is None else tokenizer)

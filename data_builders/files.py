@@ -2,10 +2,11 @@
 
 Crash-safe writes go beside the target, are flushed to disk, then renamed: the one implementation of
 write-to-temp-then-rename for the whole project (checkpoints, built datasets, trained tokenizers,
-jacobian.npz). `json_safe` is the one rule for numbers JSON cannot hold (NaN, inf: null). `text_lines` is the one
-reader of a user's text files: a file that is not UTF-8, or whose compression is damaged (cut short by a download or
-a full disk), fails naming the file and the line. It all lives in the lowest layer so that every other package can
-use it.
+jacobian.npz); a write the file system refuses (read-only, no permission, a file over its size limit) fails as a
+`FileSystemError` naming the path and what to do (`refused_write`). `json_safe` is the one rule for numbers JSON cannot
+hold (NaN, inf: null). `text_lines` is the one reader of a user's text files: a file that is not UTF-8, or whose
+compression is damaged (cut short by a download or a full disk), fails naming the file and the line. It all lives in
+the lowest layer so that every other package can use it.
 """
 from __future__ import annotations
 
@@ -30,6 +31,54 @@ OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # compressed f
 # what a damaged or cut-short compressed file raises (gzip.BadGzipFile and bz2's bad stream are OSErrors)
 DAMAGED = (EOFError, OSError, zlib.error, lzma.LZMAError)
 NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a write that failed for lack of room
+REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)  # a write the file system refused (`refused_write`)
+ELSEWHERE = "write elsewhere"
+
+
+class FileSystemError(OSError):
+    """The file system refused a write, or a path is of the wrong kind (a file where a folder is needed): one line that
+    names the path and says what to do. `errno` is the operating system's."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _related(a: Path, b: Path) -> bool:
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def refused_write(err: BaseException, path: Path, advice: str = ELSEWHERE) -> FileSystemError | None:
+    """`err` said as a FileSystemError when it is the file system refusing to write `path` (a file or a folder):
+    read-only, no permission, or a file larger than the file system or `ulimit -f` allows; `advice` is what to do
+    instead (give another folder). None for any other error, and for one about a path outside `path`'s folder (a
+    file read while writing: its permission is not the folder's)."""
+    if not isinstance(err, OSError) or isinstance(err, FileSystemError) or err.errno not in REFUSED:
+        return None
+    path = Path(path).absolute()
+    failed = Path(os.fsdecode(err.filename)).absolute() if err.filename else None
+    if failed is not None and not _related(failed, path.parent):
+        return None
+    folder = failed.parent if failed is not None else path.parent  # where the refused entry was to be made
+    if err.errno == errno.EFBIG:
+        why, do = ("a file grew larger than its file system or `ulimit -f` allows",
+                   f"write to another file system (FAT32 holds 4 GiB a file) or raise the limit, or {advice}")
+    elif err.errno == errno.EROFS:
+        why, do = "it is on a read-only file system", f"{advice}, or remount it writable"
+    else:
+        why, do = f"this user may not write in {folder}", f"make it writable (chmod, chown), or {advice}"
+    return FileSystemError(err.errno, f"cannot write {path}: {why}: {do}")
+
+
+@contextmanager
+def writing(path: Path, advice: str = ELSEWHERE) -> Iterator[None]:
+    """`with writing(path):` the block writes `path`; a write the file system refuses fails as `refused_write` says."""
+    try:
+        yield
+    except OSError as err:
+        named = refused_write(err, path, advice)
+        if named is None:
+            raise
+        raise named from err
 
 
 def out_of_space(err: BaseException) -> bool:
@@ -83,39 +132,43 @@ def publish_dir(tmp: Path, final: Path, replace: bool) -> None:
 
 
 @contextmanager
-def atomic_dir(final: Path, replace: bool = False) -> Iterator[Path]:
+def atomic_dir(final: Path, replace: bool = False, advice: str = ELSEWHERE) -> Iterator[Path]:
     """`with atomic_dir(final) as tmp:` write into `tmp`; on success it becomes `final` (see publish_dir).
 
-    An exception inside the block removes `tmp` and leaves `final` as it was.
+    An exception inside the block removes `tmp` and leaves `final` as it was. A write the file system refuses
+    fails naming `final` and `advice` (`refused_write`).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
+    with writing(final, advice):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(final)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_dir(tmp, final, replace)
+        tmp.mkdir()
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        publish_dir(tmp, final, replace)
 
 
 @contextmanager
 def atomic_file(path: Path, mode: str = "wb") -> Iterator:
-    """`with atomic_file(path) as f:` write to an open temporary file; on success it replaces `path`."""
+    """`with atomic_file(path) as f:` write to an open temporary file; on success it replaces `path`. A write the
+    file system refuses fails naming `path` (`refused_write`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, mode) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -4,12 +4,14 @@ Each passage is tokenized whole (`datasets.map`, batched, several processes for 
 cut at token boundaries that close a sentence where possible, so a segment's ids are exactly the ids
 of that stretch of the passage. The result is cached as Arrow under
 `default_cache_dir()/pools/<fingerprint>`, keyed by the passages' datasets fingerprint, the
-tokenizer and the segment length: a second build reads it back instead of tokenizing again.
-Assembly then works on flat arrays: a segment is a slice of one int32 array.
+tokenizer and the segment length: a second build reads it back instead of tokenizing again (a cached file that
+cannot be read, cut short by a full disk or a kill, is made again, logged). Assembly then works on flat arrays: a
+segment is a slice of one int32 array.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_builders.text import normalize_answer as normalize
 
+log = logging.getLogger(__name__)
 POOL_FEATURES = Features(
     {
         "ids": List(Value("int32")),  # token ids of the segment
@@ -142,22 +145,35 @@ def build_pool(
         raise ValueError("no passages to cut into segments")
     source = Dataset.from_dict({"text": passages})
     key = Hasher.hash([source._fingerprint, tokenizer_digest(tokenizer), segment_len, "pool-v1"])
-    cache_file = None
+    cache_file, cached = None, []
     if cache_dir is not None:
         (cache_dir / "pools").mkdir(parents=True, exist_ok=True)
         cache_file = str(cache_dir / "pools" / f"{key}.arrow")
-    segments = source.map(
-        _segment_batch,
-        batched=True,
-        with_indices=True,
-        remove_columns=["text"],
-        fn_kwargs={"tokenizer": tokenizer, "segment_len": segment_len},
-        features=POOL_FEATURES,
-        num_proc=_num_proc(len(passages), num_proc),
-        cache_file_name=cache_file,
-        new_fingerprint=key,
-        desc=desc,
-    )
+        cached = sorted((cache_dir / "pools").glob(f"{key}*.arrow"))  # one file, or one a process
+
+    def segment() -> Dataset:
+        return source.map(
+            _segment_batch,
+            batched=True,
+            with_indices=True,
+            remove_columns=["text"],
+            fn_kwargs={"tokenizer": tokenizer, "segment_len": segment_len},
+            features=POOL_FEATURES,
+            num_proc=_num_proc(len(passages), num_proc),
+            cache_file_name=cache_file,
+            new_fingerprint=key,
+            desc=desc,
+        )
+
+    try:
+        segments = segment()
+    except (OSError, ValueError) as err:  # pyarrow reads a file cut short as an OSError or ArrowInvalid
+        if not cached:
+            raise
+        log.warning("the segment pool cache %s is damaged (%s): building it again", ", ".join(map(str, cached)), err)
+        for path in cached:
+            path.unlink(missing_ok=True)
+        segments = segment()
     return pool_from_table(segments, len(passages), separator)
 
 

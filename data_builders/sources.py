@@ -403,21 +403,32 @@ def file_source(
     check_paths(kind, path, None)
     ds = _load(path, hf_config, hf_split, cache_dir)
     nq = kind == DataSource.nq
+    mapped = NQ_FIELDS if nq else fields
     train, held, skipped, split = _split_records(
-        _records(ds, NQ_FIELDS if nq else fields, path), filler or [], num_train, num_heldout, seed,
-        nq_split if nq else None,
+        _records(ds, mapped, path), filler or [], num_train, num_heldout, seed, nq_split if nq else None,
     )
+    if not train.questions and not held.questions and skipped["empty_answer"] == len(ds):
+        raise ValueError(
+            f"{path}: no usable question: every one of its {len(ds)} records has an empty answer (field "
+            f"{mapped.answers!r}, data.fields.answers); does data.fields.answers name the field holding the answers?")
     if not train.questions and not held.questions and skipped["answer_not_in_evidence"]:
         raise ValueError(
             f"{path}: no usable question: {skipped['answer_not_in_evidence']} records have no answer in their "
             f"evidence passage and {skipped['empty_answer']} an empty answer; do data.fields.answers and "
             "data.fields.evidence name the answer and the passage holding it?")
     if not train.questions or not held.questions:
+        distinct = len({(r.question, r.answers, r.evidence) for r in _records(ds, mapped, path)})
+        if distinct == 1 < len(ds):
+            raise ValueError(
+                f"{path}: its {len(ds)} records are 1 distinct record and {len(ds) - 1} duplicates of it: a training "
+                "and a held-out split need at least 2 distinct questions with their passages: remove the duplicates and "
+                "add distinct records")
+        dupes = f" ({len(ds) - distinct} of its {len(ds)} records are duplicates)" if distinct < len(ds) else ""
         what = (f"data.nq_split.share={nq_split.share} (evaluation questions) and data.num_eval_docs={num_heldout}"
                 if nq else f"data.num_eval_docs={num_heldout} (held-out evidence passages)")
         raise ValueError(
             f"{path}: {len(train.questions)} training and {len(held.questions)} held-out questions after the "
-            f"split; adjust {what}"
+            f"split{dupes}; adjust {what}"
         )
     if nq:
         return SourceData(str(kind), train, held, skipped, [NQ_ATTRIBUTION], split)

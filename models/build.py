@@ -13,16 +13,22 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
+from huggingface_hub import constants as hub_constants  # a dependency of transformers
+from huggingface_hub import try_to_load_from_cache
 from omegaconf import OmegaConf
 from safetensors import SafetensorError
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from data_builders.tokenizer import hub_unreachable, not_on_hub
 from models.attention.diff_attention import convert_to_diff_attention
 from models.attention.nope import NOPE_KEY, disable_rope, is_nope
 from models.wheel_models import is_wheel_model, local_pretrained, wheel_model_name
 
 DIFF_ARCHS = ("qwen2", "llama", "mistral")
 WEIGHT_FILES = ("*.safetensors", "*.bin")  # what `from_pretrained` reads: whole, sharded, or LoRA adapters
+# the config settings that decide a model's tensors and their shapes (`architecture_difference`)
+ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "diff_attention")
 
 
 class Attention(StrEnum):
@@ -109,6 +115,7 @@ def validate_model(cfg: ModelConfig) -> None:
         wheel_model_name(cfg.pretrained)  # an unknown name fails here, before anything is fetched
     elif cfg.pretrained:
         check_model_folder(cfg.pretrained, "model.pretrained")
+        check_hub_model(cfg.pretrained, "model.pretrained")
     if cfg.pretrained:
         return
     if cfg.arch not in CONFIG_MAPPING:
@@ -140,6 +147,32 @@ def check_model_folder(name_or_path: str, key: str | None = None) -> None:
         held = ", ".join(sorted(p.name for p in path.iterdir())[:6])
         raise ValueError(f"{what}: no weights in it (no *.safetensors or *.bin file; it holds {held}): copy the "
                          "weights in, or save the model again with save_pretrained")
+
+
+def check_hub_model(name: str, key: str | None = None) -> None:
+    """ValueError naming `key` when `name` is a hub id (no local path of that name) while the hub is offline
+    (HF_HUB_OFFLINE) and its cache has no config.json of it: found at start-up, before any data is built. A name
+    that is no valid hub id is left to loading."""
+    if not hub_constants.HF_HUB_OFFLINE or is_wheel_model(name) or Path(name).expanduser().exists():
+        return
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a repo id: loading says what it is
+        return
+    if not isinstance(cached, str):
+        raise ValueError(not_on_hub(name, key))
+
+
+def architecture_difference(saved: dict[str, Any], built: PretrainedConfig) -> str | None:
+    """How the architecture of a saved config.json differs from a built model's (`ARCHITECTURE`), e.g. "it holds
+    hidden_size=32, num_hidden_layers=2; the model built here has hidden_size=64, num_hidden_layers=4"; None when
+    they agree."""
+    ours = built.to_dict()
+    keys = [k for k in ARCHITECTURE if (k in saved or k in ours) and saved.get(k) != ours.get(k)]
+    if not keys:
+        return None
+    return (f"it holds {', '.join(f'{k}={saved.get(k)}' for k in keys)}; the model built here has "
+            f"{', '.join(f'{k}={ours.get(k)}' for k in keys)}")
 
 
 def differs_from_pretrained(cfg: ModelConfig) -> bool:
@@ -175,6 +208,10 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
         except SafetensorError as err:
             raise ValueError(f"model.pretrained={cfg.pretrained}: a weights file is damaged or cut short ({err}): "
                              "copy the folder again, or save the model again") from err
+        except OSError as err:
+            if not hub_unreachable(err):
+                raise
+            raise ValueError(not_on_hub(cfg.pretrained, "model.pretrained")) from err
         embeddings = model.get_input_embeddings().num_embeddings
         if vocab_size > embeddings:  # token ids past the embedding table: an IndexError at the first forward
             which = f"model.tokenizer={cfg.tokenizer}" if cfg.tokenizer else "the data's tokenizer"

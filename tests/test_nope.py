@@ -10,6 +10,8 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from models.attention.nope import NOPE_KEY, NoRotaryEmbedding
 from models.build import Attention, AttnImplementation, ModelConfig, build_model, differs_from_pretrained
 from models.training.checkpoint import load_checkpoint_model
+from models.training.run_dir import CHECKPOINT_CONFIG
+from models.training.state import TrainerState
 from tests.conftest import TINY
 from train import run
 
@@ -109,5 +111,14 @@ def test_a_nope_run_trains_saves_nope_and_refuses_a_rope_resume(compose_cfg, tmp
     ckpt = tmp_path / "nope" / "checkpoints" / "step-2"
     assert json.loads((ckpt / "config.json").read_text())[NOPE_KEY] is True
     assert isinstance(load_checkpoint_model(ckpt).model.rotary_emb, NoRotaryEmbedding)
+    measured = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2"]
+    with pytest.raises(ValueError, match=r"other settings \(another architecture\): model.rope \(False there, True "
+                                         r"now\); a resume"):
+        run(compose_cfg(*TINY, *measured, "trainer.max_steps=3", f"trainer.resume_from={ckpt}"), tmp_path / "rope")
+    # a checkpoint from before the run's config was kept in it: the model's config.json tells
+    (ckpt / CHECKPOINT_CONFIG).unlink()
+    state = TrainerState.read(ckpt)
+    state.files.pop(CHECKPOINT_CONFIG)
+    state.write(ckpt)
     with pytest.raises(ValueError, match="trained without RoPE, this run has model.rope=true: set model.rope=false"):
         run(compose_cfg(*TINY, "trainer.max_steps=3", f"trainer.resume_from={ckpt}"), tmp_path / "rope")

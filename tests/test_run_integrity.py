@@ -58,7 +58,7 @@ def test_a_nonfinite_gradient_norm_skips_the_update_and_says_why(compose_cfg, tm
     bad = {r["step"]: r["train/bad_steps"] for r in rows(tmp_path) if "train/bad_steps" in r}
     assert bad == {1: 0, 2: 1, 3: 1}
     assert "step 2 skipped: non-finite gradient norm (nan) with a finite loss" in caplog.text
-    assert "- skipped steps: 1" in (tmp_path / "summary.md").read_text()
+    assert "- skipped steps: 1 (a non-finite loss" in (tmp_path / "summary.md").read_text()
 
 
 def test_weights_made_nonfinite_stop_the_run_and_are_never_saved(compose_cfg, tmp_path, monkeypatch):
@@ -119,7 +119,7 @@ def test_an_exploding_loss_is_named_in_the_log_and_the_summary(compose_cfg, tmp_
         run(compose_cfg(*TINY, f"trainer.max_steps={SPIKE_WARMUP + 6}"), tmp_path)
     assert f"step {SPIKE_WARMUP + 5}: the loss is exploding" in caplog.text
     assert [r["train/loss_spikes"] for r in rows(tmp_path) if "train/loss_spikes" in r][-1] == 1
-    assert "- loss spikes: 1" in (tmp_path / "summary.md").read_text()
+    assert "; loss spikes: 1 (an exploding loss" in (tmp_path / "summary.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------- resumes

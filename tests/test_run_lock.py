@@ -3,6 +3,7 @@ the directory and the holder, a lock left by a SIGKILLed holder is taken over an
 `scripts.eval_checkpoint` refuse a directory in use before writing anything into it."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -74,6 +75,28 @@ def test_a_holder_takes_its_own_lock_again_without_waiting(tmp_path):
             pass
         assert json.loads((tmp_path / "run" / LOCK).read_text())["pid"] == os.getpid()  # still held
     assert (tmp_path / "run" / LOCK).read_text() == ""
+
+
+@pytest.mark.parametrize("code, says", [
+    (errno.EROFS, "it is on a read-only file system: give another hydra.run.dir, or remount it writable"),
+    (errno.EACCES, "this user may not write in {run}: make it writable (chmod, chown), or give another hydra.run.dir"),
+])
+def test_a_run_directory_this_process_cannot_write_is_refused_naming_it(tmp_path, monkeypatch, code, says):
+    """As root writes through a chmod, the operating system's error is raised where the lock file is opened."""
+    run = (tmp_path / "run").resolve()
+    real_open = os.open
+
+    def refused(path, *args, **kwargs):
+        if Path(path).parent == run:
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(run_lock.RunDirNotWritable) as err:
+        run_lock.acquire(run, "give another hydra.run.dir")
+    assert isinstance(err.value, run_lock.RunDirInUse)  # refused wherever a directory in use is
+    assert str(err.value) == f"cannot write {run}: {says.format(run=run)}"
+    assert not run_lock._held
 
 
 def test_train_refuses_a_run_directory_in_use_before_hydra_writes_there(tmp_path, holder):

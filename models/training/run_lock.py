@@ -3,7 +3,8 @@
 The lock is an exclusive `flock` on the file, which the kernel releases however the holder ends, a SIGKILL too.
 While held, the file names the holder (pid, host, command, start time); a holder that ends normally empties it.
 A second writer is refused at start-up with a message naming the directory and the holder. A lock found free
-but not empty was left by a holder that died without releasing it: it is taken over, and the log says whose.
+but not empty was left by a holder that died without releasing it: it is taken over, and the log says whose. A
+directory this process cannot write (read-only, no permission) is refused the same way, as the first write there.
 
 `python train.py` takes the lock of its run directory (of a `-m` sweep's directory too) through `HydraRunLock`
 before Hydra writes anything there, and `run()` holds its run directory's; `scripts.eval_checkpoint` holds its
@@ -27,6 +28,7 @@ from typing import Any, Iterator
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
+from data_builders.files import refused_write
 from models.training.run_dir import LOCK
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,10 @@ _held: dict[Path, int] = {}  # resolved run directory -> the open lock file's de
 
 class RunDirInUse(RuntimeError):
     """Another process writes this run directory."""
+
+
+class RunDirNotWritable(RunDirInUse):
+    """This process cannot write the run directory (read-only, no permission): refused wherever one in use is."""
 
 
 def is_main_rank() -> bool:
@@ -65,12 +71,19 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
 
 def acquire(run_dir: str | Path, advice: str = "write elsewhere") -> bool:
     """Hold `run_dir`'s lock from now on (creating the folder); False if this process held it already.
-    RunDirInUse naming the holder, and `advice` on what to do, if another process holds it."""
+    RunDirInUse naming the holder, and `advice` on what to do, if another process holds it; RunDirNotWritable naming
+    the directory and `advice` if this process cannot write there."""
     run_dir = Path(run_dir).resolve()
     if run_dir in _held:
         return False
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        refused = refused_write(err, run_dir, advice)
+        if refused is None:
+            raise
+        raise RunDirNotWritable(str(refused)) from err
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
