@@ -44,6 +44,21 @@ from analysis.evaluation.distill_responses import (
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes
 from analysis.evaluation.result import Checkpoint, ProbeResult, write_eval_json
 from analysis.evaluation.reuse import function_digest
+from analysis.evaluation.watch import (
+    NQ_FILE,
+)
+from analysis.evaluation.watch import PREFIX as WATCH_PREFIX
+from analysis.evaluation.watch import (
+    WatchConfig,
+    WatchPanel,
+    WatchSet,
+    append_rows,
+    build_panel,
+    panel_header,
+    read_rows,
+    truncate_rows,
+    validate_watch,
+)
 from analysis.measure.jacobian import (
     ChunkedSource,
     Estimator,
@@ -82,13 +97,15 @@ from analysis.report.metrics_log import (
     resolve_mode,
     run_names,
     truncate_metrics,
+    watch_charts,
 )
 from analysis.report.run_summary import headline_numbers, run_summary
 from data_builders.build import DataBundle, build_datasets, built_with, train_documents
 from data_builders.collate import BatchStream, collate
-from data_builders.config import DataConfig, DataFormat, validate_data
+from data_builders.config import DataConfig, DataFormat, DataSource, In2Layout, validate_data
 from data_builders.distill_data import check_teacher_columns, distill_split
 from data_builders.files import atomic_write_text
+from data_builders.in2 import make_format
 from data_builders.needle_mix import mixed_rows, training_mix, validate_needle_mix
 from data_builders.tokenizer import default_cache_dir, load_tokenizer
 from models.attention.diff_attention import diff_lambda_stats, set_diff_step
@@ -147,6 +164,7 @@ from models.training.loss import causal_lm_loss, labelled_nll
 from models.training.required_values import check_required, choices_of
 from models.training.resume_guard import check_resume
 from models.training.run_dir import CHECKPOINT_CONFIG, RunDir, run_dir_of
+from models.training.slot_loss import SlotLoss, check_slots, tapped
 from models.training.state import TrainerState
 from models.training.step_health import NonFiniteWeights, StepHealth, TooManyBadSteps, skip_reason
 from models.wheel_models import local_pretrained
@@ -198,6 +216,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debias: DebiasConfig = field(default_factory=DebiasConfig)  # position-targeted objectives (conf/debias/)
+    watch: WatchConfig = field(default_factory=WatchConfig)  # position signals on the task's own prompts (conf/watch/)
     seed: int = 0
     exp_name: str = "default"  # names the run directory outputs/<exp_name>/<time>
     # The directory of a killed `-m` sweep: the same command with resume_sweep=<dir> skips the jobs that finished
@@ -353,10 +372,36 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
         check_probes(cfg.eval)
     if Probe.mdqa in cfg.eval.probes and probe_source(Probe.mdqa, cfg.eval) is not None:
         check_mdqa_questions(cfg.eval.mdqa, built_with(cfg.data))
+    validate_watch_in_run(cfg)
     validate_objective_choice(cfg.debias)
     validate_pos2distill(cfg.debias, cfg.data, built_with(cfg.data), cfg.peft.method, cfg.model.attention)
     validate_debias(cfg.debias, jac.every, t.sequence_parallel, cfg.data.format == DataFormat.in2)
     validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)
+
+
+def validate_watch_in_run(cfg: TrainConfig) -> None:
+    """The watch's own checks, and what its sets and its per-slot training loss need from the data."""
+    w = cfg.watch
+    if not w.on:
+        return
+    validate_watch(w)
+    if cfg.data.format != DataFormat.in2:
+        raise ValueError(f"watch is on, but data.format={cfg.data.format} has no questions to watch: watch=off "
+                         "(language-model windows), or IN2 data")
+    layout = built_with(cfg.data).in2.layout
+    if WatchSet.in2 in w.sets and layout != In2Layout.segments:
+        raise ValueError(f"watch.sets has in2, whose prompts move a gold segment through an IN2 context, but "
+                         f"data.in2.layout={layout}: watch mdqa (watch.sets=[mdqa,kv] watch.data_dir=...)")
+    check_slots(w.slots, training_slots(cfg))
+    if WatchSet.mdqa in w.sets and watch_nq_file(cfg) is None:
+        raise ValueError("watch.sets has mdqa, whose questions come from NQ: set watch.data_dir (the folder of "
+                         f"{NQ_FILE}), or train on NQ (data.source=nq)")
+
+
+def training_slots(cfg: TrainConfig) -> int:
+    """Gold slots of the training samples: mdqa-layout documents, else tenths of the context's depth."""
+    built = built_with(cfg.data).in2
+    return built.n_docs if built.layout == In2Layout.mdqa else 10
 
 
 def validate_numbers(t: TrainerConfig) -> None:
@@ -406,7 +451,7 @@ def check_resumed_run(cfg: TrainConfig, run_dir: Path) -> None:
     """`trainer.resume_from` continues the run that wrote the checkpoint, or fails naming the keys that differ
     (models.training.resume_guard), before anything is built; a checkpoint that cannot be found fails here too."""
     if cfg.trainer.resume_from and (ckpt := resolve_checkpoint(cfg.trainer.resume_from, run_dir)) is not None:
-        check_resume(ckpt, dataclasses.asdict(cfg), cfg.trainer.resume_from)
+        check_resume(ckpt, dataclasses.asdict(cfg), cfg.trainer.resume_from, dataclasses.asdict(TrainConfig()))
 
 
 def seed_everything(seed: int) -> None:
@@ -464,6 +509,8 @@ class Run:
     start_step: int = 0
     checkpoint: Optional[Path] = None  # the one resumed from
     health: Optional[StepHealth] = None  # bad steps and loss spikes (models.training.step_health); set by setup
+    watch: Optional[WatchPanel] = None  # the position signals on the task's own prompts (watch.on)
+    slot_loss: Optional[SlotLoss] = None  # the training loss by gold slot (watch.on)
     accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
     zero3: Any = None  # under ZeRO-3: keeps transformers partitioning models at load (dropped by cleanup)
     rollout_recorder: Optional[JacobianRecorder] = None  # main process only: rollout.npz
@@ -581,7 +628,10 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     objective = (DebiasObjective(cfg.debias, model.config.num_hidden_layers, all_sum,
                                  built_with(cfg.data).in2.teacher_slot_index)
                  if cfg.debias.objective != Objective.mean else None)
-    engine = build_engine(model, cfg.trainer, ds_config, tokenizer.pad_token_id, objective or causal_lm_loss)
+    slot_loss = watched_loss(cfg)
+    loss_fn = objective or causal_lm_loss
+    engine = build_engine(model, cfg.trainer, ds_config, tokenizer.pad_token_id,
+                          tapped(loss_fn, slot_loss) if slot_loss is not None else loss_fn)
     if cfg.debias.objective == Objective.pos2distill:  # the targets: the starting model's answers at the strong slot
         bundle = dataclasses.replace(bundle, train=distill_targets(cfg, run_dir, bundle, engine, info))
     probe_items = build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}
@@ -601,7 +651,8 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
               eval_records=bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval)))),
               probe_items=probe_items, zero3=zero3, rollout_recorder=rollout_recorder,
               probe_window=ProbeWindow(cfg.jacobian.window) if seqs and cfg.jacobian.window > 1 else None,
-              health=StepHealth(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor, cfg.trainer.loss_spike_steps))
+              health=StepHealth(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor, cfg.trainer.loss_spike_steps),
+              watch=build_watch(cfg, bundle, tokenizer, model.config.num_hidden_layers), slot_loss=slot_loss)
     if ckpt is not None:
         resume(run, ckpt)
     return run
@@ -634,9 +685,39 @@ def build_stream(cfg: TrainConfig, bundle: DataBundle, tokenizer: PreTrainedToke
     return BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, group, groups,
                        label_context=cfg.data.in2.label_context, ordered_first_epoch=in_order,
                        pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None,
-                       depths=cfg.debias.needs_depths, mix=needle_mix(cfg, tokenizer, probe_items),
+                       depths=cfg.debias.needs_depths or cfg.watch.on, mix=needle_mix(cfg, tokenizer, probe_items),
                        mix_rows=mixed_rows(cfg.debias.needle_mix.share, t.micro_batch_size),
                        teacher=cfg.debias.objective == Objective.pos2distill, pad_to_multiple_of=t.pad_to_multiple_of)
+
+
+def watched_loss(cfg: TrainConfig) -> Optional[SlotLoss]:
+    """The training loss by gold slot (models.training.slot_loss) when the watch is on."""
+    w = cfg.watch
+    if not w.on:
+        return None
+    mdqa = built_with(cfg.data).in2.layout == In2Layout.mdqa
+    return SlotLoss(training_slots(cfg), w.train_window, w.middle, w.strong["mdqa" if mdqa else "in2"], all_sum)
+
+
+def build_watch(cfg: TrainConfig, bundle: DataBundle, tokenizer: PreTrainedTokenizerBase, layers: int
+                ) -> Optional[WatchPanel]:
+    """The watch panel (analysis.evaluation.watch): mdqa dev questions of the training data's question split, kv
+    records, the run's own held-out IN2 records."""
+    if not cfg.watch.on:
+        return None
+    built = built_with(cfg.data)
+    split = built.nq_split if built.source == DataSource.nq else cfg.eval.mdqa.split
+    start = len(make_format(tokenizer, built).prefix) if WatchSet.in2 in cfg.watch.sets else 0
+    return build_panel(cfg.watch, layers, tokenizer, cfg.eval.chat_template, split, watch_nq_file(cfg), bundle.eval,
+                       start)
+
+
+def watch_nq_file(cfg: TrainConfig) -> Optional[Path]:
+    """The NQ file the watch's mdqa questions come from: watch.data_dir's, else the training data's own."""
+    if cfg.watch.data_dir is not None:
+        return Path(cfg.watch.data_dir) / NQ_FILE
+    built = built_with(cfg.data)
+    return Path(built.path) if built.source == DataSource.nq and built.path else None
 
 
 def distill_targets(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, engine: TorchEngine | DeepSpeedEngine,
@@ -759,6 +840,11 @@ def resume(run: Run, ckpt: Path) -> None:
     if run.probe_window is not None:
         run.probe_window.load_state_dict(state.jacobian_window or {})  # an older checkpoint: the window starts anew
     run.health.load_state_dict(state.health or {})
+    if run.watch is not None:  # an older checkpoint, or one of a run without the watch: the panel starts anew
+        run.watch.load_state_dict((state.watch or {}).get("panel", {}))
+        run.slot_loss.load_state_dict((state.watch or {}).get("slot_loss"))
+        if run.is_main and run_dir_of(ckpt) == run.run_dir.resolve():
+            truncate_rows(run.paths.watch, run.start_step)  # its later rows are measured again
     if run.is_main:
         log.info("resumed from %s at step %d", ckpt, run.start_step)
     step0 = RunDir(ckpt.parents[1]).eval_json("in2", 0)
@@ -928,7 +1014,7 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
         # here continues it
         state = TrainerState(step=step, stream_position=run.stream.position, metrics_bytes=metrics_bytes,
                              debias=run.objective.state_dict() if run.objective is not None else None,
-                             wandb_run_id=run.logger.run_id, health=run.health.state_dict(),
+                             wandb_run_id=run.logger.run_id, health=run.health.state_dict(), watch=watch_state(run),
                              jacobian_window=run.probe_window.state_dict() if run.probe_window is not None else None)
         state.save(folder, run.info.rank)
 
@@ -936,6 +1022,42 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
     if run.is_main:
         log.info("saved checkpoint %s", folder)
     return folder
+
+
+def watch_state(run: Run) -> Optional[dict[str, Any]]:
+    if run.watch is None:
+        return None
+    return {"panel": run.watch.state_dict(), "slot_loss": run.slot_loss.state_dict()}
+
+
+def measure_watch(run: Run, step: int, first: bool = False, last: bool = False) -> dict[str, float]:
+    """The watch at `step` (before its update): the Jacobian of the prompts due (every one at the first and the last
+    step, else one every watch.every steps), the panel's log p when due; their rows to watch.jsonl, the pooled
+    signals (analysis.evaluation.watch) to the log. Every rank measures (ZeRO-3 gathers weights collectively), under
+    the training's precision."""
+    panel, started = run.watch, time.perf_counter()
+    autocast = torch.autocast(run.engine.device.type, dtype=torch.bfloat16,
+                              enabled=run.cfg.trainer.precision == Precision.bf16)
+    with autocast:
+        due = panel.jacobian_due(step, first, last)
+        rows = (panel.measure_first(run.model, step, answer_records(run)) if first and due
+                else panel.measure(run.model, step, due))
+        logliks = panel.loglik_due(step, first, last)
+        if logliks:
+            rows += panel.measure_logliks(run.model, step)
+    if not rows:
+        return {}
+    metrics = panel.jacobian_metrics() if any(r["kind"] == "jacobian" for r in rows) else {}
+    metrics |= panel.loglik_metrics() if any(math.isfinite(r.get("loglik", math.nan)) for r in rows) else {}
+    metrics |= panel.noise(metrics)
+    metrics[f"{WATCH_PREFIX}/wall_s"] = time.perf_counter() - started
+    if run.is_main:
+        if first:
+            append_rows(run.paths.watch, [panel_header(run.cfg.watch, panel.items, step)])
+        append_rows(run.paths.watch, rows)
+        if run.logger.wandb_run is not None and (first or last or logliks):
+            run.logger.log_media(watch_charts(read_rows(run.paths.watch), step), step=step)
+    return metrics
 
 
 def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
@@ -968,7 +1090,8 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: i
     return {"train/loss": loss, "train/lr": run.engine.current_lr(), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens / (time.perf_counter() - t0), "train/tokens": tokens,
             **run.health.metrics(), "train/peak_mem_mib": peak_memory_mib(run.engine.device),
-            **(run.objective.metrics() if run.objective is not None else {})}
+            **(run.objective.metrics() if run.objective is not None else {}),
+            **(run.slot_loss.end_step() if run.slot_loss is not None else {})}
 
 
 def last_good_checkpoint(run: Run) -> str:
@@ -1005,6 +1128,8 @@ def train(run: Run) -> dict[str, float]:
             if run.jacobian_seqs and step % jac.every == 0:
                 # Logged at `step`, the updates its weights have seen: the row jacobian.npz and the charts use.
                 run.logger.log(measure_jacobian(run, step), step=step)
+            if run.watch is not None:
+                run.logger.log(measure_watch(run, step, first=step == 0), step=step)
             metrics = optimizer_step(run, batches, step)
             metrics.update(diff_lambda_stats(run.model), **{"train/wall_s": time.perf_counter() - loop_start})
             done = step + 1
@@ -1034,6 +1159,8 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     if run.jacobian_seqs and final % cfg.jacobian.every == 0:
         # One more profile after the last update: the paper's (n, steps + 1, L) arrays.
         run.logger.log(measure_jacobian(run, final), step=final)
+    if run.watch is not None:
+        run.logger.log(measure_watch(run, final, last=True), step=final)
     acc = depth_accuracy(run, final)
     run.logger.log(acc, step=final)
     save(run, final, before_end)

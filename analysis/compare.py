@@ -91,6 +91,7 @@ from analysis.evaluation.result import (
     settings_mismatch,
 )
 from analysis.evaluation.reuse import function_digest, item_digest
+from analysis.evaluation.watch import position_signals, read_rows
 from analysis.measure.heldout import HeldoutError, heldout_documents
 from analysis.measure.jacobian import JacobianConfig, build_eval_sequences, measure_sets, read_jacobian
 from analysis.measure.rollout import (
@@ -624,6 +625,34 @@ def _wandb_table(entries: Sequence[Entry]) -> list[str]:
     return markdown_table(["PATH", "summary", "train/loss", "eval/loss"], rows)
 
 
+def _position_signal_lines(entries: Sequence[Entry]) -> list[str]:
+    """The watch's signals of each run among the PATHs (analysis.evaluation.watch): what a fine-tune changed in how
+    the model reads the task's prompts, first in the report."""
+    runs: dict[Path, str] = {}
+    for e in entries:
+        if e.target.run_dir is not None and RunDir(e.target.run_dir).watch.is_file():
+            runs.setdefault(e.target.run_dir, e.target.label)
+    signals = {label: {s.key: s for s in position_signals(read_rows(RunDir(run_dir).watch))}
+               for run_dir, label in runs.items()}
+    signals = {label: found for label, found in signals.items() if found}
+    if not signals:
+        return []
+    keys = list(dict.fromkeys(key for found in signals.values() for key in found))
+    what = {key: s.what for found in signals.values() for key, s in found.items()}
+
+    def cell(s: Any) -> str:
+        if s is None:
+            return "—"
+        return (f"{s.start:.3f} → {s.end:.3f}: {s.change.value:+.3f} [{s.change.low:+.3f}, {s.change.high:+.3f}] "
+                f"(steps {s.steps[0]} → {s.steps[1]})")
+
+    rows = [[what[key], *(cell(found.get(key)) for found in signals.values())] for key in keys]
+    return ["## Position signals", "",
+            "Each run's watch (analysis.evaluation.watch, on the task's own prompts): first → last measurement, and "
+            "the change per watch question with its 95% interval over questions.", "",
+            *markdown_table(["signal", *signals], rows), ""]
+
+
 def write_report(
     out: Path,
     entries: Sequence[Entry],
@@ -636,6 +665,7 @@ def write_report(
     (`film_bins`: its bins as FILM's plot.py builds them)."""
     first = entries[0].target.label
     lines = ["# Checkpoint comparison", "", f"Deltas (Δ) are against the first PATH, `{first}`.", "",
+             *_position_signal_lines(entries),
              "## Inputs", "", *_inputs_table(entries), "",
              "## Probe accuracy", "", "Mean accuracy over the gold positions (closed-book left out).", "",
              *_accuracy_table(entries, probes), "",

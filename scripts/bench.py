@@ -7,6 +7,7 @@
     python -m scripts.bench loglik          # the answer log-likelihood against a bare forward (SmolLM2, mdqa)
     python -m scripts.bench measure         # the per-step measurement (default run, SmolLM2): share, error (~22 min)
     python -m scripts.bench precision       # bf16 against fp32, SmolLM2 training and evaluation (~21 min)
+    python -m scripts.bench watch           # the watch's share of the SmolLM2 recipe's training time (~15 min)
 
 Every row is a ratio against a baseline measured in the same process and run, because the machines
 are shared and noisy: an absolute time alone means little.
@@ -39,6 +40,7 @@ BENCHMARKS = {
     "loglik": ("scripts.bench_loglik", "bench_loglik"),
     "measure": ("scripts.bench_measure", "bench_measure"),
     "precision": ("scripts.bench_precision", "bench_precision"),
+    "watch": ("scripts.bench_watch", "bench_watch"),
 }
 # Run only when named: they fetch a model and take many minutes; each writes its own section of BENCHMARKS.md.
 REAL_MODEL = {
@@ -47,6 +49,7 @@ REAL_MODEL = {
     "measure": "The per-step Jacobian and rollouts: their share of the training wall time (default run, SmolLM2 "
                "recipe), their error against exact",
     "precision": "Real model: bf16 against fp32 on this CPU (SmolLM2: training under autocast, evaluation in bf16 weights)",
+    "watch": "The watch on the task's own prompts: its share of the SmolLM2 recipe's training wall time (issue 64)",
 }
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR_REFS = Path("/proc/self/clear_refs")

@@ -352,7 +352,7 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
                         "runs/1/summary.md", "runs/1/metrics.jsonl",  # run 1 is under way
                         "cache/models/smollm2/model.safetensors", "cache/distill_responses/.ab.json.x.tmp"]:
         _write(out / rel, rel)
-    keep = reads_middle.Keep(kept, out)
+    keep = reads_middle.kept_in(kept, out)
     assert sorted(map(str, keep.save())) == sorted(small)
     assert keep.save() == []  # nothing changed
     _write(out / "cache/evaluations/answered/cd.jsonl", "more answers")
@@ -360,15 +360,15 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
     _write(out / "cache/evaluations/answered/cd.jsonl", "more")  # an older copy never replaces a longer record
     assert keep.save() == [] and (kept / "cache/evaluations/answered/cd.jsonl").read_text() == "more answers"
     _write(out / "cache/evaluations/answered/cd.jsonl", "more answers")
-    restored = reads_middle.Keep(kept, fresh).restore()
+    restored = reads_middle.kept_in(kept, fresh).restore()
     assert sorted(map(str, restored)) == sorted(small)
     assert (fresh / "cache/evaluations/answered/cd.jsonl").read_text() == "more answers"
     assert not (fresh / "runs/0/finished.json").exists()  # no checkpoint comes back: the run is not there
     _write(fresh / "evals/mdqa_dev/run-0/eval/mdqa_step150.json", "kept here")
-    assert reads_middle.Keep(kept, fresh).restore() == []  # what a folder holds is never replaced
+    assert reads_middle.kept_in(kept, fresh).restore() == []  # what a folder holds is never replaced
     _write(fresh / "plan.json", "another experiment")
     with pytest.raises(ValueError, match="the plans of two experiments"):
-        reads_middle.Keep(kept, fresh).restore()
+        reads_middle.kept_in(kept, fresh).restore()
 
 
 def test_a_restored_experiment_trains_only_the_runs_an_evaluation_still_needs(tmp_path):
@@ -469,7 +469,7 @@ def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_pa
         f"data.path={data / 'nq-open-oracle.jsonl.gz'}", "data.context_len=512", "data.in2.n_docs=3",
         "data.num_train=16", "data.num_eval=4", "eval.num_examples=4", "peft.r=4", "trainer.max_steps=2",
         "trainer.save_every=2", "eval.every=2", "logger.mode=disabled", "jacobian.seq_len=32", "jacobian.chunk_len=16",
-        "data.in2.heldout_doc_len=64",
+        "data.in2.heldout_doc_len=64", "watch=off",
         "--arm-args", *[f"pos2distill_guard:{o}" for o in distill],
         "--eval-args", "chat_template=false", "examples=4", "mdqa.n_docs=3", "kv.n_pairs=4",
         "--keep", str(tmp_path / "kept")]

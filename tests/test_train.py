@@ -34,20 +34,23 @@ FROM_CHECKPOINT = [o for o in TINY if not o.startswith("model.init.")] + [
 # +exp=mdqa_reader too, with its own mix kind (mdqa rows: two one-fact documents need ~120 tokens here)
 READER = [o for o in FROM_CHECKPOINT if not o.startswith("debias.")] + [
     "data.context_len=256", "debias.needle_mix.pool=16"]
-# +exp=in2_smol on the tiny model and a synthetic NQ-format file (`synthetic_nq`): no wheel, no ../shared
-SMOL = ["model=qwen2_tiny", *TINY, "data.in2.context_len_min=64", "data.in2.segment_len=32", "peft.r=4"]
+# +exp=in2_smol on the tiny model and a synthetic NQ-format file (`synthetic_nq`): no wheel, no ../shared; its
+# watch asks one dev question of that file (it has a dozen)
+SMOL = ["model=qwen2_tiny", *TINY, "data.in2.context_len_min=64", "data.in2.segment_len=32", "peft.r=4",
+        "watch.questions=1", "watch.skip_examples=0"]
+# the mdqa layout at three documents: no watch (its slots 0, 4 and 9 are not there)
+MDQA3 = ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4", "watch=off"]
 READS_NQ = ("in2_smol", "debias_study_smol", "in2_smol_mdqa", "in2_smol_distill", "reads_middle")
 SMOKE = {
     "biased_start": TINY,
     "in2_smol": SMOL,
     # three of its whole mdqa documents (data.in2.layout=mdqa: no segment budgets)
-    "in2_smol_mdqa": ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4"],
+    "in2_smol_mdqa": MDQA3,
     # and pos2distill's targets: the random tiny model answers nothing right, so its wrong answers are kept
-    "in2_smol_distill": ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4",
-                         "debias.distill.keep_wrong=true", "debias.distill.max_new_tokens=4"],
+    "in2_smol_distill": [*MDQA3, "debias.distill.keep_wrong=true", "debias.distill.max_new_tokens=4"],
     "debias_study_smol": [*SMOL, "data.in2.prior_layers=2"],
     # its default arm (debias=none) at in2_smol_mdqa's size; the other arms run in tests/test_probe_study.py
-    "reads_middle": ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4"],
+    "reads_middle": MDQA3,
     "debias_study": FROM_CHECKPOINT,
     "mdqa_reader": READER,
     "in2": TINY,
@@ -87,7 +90,9 @@ def _start_from(exp, checkpoint):
 
 def _data_for(exp, request):
     """+exp=in2_smol and its study read NQ: the synthetic file, so that no ../shared is needed."""
-    return [f"data.path={request.getfixturevalue('synthetic_nq')}"] if exp in READS_NQ else []
+    if exp not in READS_NQ:
+        return []
+    return [f"data.path={request.getfixturevalue('synthetic_nq')}"]
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)

@@ -45,8 +45,9 @@ def continuation_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: st
     return list(tokenizer(lead + answer.strip(), add_special_tokens=False)["input_ids"])
 
 
-def _targets(item: ProbeItem, tokenizer: PreTrainedTokenizerBase, chat_template: bool, n_aliases: int
-             ) -> list[list[int]]:
+def answer_targets(item: ProbeItem, tokenizer: PreTrainedTokenizerBase, chat_template: bool,
+                   n_aliases: int = N_ALIASES) -> list[list[int]]:
+    """The token ids of the item's first `n_aliases` answers as continuations of its prompt (module docstring)."""
     if item.targets is not None:
         return [list(t) for t in item.targets[:n_aliases]]
     if not isinstance(item.prompt, str):
@@ -61,10 +62,18 @@ def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Se
     """log p(target | prompt) summed over each target's tokens: one pass over the prompt, then every target
     as one right-padded batch over its cache (a causal model's padding after a sequence cannot reach it).
     `cache`: the KV cache of the prompt's first `cached` tokens, which the pass then continues (it is extended)."""
-    device = model.device
-    out = model(input_ids=torch.tensor([list(prompt[cached:])], device=device), cache=cache, use_cache=True,
+    out = model(input_ids=torch.tensor([list(prompt[cached:])], device=model.device), cache=cache, use_cache=True,
                 logits_to_keep=1)
-    first = torch.log_softmax(at_least_fp32(out.logits[0, -1]), dim=-1)  # (V,)
+    return continuation_logprobs(model, out.logits[0, -1], out.cache, targets)
+
+
+@torch.no_grad()
+def continuation_logprobs(model: PreTrainedModel, last_logits: torch.Tensor, cache: Any,
+                          targets: Sequence[Sequence[int]]) -> list[float]:
+    """log p(target | prompt) of each target from the prompt's last logits (V,), which predict every target's first
+    token, and the prompt's KV cache, over which the rest is one right-padded batch (the cache is extended)."""
+    device = model.device
+    first = torch.log_softmax(at_least_fp32(last_logits), dim=-1)  # (V,)
     scores = [float(first[t[0]]) if len(t) else math.nan for t in targets]
     longer = [i for i, t in enumerate(targets) if len(t) > 1]
     if not longer:
@@ -73,7 +82,6 @@ def sequence_logprobs(model: PreTrainedModel, prompt: Sequence[int], targets: Se
     ids = torch.zeros((len(longer), width), dtype=torch.long)
     for row, i in enumerate(longer):
         ids[row, : len(targets[i])] = torch.tensor(list(targets[i]))
-    cache = out.cache
     cache.batch_repeat_interleave(len(longer))
     rest = model(input_ids=ids[:, :-1].to(device), cache=cache, use_cache=True).logits  # (A, T-1, V)
     logp = torch.log_softmax(at_least_fp32(rest), dim=-1).gather(-1, ids[:, 1:, None].to(device))[..., 0]  # (A, T-1)
@@ -155,7 +163,7 @@ def answers_and_logliks(
 
     def generate(items: Sequence[ProbeItem]) -> list[str]:
         prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
-        targets = [_targets(it, tokenizer, chat_template, n_aliases) for it in items]
+        targets = [answer_targets(it, tokenizer, chat_template, n_aliases) for it in items]
         values: list[list[float] | None] = [None] * len(items)
 
         def prefill(rows: Sequence[int], ids: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -196,11 +204,11 @@ def answer_logliks(
     try:
         if shared_prefix:
             prompts = [encode_prompt(tokenizer, it.prompt, chat_template) for it in items]
-            return [sequence_logprobs(model, prompts[i], _targets(items[i], tokenizer, chat_template, n_aliases),
+            return [sequence_logprobs(model, prompts[i], answer_targets(items[i], tokenizer, chat_template, n_aliases),
                                       cache, cached)
                     for i, cached, cache in prefix_caches(model, prompts, progress, "log-likelihood (shared prefix)")]
         return [sequence_logprobs(model, encode_prompt(tokenizer, it.prompt, chat_template),
-                                  _targets(it, tokenizer, chat_template, n_aliases))
+                                  answer_targets(it, tokenizer, chat_template, n_aliases))
                 for it in tqdm(items, desc="log-likelihood", disable=not progress)]
     finally:
         model.train(was_training)

@@ -618,3 +618,44 @@ def plot_arm_curves(estimates: Mapping[str, Any], out_png: str | os.PathLike, ti
                     score: Score = ACCURACY) -> Path:
     """`arm_curves_figure` as a PNG."""
     return _save(arm_curves_figure(estimates, title, score), out_png)
+
+
+def tracking_figure(across: Sequence[Mapping[str, Any]], within: Sequence[Mapping[str, Any]]) -> Figure:
+    """Does a watched signal track the test curve (scripts.watch_tracking)? Top row: each signal's change over a run
+    against the run's test contrast change, one point a run, rho in the title. Bottom row: within each run, each
+    signal over the checkpoints against the dev contrast, every curve rescaled to [0, 1]."""
+    across = [a for a in across if a["changes"]]
+    runs = sorted({w["run"] for w in within})
+    cols = max(len(across), len(runs), 1)
+    fig = Figure(figsize=(3.2 * cols, 6.4), layout="constrained")
+    axes = fig.subplots(2, cols, squeeze=False)
+    for ax, a in zip(axes[0], across):
+        ax.scatter(a["changes"], a["test_changes"], color="C0")
+        for x, y, n in zip(a["changes"], a["test_changes"], a["runs"]):
+            ax.annotate(str(n), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(f"{a['signal']}\nrho {a['rho']:+.2f}, p {a['p_value']:.3f}", fontsize=7)
+        ax.set_xlabel("change over the run", fontsize=7)
+        ax.set_ylabel("test contrast change (nats)", fontsize=7)
+
+    def scaled(values: Sequence[float]) -> np.ndarray:
+        v = np.asarray(values, dtype=float)
+        return (v - v.min()) / (np.ptp(v) or 1.0)
+
+    for ax, n in zip(axes[1], runs):
+        curves = [w for w in within if w["run"] == n and w["steps"]]
+        if curves:
+            ax.plot(curves[0]["steps"], scaled(curves[0]["dev"]), color="black", linewidth=2.5, label="dev contrast")
+        for k, w in enumerate(curves):
+            ax.plot(w["steps"], scaled(w["values"]), color=f"C{k % 10}", label=f"{w['signal']} ({w['rho']:+.2f})")
+        ax.set_title(f"run {n}: within the run (rescaled)", fontsize=8)
+        ax.set_xlabel("step", fontsize=7)
+        ax.legend(fontsize=5)
+    for ax in [*axes[0][len(across):], *axes[1][len(runs):]]:
+        ax.set_visible(False)
+    return fig
+
+
+def plot_tracking(across: Sequence[Mapping[str, Any]], within: Sequence[Mapping[str, Any]],
+                  out_png: str | os.PathLike) -> Path:
+    """`tracking_figure` as a PNG."""
+    return _save(tracking_figure(across, within), out_png)

@@ -292,6 +292,27 @@ def profile_charts(
     return charts
 
 
+def watch_charts(rows: Sequence[Mapping[str, Any]], step: int) -> dict[str, Any]:
+    """wandb line charts ``watch/<set>/profile``: each unit's (document's, pair's, depth tenth's) share of rho^2 on
+    the watch prompts (analysis.evaluation.watch), mean over the prompts, at the first measurement against the latest
+    of each prompt, and the prior's share over the same spans."""
+    import wandb  # optional heavy dependency: imported only when a run logs to it
+
+    charts = {}
+    for name in dict.fromkeys(r["set"] for r in rows if r.get("kind") == "jacobian"):
+        mine = [r for r in rows if r.get("kind") == "jacobian" and r["set"] == name]
+        first_step = min(r["step"] for r in mine)
+        latest = {(r["question"], r["slot"]): r for r in sorted(mine, key=lambda r: r["step"])}
+        curves = {f"step {first_step}": np.mean([r["units"] for r in mine if r["step"] == first_step], axis=0),
+                  f"step {step} (each prompt's latest)": np.mean([r["units"] for r in latest.values()], axis=0),
+                  "prior": np.mean([r["prior_units"] for r in latest.values()], axis=0)}
+        units = len(next(iter(curves.values())))
+        charts[f"watch/{name}/profile"] = wandb.plot.line_series(
+            xs=list(range(units)), ys=[c.tolist() for c in curves.values()], keys=list(curves),
+            title=f"{name}: each slot's share of rho^2 on the watch prompts, step {step}", xname="slot")
+    return charts
+
+
 def accuracy_chart(accuracy: Mapping[int, float], labels: Mapping[int, str], title: str):
     """A wandb line chart of accuracy by gold position, over its table (position, label, accuracy).
 

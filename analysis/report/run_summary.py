@@ -16,12 +16,15 @@ import numpy as np
 from analysis.evaluation.fairness import fairness
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.evaluation.valprobing import summarize as summarize_valprobing
+from analysis.evaluation.watch import PREFIX as WATCH_PREFIX
+from analysis.evaluation.watch import position_signals, read_rows
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table, num
 from analysis.stats import ACCURACY, Score
 from data_builders.valprobing import Task
 from models.training.checkpoint import list_checkpoints
 from models.training.run_dir import RunDir
+from models.training.slot_loss import PREFIX as TRAIN_PREFIX
 
 # Per measured set: the valley's depth and width, the prior's fit, and the best rollout's fit.
 JACOBIAN_KEYS = (
@@ -198,6 +201,48 @@ def wandb_sync_command(run_dir: Path) -> Optional[str]:
     return f"wandb sync {shlex.quote(str(offline[-1]))}" if offline else None
 
 
+def position_signal_lines(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The watch's signals (analysis.evaluation.watch): each one's value at the first and the last measurement,
+    its change with an interval over the watch questions, and its step-to-step noise; what they cost."""
+    watched = read_rows(RunDir(run_dir).watch)
+    signals = position_signals(watched)
+    train = [row for row in rows if f"{TRAIN_PREFIX}/nll_contrast" in row]
+    if not signals and not train:
+        return []
+    noise = {k: v for row in rows for k, v in row.items() if k.startswith(f"{WATCH_PREFIX}/sd/")}  # the latest
+
+    def sd(key: str) -> str:
+        return num(noise.get(f"{WATCH_PREFIX}/sd/{key.removeprefix(WATCH_PREFIX + '/')}"), missing=MISSING)
+
+    table = [[f"`{s.key}`", s.what, f"{num(s.start)} (step {s.steps[0]})", f"{num(s.end)} (step {s.steps[1]})",
+              f"{s.change.value:+.3f} [{s.change.low:+.3f}, {s.change.high:+.3f}], {s.change.n} questions",
+              sd(s.key)] for s in signals]
+    if train:
+        key = f"{TRAIN_PREFIX}/nll_contrast"
+        table.append([f"`{key}`", "training NLL per answer token, middle − strong slot (rolling window)",
+                      f"{num(train[0][key])} (step {train[0]['step']})", f"{num(train[-1][key])} (step "
+                      f"{train[-1]['step']})", f"{train[-1][key] - train[0][key]:+.3f} (training samples: no paired "
+                      "interval)", sd(key)])
+    lines = ["## Position signals", "",
+             "On the task's own prompts (the watch, analysis.evaluation.watch): the change is the mean over the watch "
+             "questions of each one's end minus start, with its 95% interval over questions; a change inside the "
+             "step-to-step SD is noise.", "",
+             *markdown_table(["signal", "what", "start", "end", "change [95% interval]", "step-to-step SD"], table)]
+    header = next((r for r in watched if r.get("kind") == "panel"), None)
+    wall, _ = training_wall_time([row for row in rows if "train/loss" in row]) if rows else (0.0, 1)
+    cost = [row[f"{WATCH_PREFIX}/wall_s"] for row in rows if f"{WATCH_PREFIX}/wall_s" in row]
+    if header is not None:
+        every, questions = header["every"], header["questions"]
+        panel = ", ".join(f"{n} {name} questions" for name, n in questions.items())
+        between = f"one prompt every {every} steps (watch.every), in turn" if every > 0 else "no Jacobian"
+        logliks = f"; the whole panel's log p every {header['loglik_every']} steps" if header["loglik_every"] else ""
+        lines += ["", f"- measured: every prompt of the panel ({panel} x slots {header['slots']}) at the first and "
+                      f"last step; between them {between}{logliks}"]
+    if cost and wall > 0:
+        lines.append(f"- cost: {sum(cost):.3g} s in all, {sum(cost) / wall:.1%} of the training wall time")
+    return [*lines, ""]
+
+
 def file_lines(run_dir: Path, start_model: Optional[str]) -> list[str]:
     """Where the run's files are: only those it wrote (jacobian=off writes no profiles)."""
     checkpoints, paths = list_checkpoints(run_dir), RunDir(run_dir)
@@ -207,7 +252,8 @@ def file_lines(run_dir: Path, start_model: Optional[str]) -> list[str]:
              f"- plots ({len(plots)}): {', '.join(p.name for p in plots) or 'none'} under {paths.plots}"]
     written = [f"{what}: {path}" for what, path in (("every logged number", paths.metrics),
                                                     ("Jacobian profiles", paths.jacobian),
-                                                    ("attention rollouts", paths.rollout)) if path.is_file()]
+                                                    ("attention rollouts", paths.rollout),
+                                                    ("the watch's measurements", paths.watch)) if path.is_file()]
     if written:
         lines.append(f"- {'; '.join(written)}")
     if sync := wandb_sync_command(run_dir):
@@ -227,8 +273,8 @@ def run_summary(run_dir: str | Path, exp_name: str, start_model: Optional[str] =
     files = RunDir(run_dir).eval_files("in2")
     curves = [depth_curve(step, files[step]) for step in sorted({min(files), max(files)})] if files else []
     lines = [f"# Run summary: {exp_name}", "", f"run directory: {run_dir}", "", *progress_lines(rows), "",
-             *accuracy_lines(curves), *valprobing_lines(run_dir), *jacobian_lines(rows),
-             *file_lines(run_dir, start_model)]
+             *position_signal_lines(run_dir, rows), *accuracy_lines(curves), *valprobing_lines(run_dir),
+             *jacobian_lines(rows), *file_lines(run_dir, start_model)]
     return "\n".join(lines) + "\n"
 
 

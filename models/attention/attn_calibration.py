@@ -292,6 +292,27 @@ def token_spans(offsets: Sequence[tuple[int, int]], char_spans: Sequence[tuple[i
     return [(f, l + 1) for f, l in zip(first, last)]
 
 
+def encode_with_segments(tokenizer: PreTrainedTokenizerBase, prompt: str, segments: Sequence[tuple[int, int]],
+                         chat_template: bool = False, who: str = "segments") -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of a text prompt (as `analysis.evaluation.generate.encode_prompt` makes them) and the token ranges
+    of its character `segments` (documents, kv pairs); ValueError naming `who` when they cannot be located."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"{who} maps documents to tokens with the tokenizer's offsets: it needs a fast tokenizer, "
+                         f"got {type(tokenizer).__name__}")
+    text, shift, special = prompt, 0, True
+    if chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        shift, special = text.index(prompt), False
+        expected = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    if chat_template and ids != expected:
+        raise ValueError(f"{who}: the chat template's text does not re-tokenize to its ids, so the documents' tokens "
+                         "cannot be located; use chat_template=false")
+    return ids, token_spans(encoded["offset_mapping"], [(a + shift, b + shift) for a, b in segments])
+
+
 @dataclass(frozen=True)
 class ReferenceCache:
     """References kept on disk across runs (a temperature sweep, a rerun): the reference of a prompt depends on
@@ -332,22 +353,7 @@ class AttnCalibration:
     def encode(self, prompt: str, segments: Sequence[tuple[int, int]], chat_template: bool = False
                ) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of a text prompt (as `encode_prompt` makes them) and its segments' token ranges."""
-        if not self.tokenizer.is_fast:
-            raise ValueError("attn_calibration maps documents to tokens with the tokenizer's offsets: it needs a "
-                             f"fast tokenizer, got {type(self.tokenizer).__name__}")
-        text, shift, special = prompt, 0, True
-        if chat_template:
-            messages = [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            shift, special = text.index(prompt), False
-            expected = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                               return_dict=False))
-        encoded = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
-        ids = list(encoded["input_ids"])
-        if chat_template and ids != expected:
-            raise ValueError("attn_calibration: the chat template's text does not re-tokenize to its ids, so the "
-                             "documents' tokens cannot be located; evaluate with chat_template=false")
-        return ids, token_spans(encoded["offset_mapping"], [(a + shift, b + shift) for a, b in segments])
+        return encode_with_segments(self.tokenizer, prompt, segments, chat_template, "attn_calibration")
 
     def _forward(self, ids: torch.Tensor, cache: DynamicCache | None = None) -> None:
         """One pass of a (1, L) id row after `cache`'s tokens (none: from the start), the last logit only."""

@@ -62,6 +62,7 @@ from enum import StrEnum
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
+from torch.nn import functional as F
 
 from data_builders.config import DataConfig, DataFormat, In2Layout
 from data_builders.depth_prior import depth_prior
@@ -70,7 +71,7 @@ from data_builders.probes import bin_label, depth_bin
 from models.build import Attention
 from models.peft_setup import PeftMethod, adapters_disabled
 from models.training.distill import DistillConfig, guard_kl, position_kd_loss
-from models.training.loss import IGNORE, labelled_logits, labelled_nll
+from models.training.loss import IGNORE, Tap, at_least_fp32, labelled_logits, labelled_nll
 
 ALPHA_KEYS = ("prior/vanilla/alpha", "prior/chunked/alpha")  # the fitted alpha depth_weight follows, first found
 
@@ -398,6 +399,21 @@ def policy_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], device
                            batch["teacher_labels"], device)
 
 
+def tap_target_nll(tap: Tap, logits: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> None:
+    """Hand `tap` the NLL of each row's labelled tokens under `logits` (B, T, V), row by row in order (as
+    `labelled_logits` gives them; `mask` (B, T)), at the labels' own positions (B, L-1)."""
+    with torch.no_grad():
+        targets = labels[:, 1:].to(logits.device)  # (B, L-1)
+        labelled = targets != IGNORE
+        tokens = torch.zeros_like(mask, dtype=torch.long)
+        tokens[mask] = targets[labelled]
+        nll = F.cross_entropy(at_least_fp32(logits.detach()).flatten(0, 1), tokens.flatten(),
+                              reduction="none").view(mask.shape)  # (B, T)
+        full = nll.new_zeros(targets.shape)
+        full[labelled] = nll[mask]
+        tap(full, targets)
+
+
 class DebiasObjective:
     """The training loss of `debias.objective`: called by the engine on each micro-batch like
     `models.training.loss.causal_lm_loss(model, batch, device)`; batches carry `sample_ids` and `depths` (and
@@ -428,10 +444,12 @@ class DebiasObjective:
             self.alpha = float(fitted)
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                 device: torch.device | str | None = None) -> torch.Tensor:
+                 device: torch.device | str | None = None, tap: Optional[Tap] = None) -> torch.Tensor:
+        """The micro-batch's loss; `tap` (models.training.loss.Tap) is handed the per-token NLL of the answer tokens:
+        the loss's own, or pos2distill's student's NLL of its targets."""
         if self.distill is not None:
-            return self.pos2distill(model, batch, device)
-        nll, count = labelled_nll(model, batch, device, per_token=True)
+            return self.pos2distill(model, batch, device, tap)
+        nll, count = labelled_nll(model, batch, device, per_token=True, tap=tap)
         targets = batch["labels"][:, 1:].to(nll.device)
         depths = batch["depths"].to(nll.device)
         sums, counts = sample_sums(nll, targets, batch["sample_ids"].to(nll.device), depths.numel())
@@ -448,7 +466,7 @@ class DebiasObjective:
         return (w.to(sums.device, sums.dtype) * sums).sum() / count
 
     def pos2distill(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    device: torch.device | str | None = None) -> torch.Tensor:
+                    device: torch.device | str | None = None, tap: Optional[Tap] = None) -> torch.Tensor:
         """position_kd_loss(student, teacher) + guard x guard_kl(policy, teacher) of one micro-batch (module
         docstring); its diagnostics go to `metrics`."""
         targets = (batch["labels"][:, 1:] != IGNORE).sum(1)  # (B,) on the host
@@ -456,6 +474,8 @@ class DebiasObjective:
             raise ValueError("pos2distill: a sample's student and teacher sequences have targets of different lengths")
         teacher, mask = teacher_logits(model, batch, device)  # (B, T, V), (B, T)
         student, _ = student_logits(model, batch, device)  # (B, T, V): token t of both predicts target token t
+        if tap is not None:
+            tap_target_nll(tap, student, mask, batch["labels"])
         loss, stats = position_kd_loss(student, teacher, mask, batch["gold_slots"], **asdict(self.distill))
         if self.cfg.distill.guard:
             policy, _ = policy_logits(model, batch, device)  # (B, T, V)

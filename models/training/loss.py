@@ -14,12 +14,15 @@ cross-entropy over labelled tokens, as transformers' causal-LM loss) in one of t
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 IGNORE = -100
+# what a loss hands the per-token NLL of a micro-batch: (nll (B, L), targets (B, L)), detached (slot_loss.SlotLoss)
+Tap = Callable[[torch.Tensor, torch.Tensor], None]
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 LOSS_CHUNK = 1024  # positions per chunk of the dense path: (LOSS_CHUNK, V) fp32 logits at a time
 # Above this share of positions kept, keeping them saves little and the chunked path saves more.
@@ -42,7 +45,8 @@ def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tenso
 
 
 def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
-                 chunk: int = LOSS_CHUNK, per_token: bool = False) -> tuple[torch.Tensor, int]:
+                 chunk: int = LOSS_CHUNK, per_token: bool = False, tap: Optional[Tap] = None
+                 ) -> tuple[torch.Tensor, int]:
     """(summed next-token NLL over the labelled tokens, their count) of one batch.
 
     `per_token`: the NLL of every position instead of the sum, shaped like the shifted labels ((B, L-1),
@@ -52,6 +56,8 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     one). `batch`: input_ids, labels (B, L) (IGNORE where no loss is) and attention_mask (padded) or
     position_ids (packed, see `data_builders.collate`); moved to
     `device` after the labels were counted where they are (on the host: no device sync).
+    `tap(nll, targets)`: also handed the per-token NLL (detached, shaped like the shifted labels) from the same
+    logits, the loss itself computed as without it (models.training.slot_loss); sparse labels only.
     """
     # position p predicts token p + 1: `labels` shifted here, or `shift_labels` shifted before a sequence
     # was cut into sequence-parallel slices (the last position of a slice predicts the next slice's first)
@@ -72,10 +78,13 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
         kept = targets[:, positions]  # (B, K)
         nll = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), kept.flatten(), ignore_index=IGNORE,
                               reduction="none" if per_token else "sum")
+        if tap is not None:
+            with torch.no_grad():
+                each = nll.detach() if per_token else F.cross_entropy(
+                    at_least_fp32(logits.detach().flatten(0, 1)), kept.flatten(), ignore_index=IGNORE, reduction="none")
+                tap(scattered(each.view(kept.shape), positions, targets.shape), targets)
         if per_token:  # back to every position: zeros where nothing was kept
-            full = nll.new_zeros(targets.shape)
-            full[:, positions] = nll.view(kept.shape)
-            return full, count
+            return scattered(nll.view(kept.shape), positions, targets.shape), count
         return nll, count
     # Through the model's own forward (a DeepSpeed engine hooks it), with no logits kept; transformers
     # gives the last (normed) hidden states as hidden_states[-1].
@@ -93,6 +102,13 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     for piece in pieces:
         nll = nll + piece
     return nll, count
+
+
+def scattered(kept_nll: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """(B, K) values at the kept positions back to every position (B, L): zeros where nothing was kept."""
+    full = kept_nll.new_zeros(shape)
+    full[:, positions] = kept_nll
+    return full
 
 
 def labelled_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -136,8 +152,8 @@ def _num_chunks(n: int, chunk: int, device: torch.device) -> int:
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
-                   chunk: int = LOSS_CHUNK) -> torch.Tensor:
+                   chunk: int = LOSS_CHUNK, tap: Optional[Tap] = None) -> torch.Tensor:
     """Mean next-token cross-entropy over the labelled tokens (transformers' causal-LM loss), without the
     full logits tensor; NaN for a batch without labels. Arguments as in `labelled_nll`."""
-    nll, count = labelled_nll(model, batch, device, chunk)
+    nll, count = labelled_nll(model, batch, device, chunk, tap=tap)
     return nll / count  # 0 / 0 = NaN

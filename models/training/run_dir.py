@@ -5,6 +5,7 @@
       train.log                            the run's log lines (start-up, evals, saves, a failure)
       metrics.jsonl                        one JSON row per logged step (the wandb history, offline)
       jacobian.npz, rollout.npz            Jacobian profiles and attention rollouts of every measured step
+      watch.jsonl                          the watch's measurements on the task's own prompts (analysis.evaluation.watch)
       eval/<probe>_step<N>.json            position-wise results (analysis.evaluation.result.ProbeResult)
       eval/metrics_step<N>.json            their metric values (scripts.eval_checkpoint)
       plots/*.png                          figures drawn during and at the end of the run
@@ -32,6 +33,7 @@ TRAIN_LOG = "train.log"
 METRICS = "metrics.jsonl"
 JACOBIAN = "jacobian.npz"
 ROLLOUT = "rollout.npz"  # in jacobian.npz's format, one set per "<set>.<variant>"
+WATCH = "watch.jsonl"
 EVAL_DIR = "eval"
 PLOTS_DIR = "plots"
 CHECKPOINTS_DIR = "checkpoints"
@@ -91,6 +93,10 @@ class RunDir:
     @property
     def rollout(self) -> Path:
         return self.root / ROLLOUT
+
+    @property
+    def watch(self) -> Path:
+        return self.root / WATCH
 
     @property
     def eval(self) -> Path:

@@ -30,20 +30,24 @@ class TrainerState:
     jacobian_window: Optional[dict[str, Any]] = None
     # the bad steps and loss spikes so far (models.training.step_health.StepHealth.state_dict)
     health: Optional[dict[str, Any]] = None
+    # the watch's panel and per-slot training loss (train.watch_state); None: no watch
+    watch: Optional[dict[str, Any]] = None
     files: Optional[dict[str, int]] = None  # the size of every other file of the checkpoint, to find a damaged one
 
     def state_dict(self) -> dict[str, Any]:
         """The JSON object of trainer_state.json; a key whose value is None is left out."""
         state: dict[str, Any] = {"step": self.step, "stream_position": self.stream_position}
         optional = {"metrics_bytes": self.metrics_bytes, "debias": self.debias, "wandb_run_id": self.wandb_run_id,
-                    "jacobian_window": self.jacobian_window, "health": self.health, "files": self.files}
+                    "jacobian_window": self.jacobian_window, "health": self.health, "watch": self.watch,
+                    "files": self.files}
         return state | {key: value for key, value in optional.items() if value is not None}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> TrainerState:
         """Read `state_dict`'s object back (KeyError without step or stream_position)."""
         return cls(state["step"], state["stream_position"], state.get("metrics_bytes"), state.get("debias"),
-                   state.get("wandb_run_id"), state.get("jacobian_window"), state.get("health"), state.get("files"))
+                   state.get("wandb_run_id"), state.get("jacobian_window"), state.get("health"), state.get("watch"),
+                   state.get("files"))
 
     @classmethod
     def read(cls, folder: str | Path) -> TrainerState:

@@ -1,0 +1,316 @@
+"""The watch (issue 64): position signals on the task's own prompts, aggregated by slot, logged under watch/."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from analysis.evaluation.result import ProbeResult
+from analysis.evaluation.watch import (
+    WatchConfig,
+    WatchItem,
+    WatchPanel,
+    in2_items,
+    mdqa_items,
+    measure_item,
+    slot_mass,
+    validate_watch,
+)
+from models.training.debias import sample_sums
+from models.training.loss import labelled_nll
+from models.training.slot_loss import SlotLoss, slot_of
+from tests.conftest import TINY
+from train import run
+
+UNITS = ((2, 6), (6, 10), (10, 14), (14, 18))  # four documents of four tokens after a two-token prefix
+
+
+class OneSlotModel(nn.Module):
+    """The last hidden state is a function of one span of the input alone: every other token has zero Jacobian.
+    It answers the calls `analysis.measure.jacobian` makes (a cached prefix, then the last token)."""
+
+    def __init__(self, span: tuple[int, int], vocab: int = 50, d: int = 8):
+        super().__init__()
+        self.span, self.emb, self.proj, self.head = span, nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab)
+
+    device = torch.device("cpu")
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.emb
+
+    def forward(self, inputs_embeds, cache=None, use_cache=False, logits_to_keep=None, output_hidden_states=False):
+        full = inputs_embeds if cache is None else torch.cat([cache, inputs_embeds], 1)  # (B, L, d)
+        h = torch.tanh(self.proj(full[:, self.span[0]:self.span[1]].sum(1)))  # (B, d)
+        return SimpleNamespace(cache=full, hidden_states=(h[:, None].expand(-1, inputs_embeds.shape[1], -1),),
+                               logits=self.head(h)[:, None])  # (B, 1, V)
+
+
+def item(gold: int, length: int = 20) -> WatchItem:
+    return WatchItem("in2", "q", gold, tuple(range(length)), UNITS, UNITS[gold], ((1,),))
+
+
+@pytest.mark.parametrize("gold", [0, 2, 3])
+def test_a_model_that_reads_one_slot_puts_all_its_mass_there(gold):
+    torch.manual_seed(0)
+    mass, loglik = measure_item(OneSlotModel(UNITS[gold]), item(gold), 0, WatchConfig(num_probes=2), layers=4)
+    assert loglik < 0
+    assert mass.gold == pytest.approx(1.0, abs=1e-12)
+    assert mass.units == pytest.approx([1.0 if k == gold else 0.0 for k in range(4)], abs=1e-12)
+    assert mass.documents == pytest.approx(1.0)
+
+
+def test_slot_mass_by_hand():
+    sq = np.full(20, 0.01)
+    sq[[3, 7, 8, 19]] += [1.0, 2.0, 1.0, 3.8]  # unit 0: 1.04, unit 1: 3.04, units 2-3: 0.04 each, the rest 3.84
+    mass = slot_mass(sq, UNITS, UNITS[1], layers=4)
+    assert mass.units == pytest.approx([0.13, 0.38, 0.005, 0.005]) and mass.gold == pytest.approx(0.38)
+    assert mass.documents == pytest.approx(0.52)
+    assert 0 < sum(mass.prior_units) < 1 and 0 < mass.alpha < 1  # the prior puts mass outside the units too
+
+
+def panel(rows: dict) -> WatchPanel:
+    cfg = WatchConfig(slots=[0, 4, 9], middle=4, strong={"in2": 9})
+    p = WatchPanel(cfg, [], layers=4)
+    for (question, slot), gold in rows.items():
+        p.latest[f"in2/{question}/{slot}"] = {"question": question, "slot": slot, "gold": gold,
+                                              "units": [gold, 0.1], "prior_units": [0.2, 0.2]}
+    return p
+
+
+def test_the_contrast_is_within_question_and_pools_the_latest_measurements():
+    p = panel({("a", 0): 0.2, ("a", 4): 0.05, ("a", 9): 0.2, ("b", 4): 0.1, ("b", 9): 0.1, ("c", 9): 0.3})
+    out = p.jacobian_metrics()
+    assert out["watch/in2/gold_share_contrast"] == pytest.approx(np.mean([math.log(0.25), 0.0]))  # c has no slot 4
+    assert out["watch/in2/gold_share@4"] == pytest.approx(0.075)
+    assert out["watch/in2/gold_share@9"] == pytest.approx(0.2)
+
+
+def test_the_rotation_measures_every_prompt_at_the_ends_and_one_every_k_steps_between():
+    p = WatchPanel(WatchConfig(every=3), [item(0), item(1), item(2)], layers=4)
+    assert p.jacobian_due(0, first=True, last=False) == [0, 1, 2]
+    assert [p.jacobian_due(s, first=False, last=False) for s in (1, 2, 3)] == [[], [], [0]]
+    p.cursor = 2
+    assert p.jacobian_due(6, first=False, last=False) == [2] and p.jacobian_due(9, False, True) == [0, 1, 2]
+
+
+def test_in2_prompts_move_the_gold_through_the_same_context():
+    # prefix 2 tokens, context 12 tokens with the gold at 6..9, question 3, answer 2, eos 1
+    prefix, context, question, answer = [1, 2], list(range(100, 112)), [7, 8, 9], [55, 56]
+    rec = {"id": "r", "input_ids": prefix + context + question + answer + [0], "prompt_len": 17,
+           "gold_spans": [[8, 11]], "context_tokens": 12, "answers": ["x"],
+           "labels": [-100] * 17 + answer + [0]}
+    items = in2_items([rec], 2, WatchConfig(questions=1, slots=[0, 4, 9]))
+    gold = context[6:9]
+    for it in items:
+        ids = list(it.ids)
+        assert ids[:2] == prefix and ids[-3:] == question and len(ids) == 17
+        assert ids[it.gold[0]:it.gold[1]] == gold and sorted(ids[2:14]) == sorted(context)
+        assert it.targets == (tuple(answer),)
+    assert [it.gold[0] for it in items] == [2, 2 + round(4 / 9 * 9), 2 + 9]
+
+
+def test_watch_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"watch.middle=4 and watch.strong.kv=3 must be two different slots"):
+        validate_watch(WatchConfig(sets=["kv"], strong={"kv": 3}))
+    with pytest.raises(FileNotFoundError, match=r"watch.sets has mdqa: watch.data_dir=nowhere holds no "):
+        validate_watch(WatchConfig(sets=["mdqa"], data_dir="nowhere"))
+    with pytest.raises(ValueError, match=r"watch.slots=\[0, 4, 12\]: kv prompts have 10 slots"):
+        validate_watch(WatchConfig(sets=["kv"], slots=[0, 4, 12], strong={"kv": 0}))
+
+
+# ---------------------------------------------------------------------------------------------- the training loss
+
+
+def test_the_slot_loss_is_each_samples_mean_nll_by_gold_slot_over_the_window():
+    loss = SlotLoss(n_slots=10, window=2, middle=4, strong=9)
+    depths = torch.tensor([0.0, 4 / 9, 1.0, 4 / 9])
+    assert slot_of(depths, 10).tolist() == [0, 4, 9, 4]
+    loss.observe(depths, torch.tensor([2.0, 6.0, 3.0, 2.0]), torch.tensor([2.0, 3.0, 3.0, 1.0]))
+    first = loss.end_step()
+    assert first["watch/train/nll@4"] == pytest.approx(2.0) and first["watch/train/nll_contrast"] == pytest.approx(1.0)
+    loss.observe(torch.tensor([1.0]), torch.tensor([4.0]), torch.tensor([1.0]))
+    assert loss.end_step()["watch/train/nll@9"] == pytest.approx(2.5)  # (1.0 + 4.0) / 2 over the window
+    loss.observe(torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([1.0]))
+    assert "watch/train/nll@4" not in loss.end_step()  # the first step left the window
+
+
+def test_labelled_nll_hands_its_tap_the_per_token_nll_and_computes_the_same_loss():
+    torch.manual_seed(0)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, intermediate_size=32))
+    ids = torch.randint(0, 64, (2, 12))
+    labels = torch.full_like(ids, -100)
+    labels[0, 8:11], labels[1, 5:7] = ids[0, 8:11], ids[1, 5:7]
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids),
+             "sample_ids": torch.tensor([[0] * 12, [1] * 12])}
+    seen = []
+    plain, _ = labelled_nll(model, batch)
+    tapped, _ = labelled_nll(model, batch, tap=lambda nll, targets: seen.append((nll, targets)))
+    assert torch.equal(plain, tapped)
+    sums, counts = sample_sums(*seen[0], batch["sample_ids"], 2)
+    per_token, _ = labelled_nll(model, batch, per_token=True)
+    assert counts.tolist() == [3.0, 2.0] and torch.allclose(sums, per_token.sum(1), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- in a run
+
+WATCH = ["data.num_eval=14", "eval.num_examples=8", "watch.questions=2", "watch.every=2", "watch.loglik_every=2"]
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_logs_the_watch_at_its_cadence_and_trains_as_without_it(compose_cfg, tmp_path):
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4"), tmp_path / "on")
+    run(compose_cfg(*TINY, *WATCH[:2], "trainer.max_steps=4", "watch=off"), tmp_path / "off")
+    on, off = rows(tmp_path / "on"), rows(tmp_path / "off")
+    losses = {r["step"]: r["train/loss"] for r in on if "train/loss" in r}
+    assert losses == {r["step"]: r["train/loss"] for r in off if "train/loss" in r}  # the same numbers, exactly
+    assert not any(k.startswith("watch/") for r in off for k in r)
+    measured = sorted({r["step"] for r in on if "watch/in2/gold_share_contrast" in r})
+    assert measured == [0, 2, 4]  # every prompt at 0 and 4, one at step 2
+    assert sorted({r["step"] for r in on if "watch/in2/loglik_contrast" in r}) == [0, 2, 4]
+    assert all(any(k.startswith("watch/train/nll@") for k in r) for r in on if "train/loss" in r)
+    journal = [json.loads(line) for line in (tmp_path / "on" / "watch.jsonl").read_text().splitlines()]
+    # the ends measure every prompt's Jacobian and log p in one pass; step 2 one prompt's, and every prompt's log p
+    assert {(r["step"], r["kind"]) for r in journal} == {(0, "panel"), (0, "jacobian"), (2, "jacobian"),
+                                                         (2, "loglik"), (4, "jacobian")}
+    assert len([r for r in journal if r["step"] == 2 and r["kind"] == "jacobian"]) == 1
+    assert len([r for r in journal if r["step"] == 4 and r["kind"] == "jacobian"]) == 6
+    summary = (tmp_path / "on" / "summary.md").read_text()
+    assert "## Position signals" in summary and "watch/in2/loglik_contrast" in summary
+
+
+def test_compare_shows_the_watch_first(compose_cfg, tmp_path):
+    from analysis.compare import CompareConfig, compare
+
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=2"), tmp_path / "run")
+    report = compare([tmp_path / "run"], CompareConfig(probes=["in2"], out=str(tmp_path / "report"))).read_text()
+    assert report.index("## Position signals") < report.index("## Inputs")
+    assert "in2: log p, gold at 4 − at 9 (nats)" in report and "(steps 0 → 2)" in report
+
+
+def test_a_resumed_run_watches_as_an_uninterrupted_one(compose_cfg, tmp_path):
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4"), tmp_path / "whole")
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4", "trainer.save_every=2"), tmp_path / "cut")
+    # as if killed after its step-2 checkpoint: its later rows are measured again
+    (tmp_path / "cut" / "finished.json").unlink()
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-4")
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4", "trainer.save_every=2", "trainer.resume_from=latest"),
+        tmp_path / "cut")
+    whole, cut = rows(tmp_path / "whole"), rows(tmp_path / "cut")
+    keys = lambda rs: {(r["step"], k): v for r in rs for k, v in r.items()  # noqa: E731
+                       if k.startswith("watch/") and k != "watch/wall_s"}
+    assert keys(cut) == keys(whole)
+    journal = [json.loads(line) for line in (tmp_path / "cut" / "watch.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"]) for r in journal] == [
+        (r["step"], r["kind"]) for r in map(json.loads, (tmp_path / "whole" / "watch.jsonl").read_text().splitlines())]
+
+
+def fake_eval(path, questions: dict[str, tuple[float, float]]) -> None:
+    """An mdqa log-likelihood evaluation: each question's log p at gold 4 and gold 9."""
+    outcomes = [{"id": f"{q}@{p}", "query": q, "position": p, "label": str(p), "prediction": "", "answers": ["a"],
+                 "correct": math.nan, "loglik": v, "extra": {}}
+                for q, (at4, at9) in questions.items() for p, v in ((4, at4), (9, at9))]
+    ProbeResult("mdqa", outcomes, {}).save_json(path)
+
+
+def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_path, monkeypatch):
+    """Fake runs whose watched contrast changes as their test contrast does (and a valley that does not): rho 1 for
+    the first, exact p over the 720 orders of 6 runs; within a run, a signal that rises as the dev contrast."""
+    from scripts import watch_tracking as wt
+
+    grid, out = tmp_path / "grid", tmp_path / "out"
+    questions = [f"q{k}" for k in range(5)]
+    fake_eval(grid / "evals" / "mdqa_test" / "base" / "eval" / "mdqa_step0.json", {q: (-3.0, -1.0) for q in questions})
+    for rank, n in enumerate(wt.RUNS):
+        fake_eval(grid / "evals" / "mdqa_test" / f"run-{n}" / "eval" / "mdqa_step150.json",
+                  {q: (-3.0 + 0.1 * rank, -1.0) for q in questions})
+        run_dir = out / "runs" / str(n)
+        run_dir.mkdir(parents=True)
+        header = {"step": 0, "kind": "panel", "sets": ["mdqa"], "slots": [4, 9], "middle": 4, "strong": {"mdqa": 9},
+                  "every": 3, "loglik_every": 0, "questions": {"mdqa": 2}}
+        watch = [header] + [{"step": step, "kind": "loglik", "set": "mdqa", "question": q, "slot": slot,
+                             "loglik": -2.0 + (0.2 * rank * step / 150 if slot == 4 else 0.0)}
+                            for step in (0, 150) for q in ("a", "b") for slot in (4, 9)]
+        (run_dir / "watch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in watch))
+        metrics = [{"step": s, "train/loss": 1.0, "valley/vanilla/middle_mass": 0.3 + 0.01 * ((rank * 7) % 3) * s,
+                    "watch/mdqa/loglik_contrast": 0.002 * rank * s} for s in range(0, 151, 25)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    for n in wt.WITHIN:
+        for step in range(0, 151, 25):
+            target = "base" if step == 0 else str(n)
+            fake_eval(wt.eval_file(wt.eval_dir(out, "dev", target, step), step),
+                      {q: (-3.0 + 0.01 * step, -1.0) for q in questions})
+    (grid / "runs").mkdir()
+    monkeypatch.setattr(wt, "GRID", grid)
+    result = wt.tracking(out, "kept", 150, 25)
+    found = {r["signal"]: r for r in result.across}
+    assert found["watch/mdqa/loglik_contrast"]["rho"] == pytest.approx(1.0)
+    assert found["watch/mdqa/loglik_contrast"]["p_value"] == pytest.approx(2 / 720) and found[
+        "watch/mdqa/loglik_contrast"]["exact"]
+    assert abs(found["valley/vanilla/middle_mass"]["rho"]) < 0.9
+    within = {(r["run"], r["signal"]): r for r in result.within}
+    assert within[(4, "watch/mdqa/loglik_contrast")]["rho"] == pytest.approx(1.0)
+    assert within[(4, "watch/mdqa/loglik_contrast")]["steps"] == list(range(0, 151, 25))
+    report = wt.write_report(out, tmp_path / "report", result).read_text()
+    assert "| `watch/mdqa/loglik_contrast` | 6 | +1.00 | 0.003 |" in report
+    assert (tmp_path / "report" / "tracking.png").is_file()
+
+
+def test_the_smollm2_recipes_watch_mdqa_dev_questions_and_kv(compose_cfg, tmp_path):
+    """+exp=in2_smol's watch (mdqa with 10 documents and kv with 10 pairs) on the tiny model and a synthetic NQ file:
+    dev questions the training never sees, their gold at slots 0, 4 and 9, logged under watch/mdqa and watch/kv."""
+    from data_builders.mdqa import write_jsonl_gz
+    from scripts.synthetic_oracle import oracle_records
+    from tests.test_train import SMOL
+
+    nq = write_jsonl_gz(tmp_path / "nq" / "nq-open-oracle.jsonl.gz", oracle_records(160, seed=3))
+    run(compose_cfg("+exp=in2_smol", *SMOL, f"data.path={nq}", "watch.questions=2", "watch.every=1",
+                    "trainer.max_steps=2"), tmp_path / "run")
+    journal = [json.loads(line) for line in (tmp_path / "run" / "watch.jsonl").read_text().splitlines()]
+    asked = {(r["set"], r["question"]) for r in journal if r["kind"] == "jacobian"}
+    assert {s for s, _ in asked} == {"mdqa", "kv"} and len(asked) == 4
+    logged = {k for r in rows(tmp_path / "run") for k in r}
+    assert {"watch/mdqa/gold_share_contrast", "watch/kv/gold_share_contrast", "watch/mdqa/loglik_contrast",
+            "watch/mdqa/unit_share@9", "watch/kv/prior_share@0"} <= logged
+
+
+def test_the_mdqa_watch_asks_dev_questions_that_the_dev_evaluation_does_not(tmp_path):
+    from data_builders.mdqa import write_jsonl_gz
+    from data_builders.probes import mdqa_probe
+    from data_builders.question_split import EvaluationPart, QuestionSplit
+    from data_builders.tokenizer import train_bpe_tokenizer
+    from scripts.synthetic_oracle import oracle_records
+
+    records = oracle_records(160, seed=3)
+    nq = write_jsonl_gz(tmp_path / "nq-open-oracle.jsonl.gz", records)
+    tokenizer = train_bpe_tokenizer([r["ctxs"][0]["text"] for r in records], 400)
+    split, dev = QuestionSplit(), dict(heldout=QuestionSplit(), part=EvaluationPart.dev, closed_book=False, n_docs=10)
+    every_dev = {str(it.query) for it in mdqa_probe(nq, positions=[0], **dev)}
+    sampled = {str(it.query) for it in mdqa_probe(nq, positions=[0], n_examples=4, seed=0, **dev)}
+    items = mdqa_items(WatchConfig(questions=3, skip_examples=4), nq, split, tokenizer, chat_template=False)
+    asked = {it.question for it in items}
+    assert len(asked) == 3 and asked <= every_dev - sampled
+    assert sorted({it.slot for it in items}) == [0, 4, 9] and all(len(it.units) == 10 for it in items)
+    assert all(it.units[it.slot] == it.gold for it in items)
+
+
+def test_a_second_run_from_the_same_model_reads_its_first_panel_back(compose_cfg, tmp_path):
+    for name in ("a", "b"):
+        run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=1", "trainer.save_every=0", "seed=7"), tmp_path / name)
+    first = [[r for r in map(json.loads, (tmp_path / name / "watch.jsonl").read_text().splitlines())
+              if r["step"] == 0 and r["kind"] == "jacobian"] for name in ("a", "b")]
+    assert len(first[0]) == 6 and first[0] == first[1]  # the same rows, seconds included: read, not measured
+    assert list((Path(os.environ["POSDEBIAS_CACHE"]) / "watch").glob("*.json"))
