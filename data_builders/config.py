@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from data_builders.question_split import QuestionSplit, check_split
+from data_builders.question_split import NearDuplicates, QuestionSplit, check_near_duplicates, check_split
 
 # Data files a `datasets` builder reads, by suffix (after any compression suffix is dropped).
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -160,6 +160,9 @@ class DataConfig:
     # data.source=nq: which questions are evaluation questions (data_builders.question_split); they and their
     # gold passages are held out (up to num_eval_docs passages) and never trained on
     nq_split: QuestionSplit = field(default_factory=QuestionSplit)
+    # data.source=nq: training records kept out for being near an evaluation question (a near-identical passage, or
+    # the same answer to a near-identical question); off by default (data_builders.question_split.NearDuplicates)
+    near_duplicates: NearDuplicates = field(default_factory=NearDuplicates)
     # Batching, not building: samples packed end to end into rows of pack_len tokens (None = context_len),
     # no attention across samples (data_builders.collate); trainer.micro_batch_size counts rows.
     packing: bool = False
@@ -328,6 +331,7 @@ def validate_data(cfg: DataConfig) -> None:
     else:
         _validate_windows(cfg)
     check_split(cfg.nq_split, "data.nq_split")
+    check_near_duplicates(cfg.near_duplicates)
     check_paths(cfg.source, cfg.path, cfg.filler_path)
 
 
@@ -335,7 +339,7 @@ def ignored_settings(cfg: DataConfig) -> list[str]:
     """`data.<section>.key=value` of every changed setting in the sections that `cfg.format` and `cfg.source`
     do not use (`data.nq_split` is read by the nq source only)."""
     unused = ["windows" if cfg.format == DataFormat.in2 else "in2"]
-    unused += ["nq_split"] if cfg.source != DataSource.nq else []
+    unused += ["nq_split", "near_duplicates"] if cfg.source != DataSource.nq else []
     return [s for name in unused for s in _changed(getattr(cfg, name), type(getattr(cfg, name))(), f"data.{name}")]
 
 

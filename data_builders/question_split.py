@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional, Sequence
 
 from data_builders.text import normalize_answer
 
@@ -77,3 +77,81 @@ def split_card(questions: Iterable[str], split: QuestionSplit) -> dict[str, Any]
         "questions": {"evaluation": len(chosen), "training": len(questions) - len(chosen)},
         "fingerprint": hashlib.sha256(texts.encode("utf-8")).hexdigest(),
     }
+
+
+@dataclass
+class NearDuplicates:
+    """What else the question split keeps out of training besides the evaluation questions' exact gold passages
+    (`data.near_duplicates`; issue 65). A passage is a near duplicate of an evaluation gold passage when the Jaccard
+    similarity of their word `ngram`-gram sets (lower case, whitespace normalized) is at least `passage_jaccard`;
+    a training question is a twin of an evaluation question when they share a normalized answer and the Jaccard
+    similarity of their word sets (`normalize_answer`) is at least `question_jaccard`. Either drops the training
+    record and its passages from training, as gold and as distractor. None: off (the exact rule alone, as every
+    build before issue 65 made its data)."""
+
+    passage_jaccard: Optional[float] = None  # e.g. 0.5
+    question_jaccard: Optional[float] = None  # e.g. 0.8
+    ngram: int = 5
+
+    @property
+    def on(self) -> bool:
+        return self.passage_jaccard is not None or self.question_jaccard is not None
+
+
+def check_near_duplicates(cfg: NearDuplicates, key: str = "data.near_duplicates") -> None:
+    for name in ("passage_jaccard", "question_jaccard"):
+        value = getattr(cfg, name)
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"{key}.{name}={value} must be in (0, 1] (a Jaccard similarity), or null for off")
+    if cfg.ngram < 1:
+        raise ValueError(f"{key}.ngram={cfg.ngram} must be >= 1")
+
+
+def shingles(text: str, n: int) -> frozenset[tuple[str, ...]]:
+    """The word n-grams of `text`, lower case, whitespace normalized (a text shorter than n: its words as one)."""
+    words = text.lower().split()
+    if len(words) < n:
+        return frozenset([tuple(words)]) if words else frozenset()
+    return frozenset(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+def jaccard(a: frozenset, b: frozenset) -> float:
+    return len(a & b) / len(a | b) if a or b else 0.0
+
+
+def near_duplicate_passages(passages: Sequence[str], evaluation: Sequence[str], threshold: float, n: int
+                            ) -> dict[int, float]:
+    """Index -> Jaccard of every passage of `passages` whose word n-grams overlap some passage of `evaluation` at or
+    above `threshold`. Exact (the same numbers as comparing every pair); an inverted index of the evaluation passages'
+    n-grams limits the pairs compared to those sharing one."""
+    index: dict[tuple[str, ...], list[int]] = {}
+    evaluation_grams = [shingles(e, n) for e in evaluation]
+    for k, grams in enumerate(evaluation_grams):
+        for g in grams:
+            index.setdefault(g, []).append(k)
+    found: dict[int, float] = {}
+    for i, text in enumerate(passages):
+        grams = shingles(text, n)
+        candidates = {k for g in grams for k in index.get(g, ())}
+        best = max((jaccard(grams, evaluation_grams[k]) for k in candidates), default=0.0)
+        if best >= threshold:
+            found[i] = best
+    return found
+
+
+def question_twins(questions: Sequence[tuple[str, Sequence[str]]], evaluation: Sequence[tuple[str, Sequence[str]]],
+                   threshold: float) -> set[int]:
+    """Indices of `questions` (text, answers) that share a normalized answer with an evaluation question and whose
+    word set (`normalize_answer`) overlaps that question's at or above `threshold` (Jaccard)."""
+    by_answer: dict[str, list[frozenset[str]]] = {}
+    for text, answers in evaluation:
+        words = frozenset(normalize_answer(text).split())
+        for a in {normalize_answer(a) for a in answers if normalize_answer(a)}:
+            by_answer.setdefault(a, []).append(words)
+    twins = set()
+    for i, (text, answers) in enumerate(questions):
+        words = frozenset(normalize_answer(text).split())
+        others = [w for a in {normalize_answer(a) for a in answers} for w in by_answer.get(a, ())]
+        if any(jaccard(words, w) >= threshold for w in others):
+            twins.add(i)
+    return twins

@@ -30,7 +30,14 @@ from data_builders.config import (
     check_paths,
 )
 from data_builders.files import OPENERS, text_lines
-from data_builders.question_split import QuestionSplit, is_evaluation_question, split_card
+from data_builders.question_split import (
+    NearDuplicates,
+    QuestionSplit,
+    is_evaluation_question,
+    near_duplicate_passages,
+    question_twins,
+    split_card,
+)
 from data_builders.synthetic import Document, generate_documents, integration_questions, max_documents
 from data_builders.text import normalize_answer as normalize  # the scorers' normalization, too
 
@@ -271,7 +278,7 @@ def _contains_answer(answers: Sequence[str], passages: Sequence[str]) -> bool:
 
 def _split_records(
     records: Iterator[_Record], filler: list[str], num_train: int, num_heldout: int, seed: int,
-    split: Optional[QuestionSplit] = None,
+    split: Optional[QuestionSplit] = None, near: NearDuplicates = NearDuplicates(),
 ) -> tuple[SourceSplit, SourceSplit, dict[str, int], Optional[dict[str, Any]]]:
     """Questions checked and split: held-out passages never reach the training split, as gold or distractor.
 
@@ -280,8 +287,10 @@ def _split_records(
     question: the evidence passages of its evaluation questions (`is_evaluation_question`, skipped ones too)
     may only be held out, every other passage only trained on; the first `num_heldout` and `num_train` of
     each in a seeded shuffle are kept. Held-out questions are then evaluation questions only, and a training
-    question whose evidence an evaluation question shares is left out. Filler passages are split in the same
-    proportion. Returns the training and held-out parts, skip counts, and the split's card (`split_card`).
+    question whose evidence an evaluation question shares is left out. With `near` on, so are the passages near an
+    evaluation gold passage and the passages of a training question twin to an evaluation question (`NearDuplicates`):
+    neither trains, as gold or distractor. Filler passages are split in the same proportion. Returns the training and
+    held-out parts, skip counts, and the split's card (`split_card`).
     """
     skipped = {"empty_answer": 0, "answer_not_in_evidence": 0}
     index: dict[str, int] = {}
@@ -317,8 +326,9 @@ def _split_records(
     if split is None:
         held, train = order[:num_heldout], order[num_heldout : num_heldout + num_train]
     else:
+        kept_out = near_duplicates_of(passages, questions, reserved, near, skipped)
         held = [i for i in order if i in reserved][:num_heldout]
-        train = [i for i in order if i not in reserved][:num_train]
+        train = [i for i in order if i not in reserved and i not in kept_out][:num_train]
     filler = list(dict.fromkeys(filler + record_filler))  # deduplicated, order kept
     rng.shuffle(filler)
     n_fill_held = round(len(filler) * len(held) / max(1, len(held) + len(train)))
@@ -339,13 +349,36 @@ def _split_records(
             1 for _, _, ev, _ in questions if set(ev) & held_set and set(ev) & train_set
         )
         return train_split, held_split, skipped, None
-    shared = sum(1 for _, _, ev, evaluation in questions if not evaluation and set(ev) & reserved)
+    shared = sum(1 for _, _, ev, evaluation in questions if not evaluation and set(ev) & (reserved | kept_out))
     n_eval = sum(evaluation for *_, evaluation in questions)
     skipped["evidence_of_an_evaluation_question"] = shared
     # questions whose passages the caps left out (data.num_eval_docs, data.num_train_docs)
     skipped["beyond_num_eval_docs"] = n_eval - len(held_split.questions)
     skipped["beyond_num_train_docs"] = len(questions) - n_eval - shared - len(train_split.questions)
     return train_split, held_split, skipped, split_card(asked, split)
+
+
+def near_duplicates_of(passages: Sequence[str], questions: Sequence[tuple[str, tuple[str, ...], tuple[int, ...], bool]],
+                       reserved: set[int], near: NearDuplicates, counts: dict[str, int]) -> set[int]:
+    """The passages besides `reserved` (the evaluation questions' gold passages) kept out of training by `near`; the
+    counts (`near_duplicate_passages`, `question_twins`, `kept_out_passages`) added to `counts` when it is on."""
+    if not near.on:
+        return set()
+    out: set[int] = set()
+    others = [i for i in range(len(passages)) if i not in reserved]
+    if near.passage_jaccard is not None:
+        found = near_duplicate_passages([passages[i] for i in others], [passages[i] for i in sorted(reserved)],
+                                        near.passage_jaccard, near.ngram)
+        out |= {others[k] for k in found}
+        counts["near_duplicate_passages"] = len(found)
+    if near.question_jaccard is not None:
+        training = [(q, a, ev) for q, a, ev, evaluation in questions if not evaluation]
+        twins = question_twins([(q, a) for q, a, _ in training],
+                               [(q, a) for q, a, _, evaluation in questions if evaluation], near.question_jaccard)
+        out |= {e for k in twins for e in training[k][2] if e not in reserved}
+        counts["question_twins"] = len(twins)
+    counts["kept_out_passages"] = len(out)
+    return out
 
 
 def _synthetic_split(docs: list[Document], with_integration: bool, seed: int) -> SourceSplit:
@@ -397,6 +430,7 @@ def file_source(
     hf_split: str = "train",
     filler: Optional[list[str]] = None,
     nq_split: QuestionSplit = QuestionSplit(),
+    near: NearDuplicates = NearDuplicates(),
 ) -> SourceData:
     """An `nq` or `hf` source read through `fields` (NQ_FIELDS for nq): nq split by question (`nq_split`), hf
     by evidence passage (`_split_records`)."""
@@ -405,7 +439,7 @@ def file_source(
     nq = kind == DataSource.nq
     mapped = NQ_FIELDS if nq else fields
     train, held, skipped, split = _split_records(
-        _records(ds, mapped, path), filler or [], num_train, num_heldout, seed, nq_split if nq else None,
+        _records(ds, mapped, path), filler or [], num_train, num_heldout, seed, nq_split if nq else None, near,
     )
     if not train.questions and not held.questions and skipped["empty_answer"] == len(ds):
         raise ValueError(
@@ -452,7 +486,7 @@ def load_source(cfg: DataConfig, cache_dir: Path, *, with_integration: bool) -> 
     elif cfg.source in (DataSource.nq, DataSource.hf):
         data = file_source(
             cfg.source, cfg.path, cfg.fields, cfg.num_train_docs, cfg.num_eval_docs, cfg.seed,
-            cache_dir, cfg.hf_config, cfg.hf_split, filler, cfg.nq_split,
+            cache_dir, cfg.hf_config, cfg.hf_split, filler, cfg.nq_split, cfg.near_duplicates,
         )
     else:
         raise ValueError(f"data.source={cfg.source!r} is not a known source (known: synthetic, nq, hf)")

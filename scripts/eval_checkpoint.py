@@ -32,7 +32,9 @@ token ids and are never wrapped. mdqa needs `data_dir` or `mdqa.path`; in2 needs
 of `mdqa.split` (data_builders.question_split), `mdqa.questions=dev` or `test` one fixed part of them (choose
 settings on dev, report on test); a run trained on NQ (`data.source=nq`) must be asked one of these, with
 `mdqa.split` equal to its `data.nq_split`, or it fails before loading, naming the keys. Every item's gold answer
-is also scored by its teacher-forced log-likelihood (`loglik=false` turns it off; analysis.evaluation.loglik).
+is also scored by its teacher-forced log-likelihood (`loglik=false` turns it off; analysis.evaluation.loglik);
+`answers=false` gives that log-likelihood alone, without greedy answers: a position curve at one forward pass an
+item.
 Every answer is recorded as it is made (`$POSDEBIAS_CACHE/evaluations/answered`, keyed by the weights, the items
 and every setting): the same command run again after a kill answers only what is missing, and its results equal an
 uninterrupted run's (`resume=false` answers everything and records nothing).
@@ -148,6 +150,7 @@ class EvalCheckpointConfig:
     attn_implementation: Optional[str] = None  # eager, sdpa, flash_attention_2, ...; None = transformers' default
     chat_template: bool = False  # wrap text prompts in the tokenizer's chat template (instruct models)
     loglik: bool = True  # also score each item's gold answer by its teacher-forced log-likelihood (one prompt pass)
+    answers: bool = True  # false: the log-likelihood alone, no greedy answers (a position curve at a forward an item)
     # record every answer as it is made ($POSDEBIAS_CACHE/evaluations/answered): the same command run again after a
     # kill answers only what is missing (false: answer everything, record nothing)
     resume: bool = True
@@ -181,6 +184,9 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
     except ValueError as err:  # a settings class's own check (attn_calibration.temperature, ...)
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
+    if not cfg.answers and not cfg.loglik:
+        print("error: answers=false with loglik=false would measure nothing: turn one on", file=sys.stderr)
+        raise SystemExit(2)
     if not cfg.probes or cfg.examples < 1:
         print(f"error: give at least one probe (got {cfg.probes}) and examples >= 1 (got {cfg.examples})",
               file=sys.stderr)
@@ -255,7 +261,8 @@ def evaluate_checkpoint(ckpt: str | Path, cfg: EvalCheckpointConfig) -> tuple[Pa
         in2 = build_in2_items(reference, tokenizer, cfg.examples)
     eval_cfg = EvalConfig(probe_examples=cfg.examples, data_dir=cfg.data_dir, batch_size=cfg.batch_size,
                           batch_tokens=cfg.batch_tokens,
-                          chat_template=cfg.chat_template, loglik=cfg.loglik, kv=cfg.kv, mdqa=cfg.mdqa,
+                          chat_template=cfg.chat_template, loglik=cfg.loglik, answers=cfg.answers, kv=cfg.kv,
+                          mdqa=cfg.mdqa,
                           needle=cfg.needle, valprobing=cfg.valprobing)
     try:
         check_valprobing(eval_cfg, prefix="")

@@ -53,12 +53,8 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -66,12 +62,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from analysis import probe_study
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
-from data_builders.files import atomic_file, atomic_write_text
-from data_builders.tokenizer import default_cache_dir
+from data_builders.files import atomic_write_text
 from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, TRAIN_LOG, RunDir
+from scripts.jobs import CACHE, ROOT, STOP_SIGNALS, Job, Keep, Scheduler, experiment_cache, stopped
 from train import compose_config
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXP = "reads_middle"
 DEFAULT_BASE = "wheel:smollm2-135m-instruct"
 PHASES = ("train", "dev", "select", "test", "report")
@@ -84,162 +79,15 @@ EVALUATIONS = {
     "kv": ("kv", None, ["probes=[kv]", "kv.n_pairs=10", "examples=100"]),
 }
 DEV = "mdqa_dev"
-CACHE = "cache"  # <out>/cache: the jobs' POSDEBIAS_CACHE
 # what --keep copies: paths under <out>, as globs (a run's files once it finished)
 KEPT = (PLAN, SELECTION, "evals/*/*/eval/*.json", f"{CACHE}/distill_responses/*.json",
         f"{CACHE}/evaluations/answered/*.jsonl",
         *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, DISTILL_RESPONSES)))
-STOP_GRACE_S = 600  # how long a stopped job may take to save its checkpoint or flush its answers
-CHECKPOINT_EVERY_S = 300  # --keep copies at least this often while a job runs (a machine can die any time)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-@dataclass
-class Job:
-    """A command of the experiment: its log, what it waits for, and whether it is done already."""
-
-    name: str
-    command: list[str]
-    log: Path
-    after: tuple[str, ...] = ()
-    done: bool = False
-    # start once this file exists or the job named second has ended (pos2distill runs wait for the first one's
-    # teacher answers, which they then read from the cache instead of computing them again)
-    wait_for: tuple[Path, str] | None = None
-
-
-@dataclass
-class Scheduler:
-    """Runs jobs, up to `parallel` at once, each when the jobs it waits for succeeded; a failed job fails its
-    dependants without running them."""
-
-    parallel: int
-    deadline: float | None = None
-    env: dict[str, str] = field(default_factory=dict)  # added to the jobs' environment
-    # called whenever a job ends, every CHECKPOINT_EVERY_S while one runs, and when the scheduler is stopped
-    checkpoint: Callable[[], None] | None = None
-    started_at: float = field(default_factory=time.monotonic)
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def run(self, jobs: Sequence[Job]) -> None:
-        running: dict[str, tuple[subprocess.Popen, Job]] = {}
-        try:
-            self._run(jobs, running)
-        finally:  # stopped (SIGTERM, Ctrl-C): each job under way stops cleanly too
-            if running and self.checkpoint is not None:
-                self.checkpoint()
-            for proc, _ in running.values():
-                proc.terminate()
-            for proc, job in running.values():
-                try:
-                    proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                self.failed[job.name] = f"stopped (log {job.log})"
-
-    def _run(self, jobs: Sequence[Job], running: dict[str, tuple[subprocess.Popen, Job]]) -> None:
-        waiting = [j for j in jobs if not j.done]
-        finished = {j.name for j in jobs if j.done}
-        checkpointed = time.monotonic()
-        while waiting or running:
-            ended_now = False
-            for name, (proc, job) in list(running.items()):
-                if proc.poll() is not None:
-                    del running[name]
-                    ended_now = True
-                    if proc.returncode == 0:
-                        finished.add(name)
-                        print(f"[reads_middle] done: {name}", flush=True)
-                    else:
-                        self.failed[name] = f"exit {proc.returncode}, log {job.log}"
-                        print(f"[reads_middle] FAILED: {name} (exit {proc.returncode}; {job.log})", flush=True)
-            for job in list(waiting):
-                if any(a in self.failed for a in job.after):
-                    waiting.remove(job)
-                    self.failed[job.name] = f"not run: {', '.join(a for a in job.after if a in self.failed)} failed"
-            late = self.deadline is not None and time.monotonic() - self.started_at > self.deadline
-            if late and waiting:
-                for job in waiting:
-                    self.failed[job.name] = "not started: past --deadline"
-                waiting = []
-            ended = finished | set(self.failed)
-
-            def ready(job: Job) -> bool:
-                return all(a in finished for a in job.after) and (
-                    job.wait_for is None or job.wait_for[0].exists() or job.wait_for[1] in ended)
-
-            for job in [j for j in waiting if ready(j)]:
-                if len(running) >= self.parallel:
-                    break
-                waiting.remove(job)
-                job.log.parent.mkdir(parents=True, exist_ok=True)
-                print(f"[reads_middle] start: {job.name}: {' '.join(job.command)}", flush=True)
-                with open(job.log, "ab") as log:
-                    proc = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
-                running[job.name] = (proc, job)
-            if waiting and not running:  # nothing can start any more: what they wait for will never come
-                for job in waiting:
-                    self.failed[job.name] = "not run: what it waits for did not finish"
-                waiting = []
-            if self.checkpoint is not None and (ended_now or time.monotonic() - checkpointed > CHECKPOINT_EVERY_S):
-                self.checkpoint()
-                checkpointed = time.monotonic()
-            time.sleep(0.5)
-
-
-def grid_cache(out: Path) -> Path:
-    """`<out>/cache`, the experiment's jobs' POSDEBIAS_CACHE, its `models` linked to the user's cache's (a model
-    is fetched and converted once for every experiment)."""
-    cache = out / CACHE
-    models = cache / "models"
-    if not models.exists() and not models.is_symlink():
-        shared = default_cache_dir() / "models"
-        shared.mkdir(parents=True, exist_ok=True)
-        cache.mkdir(parents=True, exist_ok=True)
-        models.symlink_to(shared.resolve(), target_is_directory=True)
-    return cache
-
-
-@dataclass
-class Keep:
-    """The part of an experiment folder that outlives its machine (`KEPT`), mirrored in `folder`."""
-
-    folder: Path
-    out: Path
-
-    @staticmethod
-    def files(root: Path) -> list[Path]:
-        return sorted({p.relative_to(root) for pattern in KEPT for p in root.glob(pattern) if p.is_file()})
-
-    def restore(self) -> list[Path]:
-        """Copy into `out` every kept file it lacks; the paths copied. ValueError when the two hold other plans."""
-        plans = [root / PLAN for root in (self.folder, self.out)]
-        if all(p.is_file() for p in plans) and plans[0].read_bytes() != plans[1].read_bytes():
-            raise ValueError(f"{plans[0]} and {plans[1]} are the plans of two experiments: keep each in its own folder")
-        missing = [rel for rel in self.files(self.folder) if not (self.out / rel).exists()]
-        for rel in missing:
-            _copy(self.folder / rel, self.out / rel)
-        return missing
-
-    def save(self) -> list[Path]:
-        """Copy into `folder` every kept file of `out` that it lacks or holds otherwise, never one that is the start
-        of what is kept (an answer record behind the kept one); a run's files once the run finished (a run trained
-        again replaces its earlier record). The paths copied."""
-        changed = []
-        for rel in self.files(self.out):
-            if rel.parts[0] == "runs" and not RunDir(self.out / rel.parent).finished.is_file():
-                continue
-            kept, mine = self.folder / rel, (self.out / rel).read_bytes()
-            if not kept.is_file() or not kept.read_bytes().startswith(mine):
-                _copy(self.out / rel, kept)
-                changed.append(rel)
-        return changed
-
-
-def _copy(src: Path, dst: Path) -> None:
-    with open(src, "rb") as f, atomic_file(dst) as out:
-        shutil.copyfileobj(f, out)
+def kept_in(folder: Path, out: Path) -> Keep:
+    """`--keep folder`: the experiment `out`'s plan, choice, evaluations, answer records and finished runs' files."""
+    return Keep(folder, out, KEPT, PLAN)
 
 
 def sweep_grid(exp: str, sweep: Sequence[str]) -> dict[str, list[str]]:
@@ -417,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    keep = None if args.keep is None else Keep(args.keep.resolve(), out)
+    keep = None if args.keep is None else kept_in(args.keep.resolve(), out)
     if keep is not None:
         try:
             restored = keep.restore()
@@ -426,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if restored:
             print(f"[reads_middle] {len(restored)} files restored from {keep.folder}", flush=True)
-    handlers = {sig: signal.signal(sig, _stopped) for sig in STOP_SIGNALS}
+    handlers = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
     try:
         return _main(args, out, keep)
     finally:
@@ -436,14 +284,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[reads_middle] {len(saved)} files kept in {keep.folder}", flush=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-
-
-def _stopped(signum: int, frame: object) -> None:
-    """SIGTERM or Ctrl-C: stop (the jobs under way stop cleanly, the keep is saved); a second one is ignored so
-    that the stop finishes."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
 
 
 def _main(args: argparse.Namespace, out: Path, keep: Keep | None) -> int:
@@ -468,8 +308,8 @@ def _main(args: argparse.Namespace, out: Path, keep: Keep | None) -> int:
         atomic_write_text(plan_path, json.dumps(fresh, indent=1))
     plan = probe_study.read_plan(out)
     base = args.base or compose_config([f"+exp={args.exp}", *args.train_args]).model.get("pretrained") or DEFAULT_BASE
-    scheduler = Scheduler(max(1, args.parallel), args.deadline, {"POSDEBIAS_CACHE": str(grid_cache(out))},
-                          None if keep is None else keep.save)
+    scheduler = Scheduler(max(1, args.parallel), args.deadline, "reads_middle",
+                          {"POSDEBIAS_CACHE": str(experiment_cache(out))}, None if keep is None else keep.save)
     phases = set(args.phase)
 
     per_arm = arm_args(args.arm_args)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -331,3 +332,16 @@ def test_out_holding_another_checkpoints_answers_is_refused(model_dir, tmp_path,
     # the same checkpoint loaded otherwise (another dtype: another digest) replaces its own answers
     assert eval_checkpoint.main([str(model_dir), *ARGS, "dtype=bfloat16", f"out={out}"]) == 0
     assert eval_checkpoint.main([str(other), *ARGS, f"out={tmp_path / 'other-evals'}"]) == 0
+
+
+def test_answers_false_gives_the_log_likelihood_alone(model_dir, tmp_path, generate_calls):
+    assert eval_checkpoint.main([str(model_dir), *ARGS, "answers=false", f"out={tmp_path / 'out'}"]) == 0
+    result = ProbeResult.load_json(tmp_path / "out" / "eval" / "needle_step0.json")
+    assert not generate_calls  # nothing was generated
+    assert all(math.isnan(o["correct"]) and math.isfinite(o["loglik"]) for o in result.outcomes)
+
+
+def test_answers_false_without_the_log_likelihood_measures_nothing(model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        eval_checkpoint.main([str(model_dir), *ARGS, "answers=false", "loglik=false", f"out={tmp_path / 'out'}"])
+    assert stop.value.code == 2 and "answers=false with loglik=false would measure nothing" in capsys.readouterr().err

@@ -132,6 +132,10 @@ def test_what_a_resume_may_change_is_only_length_cadence_and_logging():
     assert differences(saved, {"trainer": {"max_steps": 4, "lr": 2e-3}, "data": {"context_len": 256},
                                "logger": {"mode": "offline"}}) == [("data.context_len", 128, 256),
                                                                    ("trainer.lr", 1e-3, 2e-3)]
+    # a setting added since the checkpoint was written is compared with its default; one the schema dropped is not
+    assert differences(saved, {**saved, "watch": {"every": 0}}, {"watch": {"every": 1}}) == [("watch.every", 1, 0)]
+    assert differences(saved, {**saved, "watch": {"every": 1}}, {"watch": {"every": 1}}) == []
+    assert differences({**saved, "gone": 1}, saved) == []
     keys = {f"{section}.{key}" for section, node in TrainConfig().__dict__.items() if hasattr(node, "__dict__")
             for key in node.__dict__}
     assert not [k for k in MAY_CHANGE if not k.endswith(".") and "." in k and k not in keys], "a key TrainConfig lacks"

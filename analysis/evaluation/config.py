@@ -223,6 +223,9 @@ class EvalConfig:
     # .loglik): position without answer format, one extra prompt pass an item; of the first loglik_aliases aliases.
     loglik: bool = True
     loglik_aliases: int = 3
+    # false: the gold answer's log-likelihood alone, no greedy answers (`correct` is nan): a position curve at the
+    # cost of one forward pass an item (scripts.eval_checkpoint answers=false)
+    answers: bool = True
     kv: KVProbeConfig = field(default_factory=KVProbeConfig)
     mdqa: MDQAProbeConfig = field(default_factory=MDQAProbeConfig)
     needle: NeedleProbeConfig = field(default_factory=NeedleProbeConfig)

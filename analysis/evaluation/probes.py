@@ -267,7 +267,7 @@ def evaluate_probes(
         # VaLProbing asks every position of one long context: its items share that context's prefill
         valprobing = Probe(name).valprobing_task is not None
         shared = valprobing and calibration is None
-        answers = not valprobing or cfg.valprobing.answers
+        answers = cfg.answers and (not valprobing or cfg.valprobing.answers)
         budget = probe_budget(name, cfg)
         generate, loglik, prefill = _answer_fns(
             model, tokenizer, cfg, budget, first_line_only=name == "mdqa", chat_template=cfg.chat_template,

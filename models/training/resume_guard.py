@@ -55,11 +55,15 @@ def may_change(key: str) -> bool:
     return any(key == allowed or (allowed.endswith(".") and key.startswith(allowed)) for allowed in MAY_CHANGE)
 
 
-def differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, value in the checkpoint's run, value now) of every setting that differs and may not."""
+def differences(saved: Mapping[str, Any], now: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+                ) -> list[tuple[str, Any, Any]]:
+    """(key, value in the checkpoint's run, value now) of every setting that differs and may not. A key the
+    checkpoint's config lacks (a setting added since) is compared with its default in `defaults` (a new setting's
+    default keeps the old behaviour); a key the config no longer has is not compared."""
     before, after = _flat(_plain(dict(saved))), _flat(_plain(dict(now)))
-    return [(key, before.get(key), after.get(key)) for key in sorted(before.keys() | after.keys())
-            if before.get(key) != after.get(key) and not may_change(key)]
+    default = _flat(_plain(dict(defaults or {})))
+    return [(key, before.get(key, default.get(key)), after[key]) for key in sorted(after)
+            if before.get(key, default.get(key)) != after[key] and not may_change(key)]
 
 
 def trained_with(ckpt: Path) -> Optional[dict[str, Any]]:
@@ -74,7 +78,7 @@ def trained_with(ckpt: Path) -> Optional[dict[str, Any]]:
     return None
 
 
-def check_hydra_resume(config: DictConfig) -> None:
+def check_hydra_resume(config: DictConfig, defaults: Mapping[str, Any] | None = None) -> None:
     """`check_resume` of a single run's composed config (with its `hydra` node), before Hydra writes `.hydra/`; a
     resume that may go on keeps the run's first config (`keep_first_config`). A checkpoint it cannot find, or a value
     resolved from Hydra's own node, is left to train.py's check, which names it."""
@@ -88,12 +92,14 @@ def check_hydra_resume(config: DictConfig) -> None:
     except (OSError, ValueError, OmegaConfBaseException):
         return
     if ckpt is not None:
-        check_resume(ckpt, now, str(resume_from))
+        check_resume(ckpt, now, str(resume_from), defaults)
         keep_first_config(run_dir)
 
 
-def check_resume(ckpt: Path, now: Mapping[str, Any], resume_from: str) -> None:
-    """ResumeRefused when resuming `ckpt` under the config `now` would not continue the run that wrote it."""
+def check_resume(ckpt: Path, now: Mapping[str, Any], resume_from: str, defaults: Mapping[str, Any] | None = None
+                 ) -> None:
+    """ResumeRefused when resuming `ckpt` under the config `now` would not continue the run that wrote it;
+    `defaults`: every setting's default (`differences`)."""
     state, max_steps = TrainerState.read(ckpt), now["trainer"]["max_steps"]
     named = f"trainer.resume_from={resume_from}" + ("" if Path(resume_from) == ckpt else f" ({ckpt})")
     if state.step > max_steps:
@@ -102,7 +108,7 @@ def check_resume(ckpt: Path, now: Mapping[str, Any], resume_from: str) -> None:
     saved = trained_with(ckpt)
     if saved is None:
         return
-    differ = differences(saved, now)
+    differ = differences(saved, now, defaults)
     if not differ:
         return
     listed = ", ".join(f"{key} ({before!r} there, {after!r} now)" for key, before, after in differ[:SHOWN])

