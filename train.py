@@ -24,7 +24,6 @@ from typing import Any, Iterator, Literal, Mapping, Optional, Sequence
 import hydra
 import numpy as np
 import torch
-from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -35,12 +34,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.config import EvalConfig, Probe, check_mdqa_questions, check_probes, probe_source
-from analysis.evaluation.distill_responses import (
-    answer_training_samples,
-    cached_answers,
-    model_answer_fn,
-    settings_of,
-)
+from analysis.evaluation.distill_responses import cached_answers, model_answer_fn, settings_of
 from analysis.evaluation.probes import build_probes, evaluate_in2, evaluate_probes
 from analysis.evaluation.result import Checkpoint, ProbeResult, write_eval_json
 from analysis.evaluation.reuse import function_digest
@@ -103,7 +97,6 @@ from analysis.report.run_summary import headline_numbers, run_summary
 from data_builders.build import DataBundle, build_datasets, built_with, train_documents
 from data_builders.collate import BatchStream, collate
 from data_builders.config import DataConfig, DataFormat, DataSource, In2Layout, validate_data
-from data_builders.distill_data import check_teacher_columns, distill_split
 from data_builders.files import atomic_write_text
 from data_builders.in2 import make_format
 from data_builders.needle_mix import mixed_rows, training_mix, validate_needle_mix
@@ -119,7 +112,7 @@ from models.build import (
     validate_model,
 )
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
-from models.training import renamed_keys, run_lock
+from models.training import objectives, renamed_keys, run_lock
 from models.training.checkpoint import (
     atomic_checkpoint,
     check_resume_rope,
@@ -129,14 +122,7 @@ from models.training.checkpoint import (
     remove_stale_temporaries,
     resolve_checkpoint,
 )
-from models.training.debias import (
-    DebiasConfig,
-    DebiasObjective,
-    Objective,
-    validate_debias,
-    validate_objective_choice,
-    validate_pos2distill,
-)
+from models.training.debias import DebiasConfig, validate_objective_choice
 from models.training.distributed import (
     Device,
     DistInfo,
@@ -161,6 +147,7 @@ from models.training.engines import (
     zero3_load_context,
 )
 from models.training.loss import causal_lm_loss, labelled_nll
+from models.training.objectives import Context, Preparation, StartUp, TrainingObjective, objective_class
 from models.training.required_values import check_required, choices_of
 from models.training.resume_guard import check_resume
 from models.training.run_dir import CHECKPOINT_CONFIG, RunDir, run_dir_of
@@ -374,8 +361,8 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
         check_mdqa_questions(cfg.eval.mdqa, built_with(cfg.data))
     validate_watch_in_run(cfg)
     validate_objective_choice(cfg.debias)
-    validate_pos2distill(cfg.debias, cfg.data, built_with(cfg.data), cfg.peft.method, cfg.model.attention)
-    validate_debias(cfg.debias, jac.every, t.sequence_parallel, cfg.data.format == DataFormat.in2)
+    objectives.validate(StartUp(cfg.debias, cfg.data, built_with(cfg.data), cfg.peft.method, cfg.model.attention,
+                                jac.every, t.sequence_parallel))
     validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)
 
 
@@ -500,7 +487,7 @@ class Run:
     model: PreTrainedModel  # the module to measure and save (inside the engine)
     engine: TorchEngine | DeepSpeedEngine
     stream: BatchStream
-    objective: Optional[DebiasObjective]  # the debias objective (None: the plain mean loss)
+    objective: TrainingObjective  # debias.objective's loss (models.training.objectives)
     logger: MetricsLogger | NullLogger
     jacobian_seqs: dict[str, torch.Tensor]  # empty when the Jacobian is off
     recorder: Optional[JacobianRecorder]  # main process only
@@ -539,7 +526,7 @@ class Run:
 def build_engine(model: torch.nn.Module, t: TrainerConfig, ds_config: Optional[dict[str, Any]], pad_id: int = 0,
                  loss_fn: Any = causal_lm_loss) -> TorchEngine | DeepSpeedEngine:
     """Single-process torch or DeepSpeed (`ds_config` of `deepspeed_config`), one AdamW and one schedule for both;
-    `loss_fn(model, batch, device)` is the micro-batch loss (a debias objective, or the plain mean)."""
+    `loss_fn(model, batch, device)` is the micro-batch loss (debias.objective's)."""
 
     def make_optimizer(params):
         return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -625,15 +612,13 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     if info.is_main_process:
         tokenizer.save_pretrained(RunDir(run_dir).tokenizer)
     model, zero3 = load_model(cfg, run_dir, tokenizer, info, ds_config)
-    objective = (DebiasObjective(cfg.debias, model.config.num_hidden_layers, all_sum,
-                                 built_with(cfg.data).in2.teacher_slot_index)
-                 if cfg.debias.objective != Objective.mean else None)
+    objective = objectives.build(Context(cfg.debias, model.config.num_hidden_layers, all_sum, built_with(cfg.data)))
     slot_loss = watched_loss(cfg)
-    loss_fn = objective or causal_lm_loss
     engine = build_engine(model, cfg.trainer, ds_config, tokenizer.pad_token_id,
-                          tapped(loss_fn, slot_loss) if slot_loss is not None else loss_fn)
-    if cfg.debias.objective == Objective.pos2distill:  # the targets: the starting model's answers at the strong slot
-        bundle = dataclasses.replace(bundle, train=distill_targets(cfg, run_dir, bundle, engine, info))
+                          tapped(objective, slot_loss) if slot_loss is not None else objective)
+    prepared = objective.prepare(preparation(cfg, run_dir, bundle, engine, info))
+    if prepared is not None:  # the objective's own training targets (pos2distill: the starting model's answers)
+        bundle = dataclasses.replace(bundle, train=prepared)
     probe_items = build_probes(cfg.eval, tokenizer) if cfg.eval.probes else {}
     stream = build_stream(cfg, bundle, tokenizer, info, probe_items)
     if info.is_main_process:
@@ -685,9 +670,11 @@ def build_stream(cfg: TrainConfig, bundle: DataBundle, tokenizer: PreTrainedToke
     return BatchStream(bundle.train, t.micro_batch_size, tokenizer.pad_token_id, cfg.seed, group, groups,
                        label_context=cfg.data.in2.label_context, ordered_first_epoch=in_order,
                        pack_len=(cfg.data.pack_len or cfg.data.context_len) if cfg.data.packing else None,
-                       depths=cfg.debias.needs_depths or cfg.watch.on, mix=needle_mix(cfg, tokenizer, probe_items),
+                       depths=objective_class(cfg.debias.objective).batch_depths or cfg.watch.on,
+                       mix=needle_mix(cfg, tokenizer, probe_items),
                        mix_rows=mixed_rows(cfg.debias.needle_mix.share, t.micro_batch_size),
-                       teacher=cfg.debias.objective == Objective.pos2distill, pad_to_multiple_of=t.pad_to_multiple_of)
+                       teacher=objective_class(cfg.debias.objective).batch_teacher,
+                       pad_to_multiple_of=t.pad_to_multiple_of)
 
 
 def watched_loss(cfg: TrainConfig) -> Optional[SlotLoss]:
@@ -720,40 +707,25 @@ def watch_nq_file(cfg: TrainConfig) -> Optional[Path]:
     return Path(built.path) if built.source == DataSource.nq and built.path else None
 
 
-def distill_targets(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, engine: TorchEngine | DeepSpeedEngine,
-                    info: DistInfo) -> Dataset:
-    """pos2distill's training split: every sample's teacher prompt answered by the starting model (adapters off),
-    the correct answers kept as the target of its student and teacher sequences (data_builders.distill_data); the
-    counts logged, every answer written to distill_responses.json.
+def preparation(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, engine: TorchEngine | DeepSpeedEngine,
+                info: DistInfo) -> Preparation:
+    """What an objective's `prepare` may use (models.training.objectives.Preparation): the training split, and the
+    starting model's greedy answers to prompts (adapters off), which a single process caches by the starting function,
+    prompts and settings (analysis.evaluation.distill_responses.cached_answers). Every rank answers every prompt (under
+    ZeRO-3 each forward gathers the weights collectively); `share` gives every rank the main process's result."""
+    tokenizer, model = bundle.tokenizer, engine.module
 
-    Every rank answers every prompt (under ZeRO-3 each forward gathers the weights collectively) and the main
-    process's answers are used. A single process reads the answers an earlier run stored for the same starting
-    function, prompts and settings (analysis.evaluation.distill_responses.cached_answers).
-    """
-    c, t, tokenizer, model = cfg.debias.distill, cfg.trainer, bundle.tokenizer, engine.module
-    check_teacher_columns(bundle.train)
-    answer = model_answer_fn(model, tokenizer, c.max_new_tokens, cfg.eval.batch_size, cfg.eval.batch_tokens,
-                             progress=info.is_main_process)
-    if info.world_size == 1:
-        settings = settings_of(tokenizer, c.max_new_tokens, cfg.eval.batch_size, cfg.eval.batch_tokens)
-        answer = cached_answers(answer, model, settings, default_cache_dir())
-    built = built_with(cfg.data)
-    responses = answer_training_samples(bundle.train, answer, tokenizer, built.context_len, c.keep_wrong)
-    responses = broadcast_object(responses, engine.device)  # every rank keeps the main process's answers
-    n = responses.counts
-    if info.is_main_process:
-        atomic_write_text(RunDir(run_dir).distill_responses, json.dumps(responses.to_json(), indent=1))
-        log.info("pos2distill: with the gold at slot %d the starting model answered %d of %d training questions "
-                 "correctly; %d kept as targets, dropped %d wrong and %d longer than data.context_len=%d (%s)",
-                 built.in2.teacher_slot_index, n["correct"], n["samples"], n["kept"], n["dropped_wrong"],
-                 n["dropped_longer_than_context_len"], built.context_len, RunDir(run_dir).distill_responses)
-    groups = info.world_size // t.sequence_parallel
-    if n["kept"] < t.micro_batch_size * groups:
-        raise ValueError(f"debias.objective=pos2distill kept {n['kept']} of {n['samples']} training samples (the "
-                         f"starting model's correct answers at the strong slot), fewer than one global micro-batch "
-                         f"of {t.micro_batch_size} x {groups}: raise data.num_train (or debias.distill.keep_wrong=true "
-                         f"to keep wrong answers too); {RunDir(run_dir).distill_responses} has the answers")
-    return distill_split(bundle.train, responses.targets, tokenizer.eos_token_id)
+    def answers(max_new_tokens: int):
+        answer = model_answer_fn(model, tokenizer, max_new_tokens, cfg.eval.batch_size, cfg.eval.batch_tokens,
+                                 progress=info.is_main_process)
+        if info.world_size > 1:
+            return answer
+        settings = settings_of(tokenizer, max_new_tokens, cfg.eval.batch_size, cfg.eval.batch_tokens)
+        return cached_answers(answer, model, settings, default_cache_dir())
+
+    return Preparation(bundle.train, tokenizer, run_dir, cfg.trainer.micro_batch_size,
+                       info.world_size // cfg.trainer.sequence_parallel, info.is_main_process, answers,
+                       lambda obj: broadcast_object(obj, engine.device))
 
 
 def log_setup(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, model: PreTrainedModel, info: DistInfo) -> None:
@@ -835,8 +807,7 @@ def resume(run: Run, ckpt: Path) -> None:
     run.engine.load(ckpt)
     state = TrainerState.load(ckpt, run.info.rank)
     run.start_step, run.stream.position, run.checkpoint = state.step, state.stream_position, ckpt
-    if run.objective is not None:
-        run.objective.load_state_dict(state.debias or {})
+    run.objective.load_state_dict(state.debias or {})
     if run.probe_window is not None:
         run.probe_window.load_state_dict(state.jacobian_window or {})  # an older checkpoint: the window starts anew
     run.health.load_state_dict(state.health or {})
@@ -888,8 +859,7 @@ def measure_jacobian(run: Run, step: int) -> dict[str, float]:
         metrics.update(prefixed(topology_metrics(profile, run.n_layers), name))
     metrics.update(rollout_set_metrics(profiles, rolls))
     metrics["jacobian/wall_s"] = time.perf_counter() - started  # profiles, fits and rollouts: what it costs a step
-    if run.objective is not None:
-        run.objective.observe(metrics)  # depth_weight follows the latest fitted alpha
+    run.objective.observe(metrics)  # depth_weight follows the latest fitted alpha
     if run.recorder is None:
         return metrics
     run.recorder.add(step, results)
@@ -1013,7 +983,7 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
         # group_dro's q, loss_weight's averages: an exact resume needs them; the wandb run: a run resumed from
         # here continues it
         state = TrainerState(step=step, stream_position=run.stream.position, metrics_bytes=metrics_bytes,
-                             debias=run.objective.state_dict() if run.objective is not None else None,
+                             debias=run.objective.state_dict() or None,
                              wandb_run_id=run.logger.run_id, health=run.health.state_dict(), watch=watch_state(run),
                              jacobian_window=run.probe_window.state_dict() if run.probe_window is not None else None)
         state.save(folder, run.info.rank)
@@ -1090,7 +1060,7 @@ def optimizer_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: i
     return {"train/loss": loss, "train/lr": run.engine.current_lr(), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens / (time.perf_counter() - t0), "train/tokens": tokens,
             **run.health.metrics(), "train/peak_mem_mib": peak_memory_mib(run.engine.device),
-            **(run.objective.metrics() if run.objective is not None else {}),
+            **run.objective.metrics(),
             **(run.slot_loss.end_step() if run.slot_loss is not None else {})}
 
 

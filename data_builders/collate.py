@@ -6,7 +6,7 @@ samples end to end with `position_ids` restarting at 0 per sample and no `attent
 which transformers builds a block-diagonal causal mask (sdpa, eager, flex) or the sequence
 boundaries (flash_attention_2): no token attends across samples, and no compute goes to padding
 beyond each row's tail. Either way `num_tokens` counts the real tokens (it is not a model input).
-With `depths` (the per-sample objectives of models.training.debias) a batch also carries `depths` (S,), each
+With `depths` (the per-sample objectives of models.training.objectives) a batch also carries `depths` (S,), each
 sample's gold depth, and `sample_ids` (B, L), the sample each token belongs to (-1: padding). With `teacher`
 (debias=pos2distill, padded batches only) it also carries each sample's teacher sequence, padded as the samples
 are: `teacher_input_ids`, `teacher_labels`, `teacher_attention_mask` (B, Lt), and `gold_slots` (B,).

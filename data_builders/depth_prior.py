@@ -1,7 +1,7 @@
 """The positional prior's weight of a gold at relative depth d, for depth laws and loss weights.
 
 Kept here, below `analysis.measure.prior` (which holds the prior's general forms, schedules and fits), because
-the IN2 builder's `valley` depth law and the `depth_weight` objective (models.training.debias) both read it and
+the IN2 builder's `valley` depth law and the `depth_weight` objective (models.training.objectives) both read it and
 must not import upwards. It equals `analysis.measure.prior.prior_density` for a constant residual weight (test).
 """
 from __future__ import annotations

@@ -11,12 +11,19 @@ its `prompt_len`, `context_tokens` (`data_builders.build.train_documents` reads 
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from datasets import Dataset, Features, List, Value
 
+from data_builders.text import best_subspan_em, first_line
+
 IGNORE = -100
+WRONG = "wrong"  # the first line does not hold an answer (best_subspan_em 0)
+TOO_LONG = "longer_than_context_len"  # prompt + answer + eos exceeds data.context_len (student or teacher)
+
+AnswerFn = Callable[[Sequence[Sequence[int]]], list[list[int]]]  # prompts' token ids -> the answers' token ids
 DISTILL_FEATURES = Features({
     "input_ids": List(Value("int32")),  # student prompt + response + eos
     "labels": List(Value("int32")),  # -100 on the prompt, then the response and eos
@@ -69,3 +76,42 @@ def distill_split(train: Dataset, responses: Sequence[Optional[Sequence[int]]], 
         for name, value in row.items():
             rows[name].append(value)
     return Dataset.from_dict(rows, features=DISTILL_FEATURES)
+
+
+@dataclass
+class DistillResponses:
+    """The answers to the training samples' teacher prompts, and which of them became targets."""
+
+    targets: list[Optional[list[int]]]  # per sample: the kept answer's token ids (the target before eos), or None
+    samples: list[dict[str, Any]]  # per sample: id, gold_slot, answer text, first_line, correct, kept, dropped
+    counts: dict[str, int] = field(default_factory=dict)  # samples, correct, kept, dropped and why
+
+    def to_json(self) -> dict[str, Any]:
+        return {"counts": self.counts, "samples": self.samples}
+
+
+def answer_training_samples(train: Any, answer: AnswerFn, tokenizer: Any, context_len: int,
+                            keep_wrong: bool = False) -> DistillResponses:
+    """Answer every sample's teacher prompt (`train`: a split with prompt_len, teacher_prompt_ids, gold_slot, answers
+    and id), score each answer's first line, and keep the correct ones that fit (module docstring)."""
+    teacher_prompts = [list(p) for p in train["teacher_prompt_ids"]]
+    answers = answer(teacher_prompts)
+    if len(answers) != len(teacher_prompts):
+        raise ValueError(f"the answer function returned {len(answers)} answers for {len(teacher_prompts)} prompts")
+    prompt_lens = [max(s, len(t)) for s, t in zip(train["prompt_len"], teacher_prompts)]  # the longer of the two
+    targets: list[Optional[list[int]]] = []
+    samples = []
+    counts = {"samples": len(answers), "correct": 0, "kept": 0, f"dropped_{WRONG}": 0, f"dropped_{TOO_LONG}": 0}
+    for ids, prompt_len, sample_id, slot, gold in zip(answers, prompt_lens, train["id"], train["gold_slot"],
+                                                      train["answers"]):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        correct = best_subspan_em(first_line(text), gold) == 1.0
+        dropped = (WRONG if not (correct or keep_wrong) else
+                   TOO_LONG if prompt_len + len(ids) + 1 > context_len else None)
+        targets.append(None if dropped else list(ids))
+        samples.append({"id": sample_id, "gold_slot": slot, "answer": text, "first_line": first_line(text),
+                        "answers": list(gold), "tokens": len(ids), "correct": correct, "kept": dropped is None,
+                        "dropped": dropped})
+        counts["correct"] += correct
+        counts["kept" if dropped is None else f"dropped_{dropped}"] += 1
+    return DistillResponses(targets, samples, counts)

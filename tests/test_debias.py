@@ -21,19 +21,20 @@ from data_builders.depth_prior import depth_prior
 from data_builders.in2 import offset_law
 from data_builders.needle_mix import retrieval_samples
 from data_builders.tokenizer import train_bpe_tokenizer
-from models.training.debias import (
-    BinLossWeights,
-    DebiasConfig,
-    DebiasObjective,
-    GroupDRO,
-    Objective,
-    depth_weights,
-    mean_one_clipped,
-    sample_sums,
-)
+from models.training.debias import DebiasConfig
 from models.training.loss import causal_lm_loss
+from models.training.objectives import Context, build
+from models.training.objectives.base import mean_one_clipped, sample_sums
+from models.training.objectives.depth_weight import depth_weights
+from models.training.objectives.group_dro import GroupDRO
+from models.training.objectives.loss_weight import BinLossWeights
 from tests.conftest import TINY
 from train import DistInfo, as_train_config, run, validate
+
+
+def objective_of(cfg: DebiasConfig, layers: int, all_sum) -> object:
+    """The registered objective of `cfg` (models.training.objectives) on IN2 data of the default settings."""
+    return build(Context(cfg, layers, all_sum, DataConfig()))
 
 
 def _density(d, H, alpha):
@@ -124,7 +125,7 @@ def _grads(model, loss):
 
 def test_group_dro_steps_equal_the_reference_with_absent_bins():
     model, eta = _tiny_model(), 0.3
-    objective = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=10, eta=eta), 2, lambda t: t.clone())
+    objective = objective_of(DebiasConfig(objective="group_dro", bins=10, eta=eta), 2, lambda t: t.clone())
     q = objective.dro.q.clone()
     # two steps (the second from a non-uniform q); bins 2-4 and 6-8, then 1, 3, 6 and 9, are absent
     for depths in ((0.05, 0.15, 0.55, 0.58, 0.91, 0.12), (0.0, 0.25, 0.5, 0.55, 0.75, 0.8, 1.0)):
@@ -146,11 +147,11 @@ def test_group_dro_bin_losses_are_means_over_every_data_parallel_rank():
     model, eta = _tiny_model(), 0.5
     rows = _batch((0.05, 0.15, 0.55, 0.58, 0.91, 0.12))
     shards = [collate(rows[:2], 0, depths=True), collate(rows[2:], 0, depths=True)]  # bin 1 on both ranks
-    cfg = DebiasConfig(objective=Objective.group_dro, bins=10, eta=eta)
+    cfg = DebiasConfig(objective="group_dro", bins=10, eta=eta)
     sent = []  # each rank's contribution to the collective
     for batch in shards:
-        DebiasObjective(cfg, 2, lambda t: sent.append(t.clone()) or t.clone())(model, batch)
-    ranks = [DebiasObjective(cfg, 2, lambda t, r=r: t + sent[1 - r]) for r in range(2)]
+        objective_of(cfg, 2, lambda t: sent.append(t.clone()) or t.clone())(model, batch)
+    ranks = [objective_of(cfg, 2, lambda t, r=r: t + sent[1 - r]) for r in range(2)]
     losses = [objective(model, batch) for objective, batch in zip(ranks, shards)]
     per_sample, bins = [], []
     for batch in shards:
@@ -197,7 +198,7 @@ def test_group_dro_with_one_sample_per_micro_batch_is_not_erm():
     """One sample per micro-batch: loss = q_k x its mean NLL, so each step's gradient is the plain one times the
     q of the sample's bin (the renormalised loss gave the plain loss, q cancelling)."""
     model = _tiny_model()
-    objective = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=10, eta=0.0), 2, lambda t: t.clone())
+    objective = objective_of(DebiasConfig(objective="group_dro", bins=10, eta=0.0), 2, lambda t: t.clone())
     objective.dro.q = torch.tensor([0.3, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.54], dtype=torch.float64)
     ratios = []
     for row, q in zip(_batch((0.05, 0.95)), (0.3, 0.54)):  # bin 0, then bin 9
@@ -215,9 +216,8 @@ def test_one_bin_and_beta_zero_are_the_plain_loss():
     model, rows = _tiny_model(), _batch()
     batch = collate(rows, 0, depths=True)
     plain = causal_lm_loss(model, batch)
-    one_bin = DebiasObjective(DebiasConfig(objective=Objective.group_dro, bins=1), 2, lambda t: t.clone())
-    flat = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, prior_power=0.0, prior_alpha=0.5), 2,
-                           lambda t: t)
+    one_bin = objective_of(DebiasConfig(objective="group_dro", bins=1), 2, lambda t: t.clone())
+    flat = objective_of(DebiasConfig(objective="depth_weight", prior_power=0.0, prior_alpha=0.5), 2, lambda t: t)
     assert one_bin(model, batch).item() == pytest.approx(plain.item(), rel=1e-12)
     assert flat(model, batch).item() == pytest.approx(plain.item(), rel=1e-12)
 
@@ -225,8 +225,7 @@ def test_one_bin_and_beta_zero_are_the_plain_loss():
 def test_depth_weight_loss_weights_each_samples_tokens():
     model, rows = _tiny_model(), _batch()
     batch = collate(rows, 0, depths=True)
-    objective = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, prior_power=1.0, prior_alpha=0.4), 2,
-                                lambda t: t)
+    objective = objective_of(DebiasConfig(objective="depth_weight", prior_power=1.0, prior_alpha=0.4), 2, lambda t: t)
     nll, labelled = _per_token(model, batch)
     w = depth_weights(batch["depths"], 2, 0.4, 1.0, 5.0)
     expected = sum(w[s] * nll[s][labelled[s]].sum() for s in range(len(rows))) / labelled.sum()
@@ -234,13 +233,13 @@ def test_depth_weight_loss_weights_each_samples_tokens():
 
 
 def test_depth_weight_follows_the_latest_fitted_alpha():
-    objective = DebiasObjective(DebiasConfig(objective=Objective.depth_weight), 4, lambda t: t)
+    objective = objective_of(DebiasConfig(objective="depth_weight"), 4, lambda t: t)
     assert objective.alpha is None
     objective.observe({"prior/vanilla/alpha": 0.37, "prior/chunked/alpha": 0.5})
     assert objective.alpha == 0.37
     objective.observe({"prior/chunked/alpha": 0.45})
     assert objective.alpha == 0.45
-    fixed = DebiasObjective(DebiasConfig(objective=Objective.depth_weight, prior_alpha=0.2), 4, lambda t: t)
+    fixed = objective_of(DebiasConfig(objective="depth_weight", prior_alpha=0.2), 4, lambda t: t)
     fixed.observe({"prior/vanilla/alpha": 0.37})
     assert fixed.alpha == 0.2
 
@@ -318,8 +317,7 @@ def test_loss_weight_averages_are_over_every_data_parallel_rank():
 
 def test_loss_weight_starts_as_the_plain_loss_then_weights_by_the_measured_bin_losses():
     model = _tiny_model()
-    objective = DebiasObjective(DebiasConfig(objective=Objective.loss_weight, bins=10, loss_ema=0.5), 2,
-                                lambda t: t.clone())
+    objective = objective_of(DebiasConfig(objective="loss_weight", bins=10, loss_ema=0.5), 2, lambda t: t.clone())
     first, second = collate(_batch((0.05, 0.15, 0.55, 0.58, 0.91, 0.12)), 0, depths=True), collate(
         _batch((0.06, 0.92, 0.3, 0.57)), 0, depths=True)
     assert objective(model, first).item() == pytest.approx(causal_lm_loss(model, first).item(), rel=1e-12)
@@ -340,19 +338,19 @@ def test_loss_weight_starts_as_the_plain_loss_then_weights_by_the_measured_bin_l
 
 def test_loss_weight_state_round_trips_and_resumes_to_the_same_weights():
     model = _tiny_model()
-    cfg = DebiasConfig(objective=Objective.loss_weight, bins=4, loss_ema=0.3, loss_power=1.5, max_weight=2.0)
+    cfg = DebiasConfig(objective="loss_weight", bins=4, loss_ema=0.3, loss_power=1.5, max_weight=2.0)
     batches = [collate(_batch(tuple(np.random.default_rng(i).uniform(size=5))), 0, depths=True) for i in range(4)]
-    whole = DebiasObjective(cfg, 2, lambda t: t.clone())
+    whole = objective_of(cfg, 2, lambda t: t.clone())
     expected = [(whole(model, b).item(), whole.metrics()) for b in batches]
-    first = DebiasObjective(cfg, 2, lambda t: t.clone())
+    first = objective_of(cfg, 2, lambda t: t.clone())
     for batch in batches[:2]:
         first(model, batch)
-    resumed = DebiasObjective(cfg, 2, lambda t: t.clone())
+    resumed = objective_of(cfg, 2, lambda t: t.clone())
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert [(resumed(model, b).item(), resumed.metrics()) for b in batches[2:]] == expected[2:]
     assert resumed.state_dict() == whole.state_dict() and expected[3][1]["debias/weight_max"] > 1
     with pytest.raises(ValueError, match="debias.bins"):
-        DebiasObjective(replace(cfg, bins=5), 2, lambda t: t).load_state_dict(whole.state_dict())
+        objective_of(replace(cfg, bins=5), 2, lambda t: t).load_state_dict(whole.state_dict())
     with pytest.raises(ValueError, match="no loss_weight state"):
         resumed.load_state_dict({"alpha": None})
 
@@ -480,7 +478,7 @@ def test_debias_settings_that_cannot_run_fail_at_start_up(compose_cfg):
 
 def test_debias_presets_combine(compose_cfg):
     cfg = as_train_config(compose_cfg(*TINY, "debias=[depth_sampling,group_dro]"))
-    assert cfg.debias.objective == Objective.group_dro
+    assert cfg.debias.objective == "group_dro"
     assert cfg.data.in2.depth_law == DepthLaw.valley and cfg.data.in2.prior_layers == 2  # the model's
 
 
@@ -504,8 +502,8 @@ def test_every_arm_of_the_debias_study_composes_validates_and_has_its_own_name(c
     assert list(arms) == ["none", "group_dro", "loss_weight", "middle_ramp", "depth_sampling+group_dro",
                           "diff_retrofit"]
     assert {name: cfg.debias.objective for name, cfg in arms.items()} == {
-        "none": Objective.mean, "group_dro": Objective.group_dro, "loss_weight": Objective.loss_weight,
-        "middle_ramp": Objective.mean, "depth_sampling+group_dro": Objective.group_dro, "diff_retrofit": Objective.mean}
+        "none": "mean", "group_dro": "group_dro", "loss_weight": "loss_weight",
+        "middle_ramp": "mean", "depth_sampling+group_dro": "group_dro", "diff_retrofit": "mean"}
     laws = {name: cfg.data.in2.depth_law for name, cfg in arms.items()}
     assert laws.pop("middle_ramp") == DepthLaw.beta and laws.pop("depth_sampling+group_dro") == DepthLaw.valley
     assert set(laws.values()) == {DepthLaw.uniform}

@@ -59,3 +59,47 @@ if __name__ == "__main__":
     RECORDED.parent.mkdir(exist_ok=True)
     RECORDED.write_text(json.dumps(numbers, indent=1) + "\n")
     print(f"wrote {RECORDED}")
+
+
+def test_a_new_objective_is_a_registered_class_and_its_settings(tmp_path, monkeypatch):
+    """What a new objective takes: a class registered by name, whose own settings are debias.settings.*; train.py
+    runs it as any other (here: the mean loss scaled, so its losses are the mean objective's times the scale)."""
+    from dataclasses import dataclass
+
+    from models.training.loss import causal_lm_loss
+    from models.training.objectives import TrainingObjective, base, register
+
+    @dataclass
+    class Scaled:
+        scale: float = 1.0
+
+    monkeypatch.setattr(base, "REGISTRY", dict(base.REGISTRY))
+
+    @register
+    class ScaledMean(TrainingObjective):
+        name = "scaled_mean"
+        batch_depths = False
+        Settings = Scaled
+
+        def __call__(self, model, batch, device=None, tap=None):
+            return self.settings.scale * causal_lm_loss(model, batch, device, tap=tap)
+
+    run(compose_config([*CASES["mean"], "debias.objective=scaled_mean", "+debias.settings.scale=2.0",
+                        f"trainer.max_steps={STEPS}", "trainer.save_every=0"]), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recorded = json.loads(RECORDED.read_text())["mean"]
+    assert [r["train/loss"] for r in rows if "train/loss" in r][:1] == pytest.approx([2 * recorded[0]], rel=1e-5)
+    with pytest.raises(ValueError, match=r"debias.settings.scal: scaled_mean has no such setting; did you mean "
+                                         r"debias.settings.scale\?"):
+        run(compose_config([*CASES["mean"], "debias.objective=scaled_mean", "+debias.settings.scal=2.0"]), tmp_path)
+    with pytest.raises(ValueError, match=r"debias.objective='nope' is not known \(known: .*mean.*scaled_mean"):
+        run(compose_config([*CASES["mean"], "debias.objective=nope"]), tmp_path / "nope")
+
+
+def test_another_objectives_settings_are_refused_by_name():
+    from train import as_train_config, dist_info, validate
+
+    cfg = as_train_config(compose_config([*CASES["mean"], "debias=group_dro", "debias.loss_ema=0.5"]))
+    with pytest.raises(ValueError, match=r"debias.loss_ema=0.5 set with debias.objective=group_dro: they are another "
+                                         r"objective's"):
+        validate(cfg, dist_info())

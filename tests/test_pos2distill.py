@@ -15,7 +15,6 @@ from peft import LoraConfig, get_peft_model
 from torch.nn import functional as F
 
 from analysis.evaluation.distill_responses import (
-    answer_training_samples,
     answers_key,
     cached_answers,
     model_answer_fn,
@@ -24,21 +23,15 @@ from analysis.evaluation.generate import greedy_generate, greedy_generate_ids
 from analysis.evaluation.reuse import computation_key
 from data_builders.collate import collate
 from data_builders.config import DataConfig, DataSource, In2Config
-from data_builders.distill_data import distill_split
+from data_builders.distill_data import answer_training_samples, distill_split
 from data_builders.mdqa import write_jsonl_gz
 from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
-from models.training.debias import (
-    DebiasConfig,
-    DebiasObjective,
-    Objective,
-    Pos2DistillConfig,
-    student_logits,
-    teacher_logits,
-    validate_pos2distill,
-)
+from models.training.debias import DebiasConfig, Pos2DistillConfig
 from models.training.distill import sample_kl
 from models.training.distributed import DistInfo
+from models.training.objectives import Context, StartUp, build
+from models.training.objectives.pos2distill import Pos2Distill, student_logits, teacher_logits
 from scripts.synthetic_oracle import oracle_records
 from tests.test_answer_record import _model as _reuse_model
 from tests.test_debias import _tiny_model
@@ -83,8 +76,9 @@ def _rows(spec=((7, 9, 3, 2), (12, 8, 2, 0), (5, 5, 4, 2), (9, 11, 1, 1), (6, 10
 
 
 def _objective(**distill):
-    cfg = DebiasConfig(objective=Objective.pos2distill, distill=Pos2DistillConfig(**distill))
-    return DebiasObjective(cfg, 2, lambda t: t.clone(), strong_slot=STRONG)
+    cfg = DebiasConfig(objective="pos2distill", distill=Pos2DistillConfig(**distill))
+    built = DataConfig(in2=In2Config(layout="mdqa", n_docs=STRONG + 1, teacher_slot=STRONG))
+    return build(Context(cfg, 2, lambda t: t.clone(), built))
 
 
 def _target_logits(model, ids, prompt_len):
@@ -309,7 +303,8 @@ SMOKE = SMOKE_SIZES["in2_smol_distill"]  # the tiny model, 3 documents, its wron
     (["debias.distill.max_new_tokens=0"], r"debias.distill.max_new_tokens=0 must be"),
     (["data.packing=true"], r"data.packing=true"),
     (["debias.needle_mix.share=0.25"], r"debias.needle_mix.share=0.25"),
-    (["debias.bins=5", "debias.eta=0.1"], r"with debias.bins=5, debias.eta=0.1: these weight the answer-token NLL"),
+    (["debias.bins=5", "debias.eta=0.1"], r"debias.bins=5, debias.eta=0.1 set with debias.objective=pos2distill: "
+                                          r"they are another objective's"),
     (["debias.prior_alpha=0.5"], r"debias.prior_alpha=0.5"),
     # two objectives in one list, in either order: the last would replace the other silently
     (["debias=[pos2distill,group_dro]"], r"debias=\[...\] names 2 objectives \(group_dro, pos2distill\)"),
@@ -328,12 +323,12 @@ def test_every_start_up_refusal_names_its_key(compose_cfg, nq_file, overrides, m
 
 
 def test_refusals_of_data_without_teacher_prompts_and_of_sequence_parallelism(compose_cfg, nq_file):
-    cfg = DebiasConfig(objective=Objective.pos2distill)
+    cfg = DebiasConfig(objective="pos2distill")
     segments = DataConfig(source=DataSource.nq, path=str(nq_file))
     with pytest.raises(ValueError, match=r"needs data.in2.layout=mdqa"):
-        validate_pos2distill(cfg, segments, segments, "lora", "standard")
+        Pos2Distill.validate(StartUp(cfg, segments, segments, "lora", "standard", 1, 1))
     mdqa = DataConfig(source=DataSource.nq, path=str(nq_file), in2=In2Config(layout="mdqa", teacher_slot=0))
-    validate_pos2distill(cfg, mdqa, mdqa, "lora", "standard")
+    Pos2Distill.validate(StartUp(cfg, mdqa, mdqa, "lora", "standard", 1, 1))
     parallel = as_train_config(compose_cfg("+exp=in2_smol_distill", f"data.path={nq_file}", "trainer=zero2",
                                            "trainer.sequence_parallel=2"))
     with pytest.raises(ValueError, match=r"debias.objective=pos2distill with trainer.sequence_parallel=2"):
@@ -341,7 +336,7 @@ def test_refusals_of_data_without_teacher_prompts_and_of_sequence_parallelism(co
 
 
 def test_a_tiny_run_distils_and_logs_its_kl(compose_cfg, nq_file, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="train")
+    caplog.set_level(logging.INFO, logger="models.training.objectives.pos2distill")
     run(compose_cfg("+exp=in2_smol_distill", f"data.path={nq_file}", *SMOKE, "trainer.max_steps=2",
                     "trainer.save_every=0", "debias.distill.guard=0.5"), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

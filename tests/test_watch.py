@@ -24,8 +24,8 @@ from analysis.evaluation.watch import (
     slot_mass,
     validate_watch,
 )
-from models.training.debias import sample_sums
 from models.training.loss import labelled_nll
+from models.training.objectives.base import sample_sums
 from models.training.slot_loss import SlotLoss, slot_of
 from tests.conftest import TINY
 from train import run

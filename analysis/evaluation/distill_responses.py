@@ -1,17 +1,11 @@
-"""debias=pos2distill's targets: the starting model's own greedy answers with the gold at its strong slot, kept
-when they are correct.
+"""The starting model's greedy answers to prompts, for an objective that distils them (pos2distill's teacher pass:
+models.training.objectives.pos2distill, which scores and keeps them with data_builders.distill_data).
 
-Every training sample's teacher prompt (data_builders.in2_mdqa: its documents and question with the gold moved to
-`data.in2.teacher_slot`) is answered greedily by the model with its adapters off (`model_answer_fn`: for LoRA the
-starting weights, whatever the adapters hold by then), up to `debias.distill.max_new_tokens` tokens and the end of
-the answer's first line (what the metric reads): the token ids the model chose (`greedy_generate_ids`). Each
-answer's first line is scored as the mdqa probe scores it (`best_subspan_em` of `first_line`, Liu et al.'s metric)
-against the sample's answers. Kept: the correct answers (all of them with `keep_wrong`) whose student and teacher
-sequences, prompt + answer + eos, fit `data.context_len`; the others are dropped and counted (`DistillResponses`).
-
-The answers depend only on the starting function and the prompts, so a single-process run stores them under
-<POSDEBIAS_CACHE>/distill_responses/<key>.json and a later run with the same key reads them (`cached_answers`):
-the key hashes the model's function with its adapters off and how it is computed
+`model_answer_fn` answers with the adapters off (for LoRA the starting weights, whatever the adapters hold by then),
+up to a budget and the end of the answer's first line (what the metric reads): the token ids the model chose
+(`greedy_generate_ids`). The answers depend only on the starting function and the prompts, so a single-process run
+stores them under <POSDEBIAS_CACHE>/distill_responses/<key>.json and a later run with the same key reads them
+(`cached_answers`): the key hashes the model's function with its adapters off and how it is computed
 (`analysis.evaluation.reuse.computation_key`), the generation settings and every prompt's token ids. The prompts
 are answered and stored `CHUNK` at a time: on a CPU the 1,600 answers of `+exp=reads_middle` take hours, and a run
 killed while answering continues from its last stored chunk.
@@ -21,38 +15,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.generate import greedy_generate_ids
 from analysis.evaluation.reuse import computation_key
-from analysis.evaluation.scoring import best_subspan_em, first_line
+from data_builders.distill_data import AnswerFn
 from data_builders.files import atomic_write_text
 from models.peft_setup import adapters_disabled
 
 log = logging.getLogger(__name__)
 
 CACHE_SUBDIR = "distill_responses"
-WRONG = "wrong"  # the first line does not hold an answer (best_subspan_em 0)
-TOO_LONG = "longer_than_context_len"  # prompt + answer + eos exceeds data.context_len (student or teacher)
 CHUNK = 64  # teacher prompts answered and stored together: ~5 min of a 2-core CPU, what a killed run can lose
-
-AnswerFn = Callable[[Sequence[Sequence[int]]], list[list[int]]]  # prompts' token ids -> the answers' token ids
-
-
-@dataclass
-class DistillResponses:
-    """The answers to the training samples' teacher prompts, and which of them became targets."""
-
-    targets: list[Optional[list[int]]]  # per sample: the kept answer's token ids (the target before eos), or None
-    samples: list[dict[str, Any]]  # per sample: id, gold_slot, answer text, first_line, correct, kept, dropped
-    counts: dict[str, int] = field(default_factory=dict)  # samples, correct, kept, dropped and why
-
-    def to_json(self) -> dict[str, Any]:
-        return {"counts": self.counts, "samples": self.samples}
 
 
 def model_answer_fn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
@@ -116,30 +93,3 @@ def cached_answers(answer: AnswerFn, model: PreTrainedModel, settings: dict[str,
         return out
 
     return reused
-
-
-def answer_training_samples(train: Any, answer: AnswerFn, tokenizer: PreTrainedTokenizerBase, context_len: int,
-                            keep_wrong: bool = False) -> DistillResponses:
-    """Answer every sample's teacher prompt (`train`: a split with prompt_len, teacher_prompt_ids, gold_slot, answers
-    and id), score each answer's first line, and keep the correct ones that fit (module docstring)."""
-    teacher_prompts = [list(p) for p in train["teacher_prompt_ids"]]
-    answers = answer(teacher_prompts)
-    if len(answers) != len(teacher_prompts):
-        raise ValueError(f"the answer function returned {len(answers)} answers for {len(teacher_prompts)} prompts")
-    prompt_lens = [max(s, len(t)) for s, t in zip(train["prompt_len"], teacher_prompts)]  # the longer of the two
-    targets: list[Optional[list[int]]] = []
-    samples = []
-    counts = {"samples": len(answers), "correct": 0, "kept": 0, f"dropped_{WRONG}": 0, f"dropped_{TOO_LONG}": 0}
-    for ids, prompt_len, sample_id, slot, gold in zip(answers, prompt_lens, train["id"], train["gold_slot"],
-                                                      train["answers"]):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        correct = best_subspan_em(first_line(text), gold) == 1.0
-        dropped = (WRONG if not (correct or keep_wrong) else
-                   TOO_LONG if prompt_len + len(ids) + 1 > context_len else None)
-        targets.append(None if dropped else list(ids))
-        samples.append({"id": sample_id, "gold_slot": slot, "answer": text, "first_line": first_line(text),
-                        "answers": list(gold), "tokens": len(ids), "correct": correct, "kept": dropped is None,
-                        "dropped": dropped})
-        counts["correct"] += correct
-        counts["kept" if dropped is None else f"dropped_{dropped}"] += 1
-    return DistillResponses(targets, samples, counts)

@@ -15,38 +15,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from data_builders.text import normalize_answer
+# the mdqa answer cut and metric live with the text normalization (data builders score answers too)
+from data_builders.text import best_subspan_em, first_line, normalize_answer  # noqa: F401
 
 
 def substring_match(prediction: str, answers: Sequence[str]) -> float:
     """1.0 if any non-empty answer occurs in the prediction, ignoring case (no other normalization)."""
     pred = prediction.lower()
     return float(any(a and a.lower() in pred for a in answers))
-
-
-def first_line(prediction: str) -> str:
-    """The reference's answer cut for multi-document QA: the first line of the stripped generation.
-
-    Liu et al.'s Llama-2 script strips the generated text and their QA evaluation then keeps
-    `answer.split("\\n")[0].strip()`, so a model cannot score by copying the context after its
-    answer line. Leading blank lines are skipped (stripped first); only "\\n" ends a line.
-    """
-    return prediction.strip().split("\n")[0].strip()
-
-
-def best_subspan_em(prediction: str, answers: Sequence[str]) -> float:
-    """The multi-document QA metric of Liu et al. 2023 (*Lost in the Middle*), reproduced exactly.
-
-    1.0 if for some gold answer, `normalize_answer(gold).lower()` is a substring (characters, not
-    tokens) of `normalize_answer(prediction).lower()`, else 0.0. Quirks kept on purpose, to stay
-    comparable with the published numbers:
-    - character substring: "1901" matches inside "19011", "cat" inside "concatenate";
-    - a gold that normalizes to the empty string (e.g. "The", "A", "...") always scores 1.0, even
-      against an empty prediction.
-    Apply it to `first_line(generation)`, as the reference evaluation does.
-    """
-    pred = normalize_answer(prediction).lower()
-    return float(any(normalize_answer(answer).lower() in pred for answer in answers))
 
 
 def whole_word_subspan_em(prediction: str, answers: Sequence[str]) -> float:

@@ -28,7 +28,7 @@ class Precision(StrEnum):
 
 
 # The training loss of a micro-batch: (model, batch, device) -> scalar (models.training.loss.causal_lm_loss, or a
-# models.training.debias objective)
+# models.training.objectives objective)
 LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor], torch.device], torch.Tensor]
 
 

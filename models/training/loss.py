@@ -50,7 +50,7 @@ def labelled_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     """(summed next-token NLL over the labelled tokens, their count) of one batch.
 
     `per_token`: the NLL of every position instead of the sum, shaped like the shifted labels ((B, L-1),
-    or (B, L) with shift_labels), 0 where no label is: what a per-sample objective (models.training.debias) weights.
+    or (B, L) with shift_labels), 0 where no label is: what a per-sample objective (models.training.objectives) weights.
 
     `model`: what the caller runs forward (an HF causal LM, or a peft model / DeepSpeed engine around
     one). `batch`: input_ids, labels (B, L) (IGNORE where no loss is) and attention_mask (padded) or

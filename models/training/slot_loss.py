@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from models.training.debias import sample_sums
+from models.training.objectives.base import sample_sums
 
 PREFIX = "watch/train"
 
