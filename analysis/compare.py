@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis import stats
+from analysis.command_line import positive_int
 from analysis.evaluation.checkpoints import (
     CompareError,
     ProbeBank,
@@ -905,13 +906,6 @@ def _layers(text: str) -> str | list[int]:
         return text if text in {str(s) for s in LayerSet} else [int(i) for i in text.split(",")]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"layers {text!r}: a named set or comma-separated indices") from err
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _positive_list(text: str) -> list[int]:

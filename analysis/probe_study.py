@@ -47,7 +47,8 @@ from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.figures import plot_arm_curves
 from analysis.report.position_tables import answer_cells, answer_columns
 from analysis.report.tables import markdown_table, num
-from analysis.study import VALLEY_METRICS, merged_metrics, valley_ends
+from analysis.study.load import VALLEY_METRICS, merged_metrics
+from analysis.study.valley import valley_ends
 from data_builders.files import atomic_write_text, json_safe
 from models.training.run_dir import RunDir
 

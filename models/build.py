@@ -243,3 +243,13 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int | None = No
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside a DeepSpeed engine and/or a peft model (adapters stay injected)."""
+    model = getattr(model, "module", model)  # DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, fp64 kept

@@ -233,7 +233,7 @@ def test_prompt_attention_is_the_last_tokens_mean_attention_over_each_segment():
 def test_alpha_concentration_at_each_temperature():
     """rel spreads of 1e-3: t = 5e-5 gives one document nearly all of α (e^-20 for the rest), t = 5e-3 nearly
     uniform; written out in float64."""
-    from scripts.calibration_reference import alpha_concentration
+    from scripts.investigations.calibration_reference import alpha_concentration
 
     own = np.array([[0.0, 1e-3, 0.0, 0.0], [2e-3, 0.0, 0.0, 0.0]])  # two heads, K = 4
     stats = alpha_concentration(own, np.zeros_like(own), [5e-5, 5e-3])
@@ -378,9 +378,9 @@ def test_prompt_segments_map_to_the_tokens_of_each_document(tokenizer, nq_file):
 
 
 def test_reference_agreement_of_the_shared_and_per_segment_references(tokenizer):
-    """scripts.calibration_reference: identical references agree exactly; on a model, both are measured over the
-    same layers, heads and segments, and the one-pass reference is not the per-segment one."""
-    from scripts.calibration_reference import agreement, compare_references
+    """scripts.investigations.calibration_reference: identical references agree exactly; on a model, both are
+    measured over the same layers, heads and segments, and the one-pass reference is not the per-segment one."""
+    from scripts.investigations.calibration_reference import agreement, compare_references
 
     refs = np.random.default_rng(0).random((2, 3, 4, 5))
     same = agreement(refs, refs.copy())

@@ -34,6 +34,7 @@ from huggingface_hub import constants as hub_constants
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from analysis import compare as compare_script
+from analysis import pair_evals as pair_script
 from data_builders.build import save_built
 from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
@@ -44,7 +45,6 @@ from models.training.run_dir import CHECKPOINT_CONFIG
 from models.training.state import TrainerState
 from scripts import eval_checkpoint as eval_script
 from scripts import fetch_model as fetch_script
-from scripts import pair_evals as pair_script
 from train import as_train_config, compose_config, dist_info, load_data, model_tokenizer, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -796,15 +796,15 @@ CASES = [
          "exit 1", ("run/.hydra", "run/metrics.jsonl", "run/train.log"), resume_other_data),
     # --- issue 66, where results come from
     Case("pair-other-items", "result file", "two evaluations of other items (kv with 10 and 20 pairs) paired by id",
-         "python -m scripts.pair_evals A/eval/kv_step3.json other=B/eval/kv_step3.json --score loglik",
+         "python -m analysis.pair_evals A/eval/kv_step3.json other=B/eval/kv_step3.json --score loglik",
          "error: kv positions: [0, 1, 4, 7, 9] in A/eval/kv_step3.json, [0, 4, 9, 14, 19] in B/eval/kv_step3.json; "
          "slots: [10] in A/eval/kv_step3.json, [20] in B/eval/kv_step3.json: not asked alike, so nothing pairs them; "
          "pair evaluations made with the same probe settings", "exit 1", (), pair_other_items),
     Case("pair-not-json", "result file", "a file that is not JSON given as an evaluation",
-         "python -m scripts.pair_evals report.md other=F", "error: report.md: not an evaluation result, not even JSON "
+         "python -m analysis.pair_evals report.md other=F", "error: report.md: not an evaluation result, not even JSON "
          f"(Expecting value: line 1 column 1 (char 0)): {EVAL_JSON}", "exit 1", (), pair_not_json),
     Case("pair-metrics-file", "result file", "a metrics file given as an evaluation",
-         "python -m scripts.pair_evals A/eval/metrics_step3.json other=F", "error: A/eval/metrics_step3.json: not an "
+         "python -m analysis.pair_evals A/eval/metrics_step3.json other=F", "error: A/eval/metrics_step3.json: not an "
          "evaluation result: no per-item outcomes in it (an eval/metrics_step<N>.json holds metric values only): "
          f"{EVAL_JSON}", "exit 1", (), pair_metrics_file),
     Case("eval-out-another-run", "output folder", "out= the run directory of another run, which holds its own "

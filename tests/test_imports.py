@@ -2,7 +2,8 @@
 
 Layers, lowest first: data_builders < models < analysis < scripts, train; inside models, the attention
 surgery < model loading (models/*.py) < training infrastructure; inside analysis, measurement < evaluation <
-reports < the command-line reports on top (analysis/*.py), except `analysis.stats` (numpy and scipy only),
+reports < the command-line reports on top (analysis/*.py and the study package), except `analysis.stats` (numpy and
+scipy only),
 which sits below them all: every layer's intervals go through it. Every import statement of the project's own
 modules counts, also one inside a function (it is a dependency all the same).
 """
@@ -18,7 +19,7 @@ PACKAGES = ("data_builders", "models", "analysis", "scripts")
 LAYER = {"data_builders": 0, "models": 1, "analysis": 2, "scripts": 3, "train": 3}
 # Sub-packages, lowest first; a module directly in the package sits at the rank named by "".
 SUBLAYER = {"models": {"attention": 0, "": 1, "training": 2},
-            "analysis": {"measure": 0, "evaluation": 1, "report": 2, "": 3}}
+            "analysis": {"measure": 0, "evaluation": 1, "report": 2, "": 3, "study": 3}}
 BELOW_SUB_PACKAGES = {"analysis.stats"}  # modules directly in a package that rank below its sub-packages
 
 

@@ -1,7 +1,7 @@
 """IN2 samples in the mdqa probe's own format (data.in2.layout=mdqa, data_builders.in2_mdqa) and the mdqa probe's
 held-out distractor pool (pool=heldout).
 
-A generated NQ-format file of invented persons (scripts.synthetic_oracle) stands in for nq-open-oracle, with a
+A generated NQ-format file of invented persons (scripts.investigations.synthetic_oracle) stands in for nq-open-oracle, with a
 few records written here: a target that is the second alias, and answers that are in their gold only as part of
 a longer word (the source keeps them, this layout drops and counts them). The real file is only counted, where
 it exists.
@@ -32,7 +32,7 @@ from data_builders.probes import HELDOUT_POOL, check_mdqa_pool, mdqa_probe
 from data_builders.question_split import EvaluationPart, QuestionSplit, is_evaluation_question
 from data_builders.sources import load_source
 from data_builders.text import normalize_answer
-from scripts.synthetic_oracle import oracle_records
+from scripts.investigations.synthetic_oracle import oracle_records
 
 SPLIT = QuestionSplit()  # the defaults both sides use
 N_DOCS = 4

@@ -1,6 +1,6 @@
 """The NQ question split (data_builders.question_split): one rule for the IN2 data and the mdqa probe.
 
-Synthetic NQ-format files (invented persons, scripts.synthetic_oracle) stand in for nq-open-oracle; the
+Synthetic NQ-format files (invented persons, scripts.investigations.synthetic_oracle) stand in for nq-open-oracle; the
 real file is only counted, where it exists.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from data_builders.text import normalize_answer
 from models.training.distributed import DistInfo
 from scripts import eval_checkpoint
 from scripts.build_dataset import main as build_main
-from scripts.synthetic_oracle import oracle_records
+from scripts.investigations.synthetic_oracle import oracle_records
 from train import as_train_config, validate
 
 SPLIT = QuestionSplit()  # the defaults both sides use

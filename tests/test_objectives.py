@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from data_builders.mdqa import write_jsonl_gz
-from scripts.synthetic_oracle import oracle_records
+from scripts.investigations.synthetic_oracle import oracle_records
 from tests.conftest import TINY
 from train import compose_config, run
 

@@ -1,4 +1,4 @@
-"""scripts.pair_evals: eval JSONs of one item set side by side, Δ paired by item id, mismatches refused."""
+"""analysis.pair_evals: eval JSONs of one item set side by side, Δ paired by item id, mismatches refused."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ from analysis.evaluation.comparability import probe_settings
 from analysis.evaluation.config import EvalConfig, KVProbeConfig, probe_metric
 from analysis.evaluation.probes import run_probe
 from analysis.evaluation.result import Checkpoint, ProbeResult
+from analysis.pair_evals import main
 from data_builders.probes import kv_probe
-from scripts.pair_evals import main
 
 
 def result(probe: str, correct: dict[tuple[int, int], float], metric: str = "best_subspan_em") -> ProbeResult:

@@ -32,7 +32,7 @@ from models.training.distill import sample_kl
 from models.training.distributed import DistInfo
 from models.training.objectives import Context, StartUp, build
 from models.training.objectives.pos2distill import Pos2Distill, student_logits, teacher_logits
-from scripts.synthetic_oracle import oracle_records
+from scripts.investigations.synthetic_oracle import oracle_records
 from tests.test_answer_record import _model as _reuse_model
 from tests.test_debias import _tiny_model
 from tests.test_distill import np_reference

@@ -22,7 +22,7 @@ from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_tar
 from data_builders.mdqa import write_jsonl_gz
 from models.training.run_dir import RunDir
 from scripts import reads_middle
-from scripts.synthetic_oracle import oracle_records
+from scripts.investigations.synthetic_oracle import oracle_records
 
 QUESTIONS = ("q0", "q1", "q2", "q3")
 POSITIONS = (-1, 0, 1, 2)

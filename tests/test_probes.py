@@ -179,7 +179,7 @@ def test_in2_probe_bins_by_depth():
 
 
 def test_synthetic_oracle_feeds_the_mdqa_probe(tmp_path):
-    from scripts.synthetic_oracle import main as synthetic_oracle
+    from scripts.investigations.synthetic_oracle import main as synthetic_oracle
 
     path = tmp_path / "oracle.jsonl.gz"
     assert synthetic_oracle([str(path), "--n", "30", "--seed", "5"]) == 0

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_builders.mdqa import write_jsonl_gz
 from models.training.distributed import DistInfo
-from scripts.synthetic_oracle import oracle_records
+from scripts.investigations.synthetic_oracle import oracle_records
 from tests.conftest import CONF_DIR, ROOT, TINY
 from train import TrainConfig, as_train_config, compose_config, run, validate
 

@@ -273,7 +273,7 @@ def test_the_smollm2_recipes_watch_mdqa_dev_questions_and_kv(compose_cfg, tmp_pa
     """+exp=in2_smol's watch (mdqa with 10 documents and kv with 10 pairs) on the tiny model and a synthetic NQ file:
     dev questions the training never sees, their gold at slots 0, 4 and 9, logged under watch/mdqa and watch/kv."""
     from data_builders.mdqa import write_jsonl_gz
-    from scripts.synthetic_oracle import oracle_records
+    from scripts.investigations.synthetic_oracle import oracle_records
     from tests.test_train import SMOL
 
     nq = write_jsonl_gz(tmp_path / "nq" / "nq-open-oracle.jsonl.gz", oracle_records(160, seed=3))
@@ -292,7 +292,7 @@ def test_the_mdqa_watch_asks_dev_questions_that_the_dev_evaluation_does_not(tmp_
     from data_builders.probes import mdqa_probe
     from data_builders.question_split import EvaluationPart, QuestionSplit
     from data_builders.tokenizer import train_bpe_tokenizer
-    from scripts.synthetic_oracle import oracle_records
+    from scripts.investigations.synthetic_oracle import oracle_records
 
     records = oracle_records(160, seed=3)
     nq = write_jsonl_gz(tmp_path / "nq-open-oracle.jsonl.gz", records)

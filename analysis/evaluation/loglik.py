@@ -30,7 +30,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from analysis.evaluation.generate import GenerateFn, encode_prompt, greedy_generate, prefix_caches
 from data_builders.probes import ProbeItem
 from models.attention.patching import installed_interventions
-from models.training.loss import at_least_fp32
+from models.build import at_least_fp32
 
 N_ALIASES = 3  # the first aliases of an answer scored; an item's value is the best of them
 LOGLIK_DEFINITION = ("log p(answer | prompt) in nats, summed over the answer's tokens, teacher-forced, the best of the "

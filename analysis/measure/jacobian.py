@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from data_builders.files import atomic_file
-from models.training.loss import unwrap
+from models.build import unwrap
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from analysis.measure.jacobian import eval_mode, split_by_set
 from analysis.measure.prior import log10_profile, rollout, spearman, w1_distance
-from models.training.loss import unwrap
+from models.build import unwrap
 
 FIXED_RESIDUAL = 0.5  # the fixed-residual baseline's λ
 

@@ -37,7 +37,7 @@ from analysis.measure.jacobian import (
     step_generator,
 )
 from analysis.measure.rollout import as_capture, eager_attention, recording, rollouts, split_sets
-from models.training.loss import unwrap
+from models.build import unwrap
 
 
 @dataclass

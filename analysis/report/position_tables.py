@@ -1,5 +1,5 @@
 """Markdown tables of position without answer format: each position's contrast to the strong end, its change
-against a baseline (the debiasing effect), and what the answers are (`scripts.pair_evals`, `analysis.compare`)."""
+against a baseline (the debiasing effect), and what the answers are (`analysis.pair_evals`, `analysis.compare`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -68,7 +68,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
-from models.training.loss import at_least_fp32
+from models.build import at_least_fp32
 
 
 @dataclass

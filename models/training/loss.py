@@ -20,6 +20,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from models.build import at_least_fp32, unwrap
+
 IGNORE = -100
 # what a loss hands the per-token NLL of a micro-batch: (nll (B, L), targets (B, L)), detached (slot_loss.SlotLoss)
 Tap = Callable[[torch.Tensor, torch.Tensor], None]
@@ -27,16 +29,6 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 LOSS_CHUNK = 1024  # positions per chunk of the dense path: (LOSS_CHUNK, V) fp32 logits at a time
 # Above this share of positions kept, keeping them saves little and the chunked path saves more.
 DENSE_SHARE = 0.5
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers causal LM inside a DeepSpeed engine and/or a peft model (adapters stay injected)."""
-    model = getattr(model, "module", model)  # DeepSpeed engine
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up, fp64 kept
 
 
 def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "sum"

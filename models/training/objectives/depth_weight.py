@@ -14,7 +14,13 @@ import torch
 
 from data_builders.depth_prior import depth_prior
 from models.training.loss import Tap, labelled_nll
-from models.training.objectives.base import StartUp, TrainingObjective, mean_one_clipped, register, sample_sums
+from models.training.objectives.base import (
+    StartUp,
+    TrainingObjective,
+    mean_one_clipped,
+    register,
+    sample_sums,
+)
 
 ALPHA_KEYS = ("prior/vanilla/alpha", "prior/chunked/alpha")  # the fitted alpha it follows, the first found
 

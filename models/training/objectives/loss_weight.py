@@ -18,7 +18,13 @@ import torch
 
 from data_builders.probes import bin_label
 from models.training.loss import Tap, labelled_nll
-from models.training.objectives.base import StartUp, TrainingObjective, mean_one_clipped, register, sample_sums
+from models.training.objectives.base import (
+    StartUp,
+    TrainingObjective,
+    mean_one_clipped,
+    register,
+    sample_sums,
+)
 from models.training.objectives.group_dro import bin_of
 
 

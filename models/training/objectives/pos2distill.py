@@ -27,11 +27,11 @@ import torch
 from data_builders.config import DataFormat, In2Layout
 from data_builders.distill_data import answer_training_samples, check_teacher_columns, distill_split
 from data_builders.files import atomic_write_text
-from models.build import Attention
+from models.build import Attention, at_least_fp32
 from models.peft_setup import PeftMethod, adapters_disabled
 from models.training.debias import Pos2DistillConfig
 from models.training.distill import guard_kl, position_kd_loss
-from models.training.loss import IGNORE, Tap, at_least_fp32, labelled_logits
+from models.training.loss import IGNORE, Tap, labelled_logits
 from models.training.objectives.base import Preparation, StartUp, TrainingObjective, register
 from models.training.run_dir import RunDir
 

