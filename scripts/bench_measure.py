@@ -87,7 +87,7 @@ def profile_errors(run_dirs: list[Path], overrides: list[str], steps: int, k8_se
     with tempfile.TemporaryDirectory(prefix="bench_measure_setup_") as scratch:
         start = setup(cfg, Path(scratch))
         try:
-            seqs = {name: ids.cpu() for name, ids in start.jacobian_seqs.items()}
+            seqs = {name: ids.cpu() for name, ids in start.jacobian.seqs.items()}
             for step in (0, steps // 2, steps):
                 model = start.model if step == 0 else load_checkpoint_model(
                     RunDir(run_dirs[0]).checkpoints / f"step-{step}", run_dirs[0], "float32")

@@ -20,6 +20,7 @@ from data_builders.build import build_datasets
 from data_builders.collate import BatchStream
 from models.build import build_model
 from models.training.run_dir import RunDir
+from models.training.trainer import warmup_cosine
 
 
 def _config(steps: int, overrides: list[str]) -> train.TrainConfig:
@@ -48,7 +49,7 @@ def _minimal(cfg, skip: int) -> float:
     t = cfg.trainer
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: train.warmup_cosine(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+        opt, lambda s: warmup_cosine(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
     # The same samples in the same order as the loop: a curriculum's split is read in stored order.
     stream = iter(BatchStream(bundle.train, t.micro_batch_size, tok.pad_token_id, cfg.seed,
                               ordered_first_epoch=cfg.data.in2.curriculum > 0))

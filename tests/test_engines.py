@@ -15,6 +15,7 @@ import train
 from models.build import build_model
 from models.training.distributed import DistInfo
 from models.training.engines import DeepSpeedEngine
+from models.training.trainer import build_engine
 from tests.conftest import TINY
 
 # No CUDA here: the meta device stands in for the engine's GPU. A CPU tensor handed to a collective
@@ -83,7 +84,7 @@ def test_bf16_trains_fp32_master_weights_so_a_small_update_survives(compose_cfg)
     index = int(weight.detach().abs().argmax())  # the largest weight: every other update is relatively larger
     before = weight.detach().flatten()[index].item()
     cfg.trainer.lr = 1e-4 * abs(before)  # AdamW's first step moves each weight by lr
-    engine = train.build_engine(model, cfg.trainer, None)
+    engine = build_engine(model, cfg.trainer, None)
     ids = torch.randint(1, 400, (2, 32), generator=torch.Generator().manual_seed(0))
     loss = engine.forward_backward({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
     assert loss.dtype == torch.float32 and torch.isfinite(loss)

@@ -15,8 +15,9 @@ from analysis.measure.step import measure_step
 from models.attention.diff_attention import convert_to_diff_attention
 from models.build import build_model
 from models.training.distributed import all_mean
+from models.training.trainer import build_engine
 from tests.conftest import TINY
-from train import as_train_config, build_engine, run
+from train import as_train_config, run
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

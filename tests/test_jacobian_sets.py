@@ -7,12 +7,13 @@ import json
 import numpy as np
 import pytest
 
+from analysis.during_training import jacobian_sequences
 from analysis.measure.jacobian import ChunkedSource, JacobianConfig, build_eval_sequences
 from data_builders.build import build_datasets
 from data_builders.config import DataConfig, DataFormat, WindowsConfig
 from models.training.distributed import DistInfo
 from tests.conftest import TINY
-from train import as_train_config, jacobian_sequences, run, validate
+from train import as_train_config, run, validate
 
 PROFILE = ["jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2"]
 

@@ -11,6 +11,7 @@ import pytest
 
 import models.training.distributed
 import train
+from models.training import launch
 from models.training.checkpoint import resolve_checkpoint
 from models.training.distributed import DistInfo, dist_info
 from tests.conftest import TINY
@@ -46,13 +47,13 @@ def test_ranks_on_different_nodes_name_one_run_directory(launch_env, monkeypatch
     stamps = []
     for parent in (1, os.getpid()):
         monkeypatch.setattr(os, "getppid", lambda parent=parent: parent)
-        stamps.append(train.run_stamp())
+        stamps.append(launch.run_stamp())
     assert stamps[0] == stamps[1] == name
 
 
 def test_a_single_node_launcher_names_the_run_by_its_start_time(launch_env):
     launch_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none")
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", train.run_stamp())
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", launch.run_stamp())
 
 
 def test_srun_without_a_launcher_maps_slurm_variables(launch_env, monkeypatch):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from analysis.study import load_study
+from models.training.launch import check_resume_sweep, job_overrides, sweep_dir, sweep_job_action
 from models.training.run_dir import RunDir
 from tests.conftest import ROOT, TINY
-from train import check_resume_sweep, job_overrides, sweep_dir, sweep_job_action
 
 
 def _checkpoint(run_dir: Path, step: int) -> None:

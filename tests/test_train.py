@@ -323,12 +323,12 @@ def test_no_held_out_questions_turn_the_depth_accuracy_off(compose_cfg, tmp_path
 
 def test_resume_keeps_the_start_accuracy_curve(compose_cfg, tmp_path, monkeypatch):
     """Resuming into a new run directory still plots (and keeps) the step-0 accuracy by depth."""
-    import train
+    from analysis import during_training
 
     first, second = tmp_path / "first", tmp_path / "second"
     run(compose_cfg(*TINY, "trainer.max_steps=2"), first)
     curves = {}
-    monkeypatch.setattr(train, "plot_depth_accuracy", lambda c, path, **kw: curves.update(c))
+    monkeypatch.setattr(during_training, "plot_depth_accuracy", lambda c, path, **kw: curves.update(c))
     run(compose_cfg(*TINY, "trainer.max_steps=3", f"trainer.resume_from={first / 'checkpoints' / 'step-2'}"), second)
     assert list(curves) == ["step 0", "step 3"]
     step0 = json.loads((first / "eval" / "in2_step0.json").read_text())
@@ -479,7 +479,7 @@ def test_a_wandb_mode_in_the_environment_that_is_no_mode_fails_at_start_up(compo
 
 
 def test_debias_study_starts_from_the_newest_biased_start_run(tmp_path, monkeypatch):
-    from train import newest_run_checkpoint
+    from models.training.launch import newest_run_checkpoint
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"\+exp=biased_start"):

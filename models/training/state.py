@@ -2,18 +2,23 @@
 
 The JSON is written by the main process after the checkpoint's other files (it is what marks the folder as a
 checkpoint), one `rng-rank<R>.pt` by every rank; `models.training.checkpoint` then adds the size of every
-file (`files`) before the folder is published. Keys an older checkpoint lacks read as None.
+file (`files`) before the folder is published. Besides the step, the data position, where metrics.jsonl ended and
+the wandb run, it keeps the state of each stateful part of the run by its name (`components`: the objective's as
+`debias`, the Jacobian's probe window as `jacobian_window`, `health`, `watch`), each a top-level key of the JSON;
+a part's state an older checkpoint lacks reads as None.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
 
 from models.training.run_dir import TRAINER_STATE, rng_name
+
+CORE = ("step", "stream_position", "metrics_bytes", "wandb_run_id", "files")
 
 
 @dataclass
@@ -23,31 +28,23 @@ class TrainerState:
     step: int  # optimizer steps done
     stream_position: int  # micro-batches the data stream has drawn (BatchStream.position)
     metrics_bytes: Optional[int] = None  # where metrics.jsonl ended: resuming in place cuts it back to here
-    # the debias objective's state (group_dro's q, loss_weight's averages); None: no objective
-    debias: Optional[dict[str, Any]] = None
     wandb_run_id: Optional[str] = None  # the wandb run the run logged to: a run resumed from here continues it
-    # jacobian.window > 1: the probes of the last measured steps (analysis.measure.jacobian.ProbeWindow.state_dict)
-    jacobian_window: Optional[dict[str, Any]] = None
-    # the bad steps and loss spikes so far (models.training.step_health.StepHealth.state_dict)
-    health: Optional[dict[str, Any]] = None
-    # the watch's panel and per-slot training loss (train.watch_state); None: no watch
-    watch: Optional[dict[str, Any]] = None
+    components: dict[str, Any] = field(default_factory=dict)  # each stateful part's state, by its name
     files: Optional[dict[str, int]] = None  # the size of every other file of the checkpoint, to find a damaged one
 
     def state_dict(self) -> dict[str, Any]:
-        """The JSON object of trainer_state.json; a key whose value is None is left out."""
+        """The JSON object of trainer_state.json; a key whose value is None (or an empty state) is left out."""
         state: dict[str, Any] = {"step": self.step, "stream_position": self.stream_position}
-        optional = {"metrics_bytes": self.metrics_bytes, "debias": self.debias, "wandb_run_id": self.wandb_run_id,
-                    "jacobian_window": self.jacobian_window, "health": self.health, "watch": self.watch,
-                    "files": self.files}
+        optional = {"metrics_bytes": self.metrics_bytes, "wandb_run_id": self.wandb_run_id,
+                    **{name: part for name, part in self.components.items() if part}, "files": self.files}
         return state | {key: value for key, value in optional.items() if value is not None}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> TrainerState:
         """Read `state_dict`'s object back (KeyError without step or stream_position)."""
-        return cls(state["step"], state["stream_position"], state.get("metrics_bytes"), state.get("debias"),
-                   state.get("wandb_run_id"), state.get("jacobian_window"), state.get("health"), state.get("watch"),
-                   state.get("files"))
+        components = {key: value for key, value in state.items() if key not in CORE}
+        return cls(state["step"], state["stream_position"], state.get("metrics_bytes"), state.get("wandb_run_id"),
+                   components, state.get("files"))
 
     @classmethod
     def read(cls, folder: str | Path) -> TrainerState:
