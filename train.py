@@ -78,6 +78,7 @@ from models.training.checkpoint import (
     remove_stale_temporaries,
     resolve_checkpoint,
 )
+from models.training.config_catalog import config_groups
 from models.training.debias import DebiasConfig, validate_objective_choice
 from models.training.distributed import (
     DistInfo,
@@ -158,6 +159,8 @@ def compose_config(overrides: list[str], return_hydra_config: bool = False) -> D
             cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
         except ConfigCompositionException as err:
             renamed_keys.check_composition_error(err)
+            if hint := renamed_keys.unknown_override(overrides, TrainConfig, config_groups(CONF_DIR)):
+                raise renamed_keys.UnknownKeyError(hint) from err
             raise
     check_required(CONF_DIR, choices_of(cfg.hydra), overrides)
     if not return_hydra_config:
@@ -722,7 +725,7 @@ def run(cfg: DictConfig | TrainConfig, run_dir: Path) -> dict[str, float]:
 _job_started = False  # set as Hydra calls `main`: a failure before it is one of composing the config
 
 
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")  # absolute: `posdebias train` too
 def main(cfg: DictConfig) -> None:
     global _job_started
     _job_started = True
@@ -750,9 +753,13 @@ def main(cfg: DictConfig) -> None:
 
 
 def explain_composition_failure(argv: Sequence[str]) -> None:
-    """After Hydra refused to compose the config (its own report printed), one more line when a config file sets a
-    renamed key: its new name and the file (`renamed_keys.check_composition_error`). The sweep's comma lists are
-    left out: composing their first values is not needed to find a key."""
+    """After Hydra refused to compose the config (its own report printed), one more line: the closest valid word for
+    a mistyped key or preset (`renamed_keys.unknown_override`), or, when a config file sets a renamed key, its new
+    name and the file (`renamed_keys.check_composition_error`). The sweep's comma lists are left out of composing:
+    their first values are not needed to find a key."""
+    if hint := renamed_keys.unknown_override(argv, TrainConfig, config_groups(CONF_DIR)):
+        print(f"error: {hint}", file=sys.stderr)
+        return
     overrides = [a for a in argv if not a.startswith("-") and "," not in a.partition("=")[2]]
     try:
         compose_config(overrides)
@@ -762,7 +769,9 @@ def explain_composition_failure(argv: Sequence[str]) -> None:
         pass
 
 
-if __name__ == "__main__":
+def cli(argv: Sequence[str]) -> None:
+    """`python train.py <overrides>`, and `posdebias train <overrides>`: Hydra reads the overrides from sys.argv."""
+    sys.argv = [sys.argv[0], *argv]
     strip_launcher_args()
     renamed_keys.exit_on_renamed_overrides(sys.argv[1:])
     register_configs()
@@ -772,3 +781,7 @@ if __name__ == "__main__":
         if stop.code not in (0, None) and not _job_started:
             explain_composition_failure(sys.argv[1:])
         raise
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis import stats
-from analysis.command_line import positive_int
+from analysis.command_line import CommandParser, positive_int
 from analysis.evaluation.checkpoints import (
     CompareError,
     ProbeBank,
@@ -921,7 +921,7 @@ def _depth_list(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     # One declaration per option, each with its help text: long, and clearer in one place than split up.
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m analysis.compare",
         description="Compare runs and checkpoints: accuracy by gold position (kv, mdqa, needle, in2), "
                     "Jacobian profiles against the Cesàro prior, valley and prior metrics. Writes "

@@ -129,7 +129,7 @@ class JacobianWatch:
                        else measure_sets(model, seqs, jac))
             rolls = measure_rollouts(model, seqs) if jac.rollout else {}
         # With a window the logged profile pools the probes of the last jacobian.window steps; the step's own
-        # estimate is logged beside it under step/ (README, "Metric names").
+        # estimate is logged beside it under step/ (docs/REFERENCE.md, "Metric names").
         for name, res in (pooled or {}).items():
             own = valley_metrics(res.step.profile.mean(axis=0))
             metrics.update({f"step/valley/{name}/{k.removeprefix('valley/')}": v for k, v in own.items()})

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from analysis import stats
+from analysis.command_line import CommandParser
 from analysis.evaluation.config import POSITION_AXIS
 from analysis.evaluation.result import LOGLIK, SAMPLE_SIZE, ProbeResult, paired_delta, pairing_mismatch
 from analysis.report.figures import plot_position_accuracy
@@ -174,7 +175,7 @@ def probe_lines(results: dict[str, ProbeResult], score: stats.Score, strong: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.pair_evals", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m analysis.pair_evals", description=__doc__.split("\n\n")[0])
     parser.add_argument("baseline", type=_baseline,
                         help="the baseline's eval JSON (eval/<probe>_step<N>.json), or a folder of them (the latest "
                              f"step of each probe); NAME=PATH names it (default {BASELINE!r})")

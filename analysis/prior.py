@@ -7,18 +7,18 @@ Writes `<out>/prior_L<L>_H<H>_a<alpha>.csv` (columns j, x, p) and the `.png` of 
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from analysis.command_line import CommandParser
 from analysis.measure.prior import prior_profile
 from analysis.report.figures import plot_prior
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m analysis.prior",
         description="Write the closed-form Cesàro prior p(j) = (N^H)[L, j] as CSV and a log-scale PNG.",
     )

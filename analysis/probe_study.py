@@ -29,7 +29,6 @@ against it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -42,6 +41,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from analysis import stats
+from analysis.command_line import CommandParser
 from analysis.evaluation.answer_kinds import summarize
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.report.figures import plot_arm_curves
@@ -579,7 +579,7 @@ def write_report(study: Study, out: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.probe_study", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m analysis.probe_study", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="the experiment folder (scripts.reads_middle's)")
     parser.add_argument("--out", default=None, help="report folder (default: FOLDER/report)")
     args = parser.parse_args(argv)

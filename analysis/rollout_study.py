@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from analysis.command_line import CommandParser
 from analysis.evaluation.checkpoints import (
     CompareError,
     load_checkpoint_tokenizer,
@@ -210,7 +211,7 @@ def _lengths(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.rollout_study", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m analysis.rollout_study", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="run directory or checkpoint folder (default: train the in2 run)")
     parser.add_argument("--out", default="rollout_study", help="output folder (default ./rollout_study)")
     parser.add_argument("--steps", type=int, default=2000, help="steps of the default run it trains (default 2000)")

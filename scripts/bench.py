@@ -28,6 +28,8 @@ from typing import TypeVar
 
 import torch
 
+from analysis.command_line import CommandParser
+
 # name -> (module, function); each function returns a list of row dicts with at least `name`.
 BENCHMARKS = {
     "train": ("scripts.bench_train", "bench_train"),
@@ -119,7 +121,7 @@ def write_table(out: str, command: str, section: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md with this table")
     args = parser.parse_args(argv)

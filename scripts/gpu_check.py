@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from analysis.command_line import CommandParser
 from models.training.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +121,7 @@ def table(rows: list[dict[str, str]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="the same sequence at tiny sizes on the CPU")
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs and gpu_check.md")
     parser.add_argument("--only", nargs="+", default=None, metavar="CHECK", help="run these checks (by name) only")

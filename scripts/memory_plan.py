@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from analysis.command_line import CommandParser
+
 GiB, MiB = 2**30, 2**20
 
 # ---------------------------------------------------------------------------------------------- measured
@@ -217,15 +219,15 @@ def print_plan() -> None:
         print(f"| {S}{note} | {B} | {k} | " + " | ".join(cells) + " |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="CPU measurements (a fresh process per number)")
     m.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     m.add_argument("--vocab", type=int, default=32768)
     m.add_argument("--what", nargs="+", choices=["logits", "packing"], default=["logits", "packing"])
     sub.add_parser("plan", help="the computed tables")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.cmd == "measure":
         measure(args.lengths, args.vocab, args.what)
     else:

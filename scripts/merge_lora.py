@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from analysis.command_line import CommandParser
 from data_builders.files import atomic_dir
 from models.build import DType
 from models.training.checkpoint import ADAPTER_CONFIG, BaseWeights, base_weights, load_checkpoint_model
@@ -111,7 +112,7 @@ def merge_lora(adapter_dir: str | Path, out: str | Path, base: Optional[str] = N
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m scripts.merge_lora", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -61,6 +61,7 @@ from typing import Callable, Sequence
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from analysis import probe_study
+from analysis.command_line import CommandParser
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
 from data_builders.files import atomic_write_text
 from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, TRAIN_LOG, RunDir
@@ -234,7 +235,7 @@ def chosen_settings(plan: probe_study.Plan, accept_partial: bool) -> tuple[dict[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.reads_middle", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m scripts.reads_middle", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the experiment's folder")
     parser.add_argument("--exp", default=DEFAULT_EXP, help=f"the experiment (+exp=); default {DEFAULT_EXP}")
     parser.add_argument("--sweep", nargs="*", default=[], metavar="KEY=V1,V2",

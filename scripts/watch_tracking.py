@@ -25,7 +25,6 @@ evaluation is kept); `--keep DIR` mirrors what is small and costly into DIR and 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from analysis import stats
+from analysis.command_line import CommandParser
 from analysis.evaluation.result import LOGLIK, ProbeResult, contrast_change
 from analysis.evaluation.watch import position_signals, read_rows
 from analysis.report.figures import plot_tracking
@@ -263,7 +263,7 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.watch_tracking", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m scripts.watch_tracking", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the experiment's folder")
     parser.add_argument("--phase", choices=PHASES, nargs="*", default=list(PHASES))
     parser.add_argument("--test", choices=("auto", "own", "kept"), default="auto",

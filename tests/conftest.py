@@ -12,7 +12,7 @@ from train import compose_config
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 SHARED_DATA = ROOT.parent / "shared" / "data"
-# The real data files some tests read, where they come from (README, "Real data"), and the variable that turns
+# The real data files some tests read, where they come from (docs/REFERENCE.md, "Real data"), and the variable that turns
 # their absence from a skip into a failure (.ci/run sets it: CI has ../shared/data and must run every test).
 LITM, FILM = "github.com/nelson-liu/lost-in-the-middle", "github.com/microsoft/FILM"
 SHARED_SOURCES = {

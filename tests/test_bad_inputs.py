@@ -575,7 +575,7 @@ RESUME, FETCH = "python train.py trainer.resume_from=F", "python -m scripts.fetc
 NO_RUN, NO_CACHE = ("run", "outputs"), ("cache/in2/*",)
 NO_EVAL = ("out/eval/*", "out/plots/*")
 NO_MODEL = ("cache/models/tiny-test", "cache/models/.tiny-test*")
-HELP = "(python -m scripts.eval_checkpoint --help lists the settings)"
+HELP = "(--help lists the settings)"
 UTF8 = "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
 EMPTY = "empty: no records in it (a file written or copied only in part?)"
 AGAIN = "fetch or copy the file again"
@@ -623,7 +623,8 @@ CASES = [
          f"error: examples: Value 'many' of type 'str' could not be converted to Integer {HELP}", "exit 2", ("out",),
          lambda env: eval_checkpoint("model", "examples=many")),
     Case("eval-typo", "config", "a misspelt key: needle.lenghts=[64]", EVAL_CLI,
-         f"error: needle.lenghts: Key 'lenghts' not in 'NeedleProbeConfig' {HELP}", "exit 2", ("out",),
+         "error: needle.lenghts: no such setting in needle (NeedleProbeConfig); did you mean needle.lengths?", "exit 2",
+         ("out",),
          lambda env: eval_checkpoint("model", "needle.lenghts=[64]")),
     # --- data files
     Case("data-truncated-gzip", "data file", "a .jsonl.gz cut short (half-downloaded)", DATA,

@@ -117,7 +117,7 @@ def test_the_streamed_estimator_is_unbiased_for_the_exact_profile(replicates):
 
 
 def test_its_standard_error_covers_the_exact_value_at_the_stated_rate(replicates):
-    """The interval rho ± t(0.975, n - 1) x stderr, n the pooled probes (README, "Metric names"), covers the exact
+    """The interval rho ± t(0.975, n - 1) x stderr, n the pooled probes (docs/REFERENCE.md, "Metric names"), covers the exact
     rho 95% ± 3 points of the time over 400 windows x 24 positions; and the standard error is the spread it claims
     (its root mean square within 10% of the replicates' spread)."""
     exact, estimates, errors, n = replicates

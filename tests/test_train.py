@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_builders.mdqa import write_jsonl_gz
 from models.training.distributed import DistInfo
+from models.training.renamed_keys import UnknownKeyError
 from scripts.investigations.synthetic_oracle import oracle_records
 from tests.conftest import CONF_DIR, ROOT, TINY
 from train import TrainConfig, as_train_config, compose_config, run, validate
@@ -261,9 +263,21 @@ def test_resume_matches_uninterrupted_run(compose_cfg, tmp_path, batching):
     assert [resumed[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]  # bitwise on CPU
 
 
-def test_unknown_key_fails_naming_it(compose_cfg):
-    with pytest.raises(ConfigCompositionException, match="lrr"):
+def test_unknown_key_fails_naming_it_and_the_closest_key(compose_cfg):
+    with pytest.raises(UnknownKeyError, match=r"trainer.lrr: no such setting .*did you mean trainer.lr\?"):
         compose_cfg("trainer.lrr=0.1")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("+exp=in3", "+exp=in3: no such option of the config group exp; did you mean +exp=in2?"),
+    ("model=smollm", "did you mean model=smollm2_135m?"),
+    ("debias=[depth_sampling,grup_dro]", "debias=grup_dro: no such option of the config group debias; did you mean "
+     "debias=group_dro?"),
+    ("data.in2.n_doc=3", "data.in2.n_doc: no such setting in data.in2 (In2Config); did you mean data.in2.n_docs?"),
+])
+def test_a_mistyped_preset_or_key_fails_naming_the_closest(compose_cfg, override, expected):
+    with pytest.raises(UnknownKeyError, match=re.escape(expected)):
+        compose_cfg(override)
 
 
 def test_unknown_key_in_cli_fails_naming_it():

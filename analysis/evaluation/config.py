@@ -78,13 +78,13 @@ VALPROBING_METRIC = {Task.document: "word_recall", Task.code: "name_in_output", 
 
 
 class Probe(StrEnum):
-    """Every position-wise probe; `eval.probes` takes all but in2 (scored whenever the data is IN2)."""
+    """Every position-wise probe (what each asks: `description`); `eval.probes` takes all but in2 (scored whenever
+    the data is IN2)."""
 
-    kv = "kv"  # key-value retrieval (Liu et al. 2023): the gold pair's index
-    mdqa = "mdqa"  # multi-document QA over NQ (needs data_dir or eval.mdqa.path): the gold document's index
-    needle = "needle"  # a code hidden at a depth of filler text, per context length
-    in2 = "in2"  # held-out IN2 records of a run (its run config rebuilds them): the gold depth bin
-    # VaLProbing (data_builders.valprobing; needs data_dir or eval.valprobing.path): the gold piece's bin
+    kv = "kv"
+    mdqa = "mdqa"
+    needle = "needle"
+    in2 = "in2"
     valprobing_document = Task.document.probe
     valprobing_code = Task.code.probe
     valprobing_database = Task.database.probe
@@ -92,6 +92,19 @@ class Probe(StrEnum):
     @property
     def valprobing_task(self) -> Task | None:
         return next((t for t in Task if t.probe == self.value), None)
+
+    @property
+    def description(self) -> str:
+        """What the probe asks, and what its position is (one line: `posdebias ls` lists them)."""
+        if (task := self.valprobing_task) is not None:
+            return (f"VaLProbing's {task} task (FILM; needs data_dir or eval.valprobing.path): the gold piece's "
+                    "bin")
+        return {
+            Probe.kv: "key-value retrieval (Liu et al. 2023): the gold pair's index",
+            Probe.mdqa: "multi-document QA over NQ (needs data_dir or eval.mdqa.path): the gold document's index",
+            Probe.needle: "a code hidden at a depth of filler text, per context length",
+            Probe.in2: "held-out IN2 records of a run (its run config rebuilds them): the gold depth bin",
+        }[self]
 
 
 PROBES = tuple(Probe)

@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from analysis import stats
-from analysis.command_line import positive_int
+from analysis.command_line import CommandParser, positive_int
 from analysis.study.load import MDE_SIMULATIONS, REFERENCE_ARM, StudyError, load_study
 from analysis.study.report import fairness_table, reanalyse_per_seed, write_report
 from models.training.run_dir import FINISHED
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m analysis.study",
         description="Compare the arms of a debias sweep (Hydra -m: one job per debias arm and seed) on position "
                     "fairness (crossed-design intervals and paired permutation tests against the reference arm), on "

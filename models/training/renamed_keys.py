@@ -121,10 +121,44 @@ def check_keys(cfg: DictConfig, schema: type, table: Mapping[str, tuple[str, str
         if key not in fields:
             if message := renamed(full, table):
                 raise UnknownKeyError(message)
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; its keys: {', '.join(fields)}"
-            raise UnknownKeyError(f"{full}: no such setting in {prefix.rstrip('.') or 'the config'} "
-                                  f"({schema.__name__}){hint}")
+            raise UnknownKeyError(_no_such_setting(str(key), prefix, schema))
         sub = _schema_of(hints[key])
         if sub is not None and not OmegaConf.is_missing(cfg, key) and isinstance(child := cfg.get(key), DictConfig):
             check_keys(child, sub, table, f"{full}.")
+
+
+def _no_such_setting(key: str, prefix: str, schema: type) -> str:
+    fields = [f.name for f in dataclasses.fields(schema)]
+    close = difflib.get_close_matches(key, fields, n=1)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else f"; its keys: {', '.join(fields)}"
+    return f"{prefix}{key}: no such setting in {prefix.rstrip('.') or 'the config'} ({schema.__name__}){hint}"
+
+
+def unknown_override(overrides: Sequence[str], schema: type,
+                     groups: Optional[Mapping[str, Sequence[str]]] = None) -> Optional[str]:
+    """What is wrong with the first override a mistyped word spoils, naming the closest valid word: a key the
+    dataclass `schema` does not have (`trainer.lrr: no such setting ...; did you mean trainer.lr?`), or an option
+    that a config group (`groups`: group -> its options) does not have. None when every key and option exists
+    (free-form fields, a dict or Any, are not looked into; `hydra.*` keys are Hydra's)."""
+    for override in overrides:
+        key = override_key(override)
+        if key is None or key.startswith("hydra."):
+            continue
+        value = override.partition("=")[2]
+        if groups and key in groups:
+            options = groups[key]
+            for option in value.strip("[]").split(","):
+                if option and option not in options:
+                    close = difflib.get_close_matches(option, options, n=1)
+                    plus = override[:len(override) - len(override.lstrip("+"))]  # `+exp=...` as typed
+                    hint = f"did you mean {plus}{key}={close[0]}?" if close else f"its options: {', '.join(options)}"
+                    return f"{plus}{key}={option}: no such option of the config group {key}; {hint}"
+            continue
+        current: Any = schema
+        for depth, part in enumerate(parts := key.split(".")):
+            if (current := _schema_of(current)) is None:
+                break  # a free-form field, or a leaf whose value Hydra checks itself
+            if part not in {f.name for f in dataclasses.fields(current)}:
+                return _no_such_setting(part, "".join(f"{p}." for p in parts[:depth]), current)
+            current = typing.get_type_hints(current)[part]
+    return None
