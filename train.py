@@ -29,21 +29,20 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from analysis.during_training import Evaluations, JacobianWatch, TaskWatch, depth_curve, write_summary
-from analysis.evaluation.config import EvalConfig, Probe, check_mdqa_questions, check_probes, probe_source
+from analysis.during_training import (
+    Evaluations,
+    JacobianWatch,
+    TaskWatch,
+    check_watch,
+    depth_curve,
+    slot_loss_of,
+    write_summary,
+)
+from analysis.evaluation.config import EvalConfig, validate_eval
 from analysis.evaluation.distill_responses import cached_answers, model_answer_fn, settings_of
 from analysis.evaluation.probes import build_probes
-from analysis.evaluation.watch import (
-    NQ_FILE,
-    WatchConfig,
-    WatchSet,
-    build_panel,
-    validate_watch,
-)
-from analysis.measure.jacobian import (
-    Estimator,
-    JacobianConfig,
-)
+from analysis.evaluation.watch import WatchConfig
+from analysis.measure.jacobian import JacobianConfig, validate_jacobian
 from analysis.report.metrics_log import (
     LoggerConfig,
     MetricsLogger,
@@ -54,20 +53,13 @@ from analysis.report.metrics_log import (
 )
 from data_builders.build import DataBundle, build_datasets, built_with
 from data_builders.collate import BatchStream
-from data_builders.config import DataConfig, DataFormat, DataSource, In2Layout, validate_data
+from data_builders.config import DataConfig, DataFormat, validate_data
 from data_builders.files import atomic_write_text
-from data_builders.in2 import make_format
 from data_builders.needle_mix import mixed_rows, training_mix, validate_needle_mix
 from data_builders.tokenizer import default_cache_dir, load_tokenizer
 from models.attention.diff_attention import diff_lambda_stats, set_diff_step
 from models.attention.packed import SDPA_PACKED
-from models.build import (
-    AttnImplementation,
-    ModelConfig,
-    build_model,
-    differs_from_pretrained,
-    validate_model,
-)
+from models.build import AttnImplementation, ModelConfig, build_model, differs_from_pretrained, validate_model
 from models.peft_setup import PeftConfig, PeftMethod, apply_peft
 from models.training import objectives, renamed_keys, run_lock
 from models.training.checkpoint import (
@@ -106,7 +98,7 @@ from models.training.objectives import Context, Preparation, StartUp, TrainingOb
 from models.training.required_values import check_required, choices_of
 from models.training.resume_guard import check_resume
 from models.training.run_dir import CHECKPOINT_CONFIG, RunDir, run_dir_of
-from models.training.slot_loss import SlotLoss, check_slots, tapped
+from models.training.slot_loss import tapped
 from models.training.state import TrainerState
 from models.training.step_health import NonFiniteWeights, StepHealth, TooManyBadSteps, skip_reason
 from models.training.trainer import (
@@ -183,66 +175,14 @@ def validate(cfg: TrainConfig, info: DistInfo) -> None:
     validate_data(cfg.data)
     validate_model(cfg.model)
     resolve_mode(cfg.logger.mode)  # a WANDB_MODE that is no mode fails here, not after the data is built
-    t, jac = cfg.trainer, cfg.jacobian
-    validate_trainer(t, info.world_size, cfg.model, cfg.data.packing)
-    for key in ("plot_every", "chart_every"):  # cadences of measured steps
-        if getattr(jac, key) < 1:
-            raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
-    for key in ("n_vanilla", "n_chunked"):
-        if getattr(jac, key) < 0:
-            raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 0 (0 leaves the set out)")
-    if jac.window < 1:
-        raise ValueError(f"jacobian.window={jac.window} must be >= 1 (1: each step's own probes alone)")
-    if jac.every > 0 and jac.estimator == Estimator.hutchinson and (
-            jac.num_probes < 1 or (jac.window == 1 and jac.num_probes < 2)):
-        raise ValueError(f"jacobian.num_probes={jac.num_probes} with jacobian.window={jac.window}: hutchinson needs 2 "
-                         "probes a step for its standard error, or 1 a step pooled over a window (jacobian.window > 1)")
-    if jac.every > 0 and jac.window > 1 and jac.estimator != Estimator.hutchinson:
-        raise ValueError(f"jacobian.window={jac.window} pools hutchinson probes over steps; jacobian.estimator="
-                         f"{jac.estimator} draws none: set jacobian.window=1")
-    if jac.every > 0 and jac.n_vanilla == jac.n_chunked == 0:
-        # A profile of nothing is a mistake, not a way to turn it off: say how to.
-        raise ValueError(f"jacobian.n_vanilla=0 and jacobian.n_chunked=0 with jacobian.every={jac.every}: nothing to "
-                         "measure; set one of them >= 1, or jacobian.every=0 (jacobian=off) to turn the profile off")
-    if cfg.eval.loglik and cfg.eval.loglik_aliases < 1:
-        raise ValueError(f"eval.loglik_aliases={cfg.eval.loglik_aliases}: the log-likelihood needs at least 1 answer "
-                         "alias (or eval.loglik=false)")
-    if cfg.eval.probes and cfg.eval.probe_every < 1:
-        raise ValueError(f"eval.probes={[str(p) for p in cfg.eval.probes]} needs eval.probe_every >= 1")
-    if cfg.eval.probes:
-        check_probes(cfg.eval)
-    if Probe.mdqa in cfg.eval.probes and probe_source(Probe.mdqa, cfg.eval) is not None:
-        check_mdqa_questions(cfg.eval.mdqa, built_with(cfg.data))
-    validate_watch_in_run(cfg)
+    validate_trainer(cfg.trainer, info.world_size, cfg.model, cfg.data.packing)
+    validate_jacobian(cfg.jacobian)
+    validate_eval(cfg.eval, built_with(cfg.data))
+    check_watch(cfg.watch, cfg.data)
     validate_objective_choice(cfg.debias)
     objectives.validate(StartUp(cfg.debias, cfg.data, built_with(cfg.data), cfg.peft.method, cfg.model.attention,
-                                jac.every, t.sequence_parallel))
-    validate_needle_mix(cfg.debias.needle_mix, t.micro_batch_size, cfg.data.packing)
-
-
-def validate_watch_in_run(cfg: TrainConfig) -> None:
-    """The watch's own checks, and what its sets and its per-slot training loss need from the data."""
-    w = cfg.watch
-    if not w.on:
-        return
-    validate_watch(w)
-    if cfg.data.format != DataFormat.in2:
-        raise ValueError(f"watch is on, but data.format={cfg.data.format} has no questions to watch: watch=off "
-                         "(language-model windows), or IN2 data")
-    layout = built_with(cfg.data).in2.layout
-    if WatchSet.in2 in w.sets and layout != In2Layout.segments:
-        raise ValueError(f"watch.sets has in2, whose prompts move a gold segment through an IN2 context, but "
-                         f"data.in2.layout={layout}: watch mdqa (watch.sets=[mdqa,kv] watch.data_dir=...)")
-    check_slots(w.slots, training_slots(cfg))
-    if WatchSet.mdqa in w.sets and watch_nq_file(cfg) is None:
-        raise ValueError("watch.sets has mdqa, whose questions come from NQ: set watch.data_dir (the folder of "
-                         f"{NQ_FILE}), or train on NQ (data.source=nq)")
-
-
-def training_slots(cfg: TrainConfig) -> int:
-    """Gold slots of the training samples: mdqa-layout documents, else tenths of the context's depth."""
-    built = built_with(cfg.data).in2
-    return built.n_docs if built.layout == In2Layout.mdqa else 10
+                                cfg.jacobian.every, cfg.trainer.sequence_parallel))
+    validate_needle_mix(cfg.debias.needle_mix, cfg.trainer.micro_batch_size, cfg.data.packing)
 
 
 def check_resumed_run(cfg: TrainConfig, run_dir: Path) -> None:
@@ -351,7 +291,7 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
         tokenizer.save_pretrained(RunDir(run_dir).tokenizer)
     model, zero3 = load_model(cfg, run_dir, tokenizer, info, ds_config)
     objective = objectives.build(Context(cfg.debias, model.config.num_hidden_layers, all_sum, built_with(cfg.data)))
-    slot_loss = watched_loss(cfg)
+    slot_loss = slot_loss_of(cfg.watch, cfg.data, all_sum)
     engine = build_engine(model, cfg.trainer, ds_config, tokenizer.pad_token_id,
                           tapped(objective, slot_loss) if slot_loss is not None else objective)
     prepared = objective.prepare(preparation(cfg, run_dir, bundle, engine, info))
@@ -369,10 +309,13 @@ def setup(cfg: TrainConfig, run_dir: Path) -> Run:
     layers = model.config.num_hidden_layers
     run = Run(cfg=cfg, run_dir=run_dir, info=info, bundle=bundle, tokenizer=tokenizer, model=engine.module,
               engine=engine, stream=stream, objective=objective, logger=open_logger(cfg, run_dir, info, ckpt),
-              evals=evaluations(cfg, run_dir, bundle, probe_items, info),
+              evals=Evaluations.build(cfg.eval, cfg.exp_name, cfg.data.format == DataFormat.in2, bundle, probe_items,
+                                      run_dir, info.is_main_process, answer_records(cfg, info), info.world_size == 1),
               health=StepHealth(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor, cfg.trainer.loss_spike_steps),
               jacobian=JacobianWatch.build(cfg.jacobian, bundle, layers, run_dir, info.is_main_process, engine.device),
-              watch=task_watch(cfg, run_dir, bundle, layers, info, slot_loss), zero3=zero3)
+              watch=TaskWatch.build(cfg.watch, cfg.data, cfg.eval, cfg.trainer.precision == Precision.bf16, layers,
+                                    bundle, run_dir, answer_records(cfg, info), info.is_main_process, slot_loss),
+              zero3=zero3)
     if ckpt is not None:
         resume(run, ckpt)
     return run
@@ -412,52 +355,10 @@ def build_stream(cfg: TrainConfig, bundle: DataBundle, tokenizer: PreTrainedToke
                        pad_to_multiple_of=t.pad_to_multiple_of)
 
 
-def watched_loss(cfg: TrainConfig) -> Optional[SlotLoss]:
-    """The training loss by gold slot (models.training.slot_loss) when the watch is on."""
-    w = cfg.watch
-    if not w.on:
-        return None
-    mdqa = built_with(cfg.data).in2.layout == In2Layout.mdqa
-    return SlotLoss(training_slots(cfg), w.train_window, w.middle, w.strong["mdqa" if mdqa else "in2"], all_sum)
-
-
-def task_watch(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, layers: int, info: DistInfo,
-               slot_loss: Optional[SlotLoss]) -> Optional[TaskWatch]:
-    """The watch (analysis.evaluation.watch): mdqa dev questions of the training data's question split, kv records,
-    the run's own held-out IN2 records; measured under the training's precision."""
-    if not cfg.watch.on:
-        return None
-    built, tokenizer = built_with(cfg.data), bundle.tokenizer
-    split = built.nq_split if built.source == DataSource.nq else cfg.eval.mdqa.split
-    start = len(make_format(tokenizer, built).prefix) if WatchSet.in2 in cfg.watch.sets else 0
-    panel = build_panel(cfg.watch, layers, tokenizer, cfg.eval.chat_template, split, watch_nq_file(cfg), bundle.eval,
-                        start)
-    return TaskWatch(panel, RunDir(run_dir).watch, cfg.trainer.precision == Precision.bf16, answer_records(cfg, info),
-                     info.is_main_process, slot_loss)
-
-
 def answer_records(cfg: TrainConfig, info: DistInfo) -> Optional[Path]:
     """Where evaluations record their answers (`eval.resume`), None with several processes: sharded weights
     cannot be hashed whole on one rank."""
     return default_cache_dir() if cfg.eval.resume and info.world_size == 1 else None
-
-
-def evaluations(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, probe_items: dict[str, list],
-                info: DistInfo) -> Evaluations:
-    """The run's evaluations: accuracy by depth needs questions (language-model windows, micro100, have none)."""
-    records = bundle.eval.select(range(min(cfg.eval.num_examples, len(bundle.eval))))
-    if cfg.data.format != DataFormat.in2:
-        records = bundle.eval.select([])
-    return Evaluations(cfg.eval, cfg.exp_name, bundle.tokenizer, bundle.eval, records, probe_items, run_dir,
-                       info.is_main_process, answer_records(cfg, info), info.world_size == 1)
-
-
-def watch_nq_file(cfg: TrainConfig) -> Optional[Path]:
-    """The NQ file the watch's mdqa questions come from: watch.data_dir's, else the training data's own."""
-    if cfg.watch.data_dir is not None:
-        return Path(cfg.watch.data_dir) / NQ_FILE
-    built = built_with(cfg.data)
-    return Path(built.path) if built.source == DataSource.nq and built.path else None
 
 
 def preparation(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, engine: TorchEngine | DeepSpeedEngine,

@@ -17,16 +17,30 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from analysis.evaluation.config import EvalConfig
 from analysis.evaluation.probes import evaluate_in2, evaluate_probes
 from analysis.evaluation.result import Checkpoint, ProbeResult, write_eval_json
 from analysis.evaluation.reuse import function_digest
+from analysis.evaluation.watch import (
+    NQ_FILE,
+)
 from analysis.evaluation.watch import PREFIX as WATCH_PREFIX
-from analysis.evaluation.watch import WatchPanel, append_rows, panel_header, read_rows, truncate_rows
+from analysis.evaluation.watch import (
+    WatchConfig,
+    WatchPanel,
+    WatchSet,
+    append_rows,
+    build_panel,
+    panel_header,
+    read_rows,
+    truncate_rows,
+    validate_watch,
+)
 from analysis.measure.jacobian import (
     ChunkedSource,
     Estimator,
@@ -58,11 +72,14 @@ from analysis.report.figures import (
 )
 from analysis.report.metrics_log import accuracy_chart, profile_charts, watch_charts
 from analysis.report.run_summary import headline_numbers, run_summary
-from data_builders.build import DataBundle, train_documents
+from data_builders.build import DataBundle, built_with, train_documents
 from data_builders.collate import collate
+from data_builders.config import DataConfig, DataFormat, DataSource, In2Layout
 from data_builders.files import atomic_write_text
+from data_builders.in2 import make_format
 from models.training.loss import labelled_nll
 from models.training.run_dir import RunDir
+from models.training.slot_loss import SlotLoss, check_slots
 
 log = logging.getLogger("train")
 
@@ -196,6 +213,47 @@ class JacobianWatch:
 # ---------------------------------------------------------------------------------------------- the task's prompts
 
 
+def training_slots(data: DataConfig) -> int:
+    """Gold slots of the training samples: mdqa-layout documents, else tenths of the context's depth."""
+    built = built_with(data).in2
+    return built.n_docs if built.layout == In2Layout.mdqa else 10
+
+
+def watch_nq_file(watch: WatchConfig, data: DataConfig) -> Optional[Path]:
+    """The NQ file the watch's mdqa questions come from: watch.data_dir's, else the training data's own."""
+    if watch.data_dir is not None:
+        return Path(watch.data_dir) / NQ_FILE
+    built = built_with(data)
+    return Path(built.path) if built.source == DataSource.nq and built.path else None
+
+
+def check_watch(watch: WatchConfig, data: DataConfig) -> None:
+    """The watch's own checks, and what its sets and its per-slot training loss need from the data."""
+    if not watch.on:
+        return
+    validate_watch(watch)
+    if data.format != DataFormat.in2:
+        raise ValueError(f"watch is on, but data.format={data.format} has no questions to watch: watch=off "
+                         "(language-model windows), or IN2 data")
+    layout = built_with(data).in2.layout
+    if WatchSet.in2 in watch.sets and layout != In2Layout.segments:
+        raise ValueError(f"watch.sets has in2, whose prompts move a gold segment through an IN2 context, but "
+                         f"data.in2.layout={layout}: watch mdqa (watch.sets=[mdqa,kv] watch.data_dir=...)")
+    check_slots(watch.slots, training_slots(data))
+    if WatchSet.mdqa in watch.sets and watch_nq_file(watch, data) is None:
+        raise ValueError("watch.sets has mdqa, whose questions come from NQ: set watch.data_dir (the folder of "
+                         f"{NQ_FILE}), or train on NQ (data.source=nq)")
+
+
+def slot_loss_of(watch: WatchConfig, data: DataConfig, all_sum: Callable) -> Optional[SlotLoss]:
+    """The training loss by gold slot (models.training.slot_loss) when the watch is on; `all_sum` sums over ranks."""
+    if not watch.on:
+        return None
+    mdqa = built_with(data).in2.layout == In2Layout.mdqa
+    return SlotLoss(training_slots(data), watch.train_window, watch.middle, watch.strong["mdqa" if mdqa else "in2"],
+                    all_sum)
+
+
 @dataclass
 class TaskWatch:
     """The watch of a run (analysis.evaluation.watch): its panel, where its rows go, and how it measures."""
@@ -206,6 +264,21 @@ class TaskWatch:
     cache_dir: Optional[Path]  # where the first panel is cached (None: several processes, sharded weights)
     is_main: bool
     slot_loss: Any  # the training loss by gold slot (models.training.slot_loss.SlotLoss)
+
+    @classmethod
+    def build(cls, watch: WatchConfig, data: DataConfig, evals: EvalConfig, bf16: bool, layers: int,
+              bundle: DataBundle, run_dir: Path, cache_dir: Optional[Path], is_main: bool,
+              slot_loss: Optional[SlotLoss]) -> Optional[TaskWatch]:
+        """The watch of a run (None when it is off): mdqa dev questions of the training data's question split, kv
+        records, the run's own held-out IN2 records, asked as the evaluations ask (`evals.chat_template`)."""
+        if not watch.on:
+            return None
+        built, tokenizer = built_with(data), bundle.tokenizer
+        split = built.nq_split if built.source == DataSource.nq else evals.mdqa.split
+        start = len(make_format(tokenizer, built).prefix) if WatchSet.in2 in watch.sets else 0
+        panel = build_panel(watch, layers, tokenizer, evals.chat_template, split, watch_nq_file(watch, data),
+                            bundle.eval, start)
+        return cls(panel, RunDir(run_dir).watch, bf16, cache_dir, is_main, slot_loss)
 
     def measure(self, model: torch.nn.Module, step: int, device_type: str, logger: Any, first: bool = False,
                 last: bool = False) -> dict[str, float]:
@@ -269,6 +342,14 @@ class Evaluations:
     answer_dir: Optional[Path]  # where answers are recorded and read back (eval.resume; None: off)
     one_process: bool  # the weights are whole here: their digest names what was evaluated
     accuracy_curves: dict[str, list[float]] = field(default_factory=dict)  # plotted at the end
+
+    @classmethod
+    def build(cls, cfg: EvalConfig, exp_name: str, in2: bool, bundle: DataBundle, probe_items: dict[str, list],
+              run_dir: Path, is_main: bool, answer_dir: Optional[Path], one_process: bool) -> Evaluations:
+        """A run's evaluations; accuracy by depth needs questions (`in2` data: language-model windows have none)."""
+        n = min(cfg.num_examples, len(bundle.eval)) if in2 else 0
+        return cls(cfg, exp_name, bundle.tokenizer, bundle.eval, bundle.eval.select(range(n)), probe_items, run_dir,
+                   is_main, answer_dir, one_process)
 
     @property
     def has_questions(self) -> bool:

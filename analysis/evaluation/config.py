@@ -267,6 +267,20 @@ def probe_source(name: str, cfg: EvalConfig) -> Path | None:
     return Path(cfg.data_dir) / (KV_FILE if name == Probe.kv else NQ_FILE)
 
 
+def validate_eval(cfg: EvalConfig, data: DataConfig) -> None:
+    """Start-up checks of a training run's `eval` section, naming the key; `data`: the settings the training data is
+    built with (`data_builders.build.built_with`), which the mdqa probe must not ask training questions of."""
+    if cfg.loglik and cfg.loglik_aliases < 1:
+        raise ValueError(f"eval.loglik_aliases={cfg.loglik_aliases}: the log-likelihood needs at least 1 answer "
+                         "alias (or eval.loglik=false)")
+    if cfg.probes and cfg.probe_every < 1:
+        raise ValueError(f"eval.probes={[str(p) for p in cfg.probes]} needs eval.probe_every >= 1")
+    if cfg.probes:
+        check_probes(cfg)
+    if Probe.mdqa in cfg.probes and probe_source(Probe.mdqa, cfg) is not None:
+        check_mdqa_questions(cfg.mdqa, data)
+
+
 def check_probes(cfg: EvalConfig, prefix: str = "eval.") -> None:
     """Fail before a model is loaded on a probe `build_probes` cannot build, or a missing file a requested probe
     reads, naming its key."""

@@ -82,6 +82,29 @@ class JacobianConfig:
     rollout: bool = True
 
 
+def validate_jacobian(jac: JacobianConfig) -> None:
+    """Start-up checks of the `jacobian` section, naming the key."""
+    for key in ("plot_every", "chart_every"):  # cadences of measured steps
+        if getattr(jac, key) < 1:
+            raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 1")
+    for key in ("n_vanilla", "n_chunked"):
+        if getattr(jac, key) < 0:
+            raise ValueError(f"jacobian.{key}={getattr(jac, key)} must be >= 0 (0 leaves the set out)")
+    if jac.window < 1:
+        raise ValueError(f"jacobian.window={jac.window} must be >= 1 (1: each step's own probes alone)")
+    if jac.every > 0 and jac.estimator == Estimator.hutchinson and (
+            jac.num_probes < 1 or (jac.window == 1 and jac.num_probes < 2)):
+        raise ValueError(f"jacobian.num_probes={jac.num_probes} with jacobian.window={jac.window}: hutchinson needs 2 "
+                         "probes a step for its standard error, or 1 a step pooled over a window (jacobian.window > 1)")
+    if jac.every > 0 and jac.window > 1 and jac.estimator != Estimator.hutchinson:
+        raise ValueError(f"jacobian.window={jac.window} pools hutchinson probes over steps; jacobian.estimator="
+                         f"{jac.estimator} draws none: set jacobian.window=1")
+    if jac.every > 0 and jac.n_vanilla == jac.n_chunked == 0:
+        # A profile of nothing is a mistake, not a way to turn it off: say how to.
+        raise ValueError(f"jacobian.n_vanilla=0 and jacobian.n_chunked=0 with jacobian.every={jac.every}: nothing to "
+                         "measure; set one of them >= 1, or jacobian.every=0 (jacobian=off) to turn the profile off")
+
+
 @dataclass
 class ProfileResult:
     """A profile, shape (B, L) or (L,) like the input ids, and its standard error (hutchinson only)."""
