@@ -39,7 +39,13 @@ from analysis.during_training import (
     write_summary,
 )
 from analysis.evaluation.config import EvalConfig, validate_eval
-from analysis.evaluation.distill_responses import cached_answers, model_answer_fn, settings_of
+from analysis.evaluation.distill_responses import (
+    LOGPROB_SETTINGS,
+    cached_answers,
+    model_answer_fn,
+    model_logprob_fn,
+    settings_of,
+)
 from analysis.evaluation.probes import build_probes
 from analysis.evaluation.watch import WatchConfig
 from analysis.measure.jacobian import JacobianConfig, validate_jacobian
@@ -377,9 +383,12 @@ def preparation(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, engine: Tor
         settings = settings_of(tokenizer, max_new_tokens, cfg.eval.batch_size, cfg.eval.batch_tokens)
         return cached_answers(answer, model, settings, default_cache_dir())
 
+    logprobs = model_logprob_fn(model, progress=info.is_main_process)
+    if info.world_size == 1:
+        logprobs = cached_answers(logprobs, model, LOGPROB_SETTINGS, default_cache_dir())
     return Preparation(bundle.train, tokenizer, run_dir, cfg.trainer.micro_batch_size,
                        info.world_size // cfg.trainer.sequence_parallel, info.is_main_process, answers,
-                       lambda obj: broadcast_object(obj, engine.device))
+                       lambda obj: broadcast_object(obj, engine.device), logprobs)
 
 
 def log_setup(cfg: TrainConfig, run_dir: Path, bundle: DataBundle, model: PreTrainedModel, info: DistInfo) -> None:
@@ -437,7 +446,8 @@ def needle_mix(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, probe_items
         return []
     default_probes = build_probes(dataclasses.replace(cfg.eval, probes=["kv", "needle"], data_dir=None), tokenizer)
     evaluation_items = [item for items in (*probe_items.values(), *default_probes.values()) for item in items]
-    return training_mix(cfg.debias.needle_mix, tokenizer, cfg.data.context_len, cfg.seed, evaluation_items)
+    return training_mix(cfg.debias.needle_mix, tokenizer, cfg.data.context_len, cfg.seed, evaluation_items,
+                        built_with(cfg.data).in2.chat_template)
 
 
 def resume(run: Run, ckpt: Path) -> None:

@@ -122,6 +122,10 @@ def build_key(cfg: DataConfig, tokenizer: Optional[PreTrainedTokenizerBase]) -> 
         settings["in2"].pop("teacher_slot", None)
     else:  # -1 and n_docs - 1 are the same slot, the same bytes
         settings["in2"]["teacher_slot"] = cfg.in2.teacher_slot_index
+    if cfg.in2.teacher_candidates:
+        settings["in2"]["teacher_candidates"] = cfg.in2.teacher_candidate_indices
+    else:
+        settings["in2"].pop("teacher_candidates", None)
     here = Path(__file__).resolve().parent
     code = [(here / name).read_bytes() for name in _CODE + (_MDQA_CODE if mdqa else ())]
     return Hasher.hash([

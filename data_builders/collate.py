@@ -9,7 +9,8 @@ beyond each row's tail. Either way `num_tokens` counts the real tokens (it is no
 With `depths` (the per-sample objectives of models.training.objectives) a batch also carries `depths` (S,), each
 sample's gold depth, and `sample_ids` (B, L), the sample each token belongs to (-1: padding). With `teacher`
 (debias=pos2distill, padded batches only) it also carries each sample's teacher sequence, padded as the samples
-are: `teacher_input_ids`, `teacher_labels`, `teacher_attention_mask` (B, Lt), and `gold_slots` (B,).
+are: `teacher_input_ids`, `teacher_labels`, `teacher_attention_mask` (B, Lt), and `gold_slots` (B,); with a
+teacher slot chosen per sample (debias=pos2distill_best) also `teacher_slots` (B,).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from data_builders.distill_data import TEACHER_SLOT  # a split may hold each sample's own teacher slot
 from data_builders.needle_mix import check_mix_rows
 
 TEACHER_COLUMNS = ("teacher_input_ids", "teacher_labels", "gold_slot")  # what a batch's teacher part is made of
@@ -56,6 +58,8 @@ def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False, t
                                  pad_to_multiple_of)
         batch |= {"teacher_input_ids": ids, "teacher_labels": lab, "teacher_attention_mask": mask,
                   "gold_slots": torch.tensor([r["gold_slot"] for r in rows], dtype=torch.long)}
+        if TEACHER_SLOT in rows[0]:  # chosen per sample (debias=pos2distill_best)
+            batch["teacher_slots"] = torch.tensor([r[TEACHER_SLOT] for r in rows], dtype=torch.long)
     return batch
 
 
@@ -159,6 +163,8 @@ class BatchStream:
             raise ValueError("teacher sequences (debias=pos2distill) are batched padded, without mixed rows")
         # A datasets.Dataset: one column view, made once (building it per batch costs more than the read).
         columns = ["input_ids", "labels"] + (["depth"] if depths else []) + (list(TEACHER_COLUMNS) if teacher else [])
+        if teacher and TEACHER_SLOT in getattr(dataset, "column_names", ()):
+            columns.append(TEACHER_SLOT)
         self._columns = dataset.select_columns(columns) if hasattr(dataset, "column_names") else None
         self._lengths = self._sample_lengths() if pack_len else None
         self._epochs: dict[int, list[list[int]]] = {}  # epoch -> its units, for the epoch in use
@@ -232,7 +238,7 @@ class BatchStream:
             rows = [{"input_ids": i, "labels": lab} for i, lab in zip(cols["input_ids"], cols["labels"])]
             for r, d in zip(rows, cols["depth"] if self.depths else ()):
                 r["depth"] = d
-            for name in TEACHER_COLUMNS if self.teacher else ():
+            for name in (name for name in cols if name not in ("input_ids", "labels", "depth")):
                 for r, value in zip(rows, cols[name]):
                     r[name] = value
         else:

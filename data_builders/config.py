@@ -116,6 +116,10 @@ class In2Config:
     # with the gold moved to this slot, the distractors in their order (debias=pos2distill's teacher); and the
     # sample's gold slot (`gold_slot`). None = off; -1 = the last slot (n_docs - 1)
     teacher_slot: Optional[int] = None
+    # layout=mdqa: also record each sample's prompt with the gold moved to each of these slots
+    # (`teacher_candidate_ids`, in this order; -1 = the last), among which debias=pos2distill_best takes the teacher
+    # where the starting model's gold log p is highest; and the sample's gold slot. [] = off
+    teacher_candidates: list[int] = field(default_factory=list)
 
     @property
     def teacher_slot_index(self) -> Optional[int]:
@@ -123,6 +127,11 @@ class In2Config:
         if self.teacher_slot is None:
             return None
         return self.n_docs - 1 if self.teacher_slot == -1 else self.teacher_slot
+
+    @property
+    def teacher_candidate_indices(self) -> list[int]:
+        """`teacher_candidates` as slot indices in [0, n_docs) (-1 = the last)."""
+        return [self.n_docs - 1 if slot == -1 else slot for slot in self.teacher_candidates]
 
 
 @dataclass
@@ -248,6 +257,22 @@ def _validate_mdqa_layout(cfg: DataConfig) -> None:
                          "leave them at their defaults (as data=in2_nq_mdqa does)")
 
 
+def _validate_teacher_candidates(c: In2Config) -> None:
+    if not c.teacher_candidates:
+        return
+    key = f"data.in2.teacher_candidates={list(c.teacher_candidates)}"
+    if c.layout != In2Layout.mdqa:
+        raise ValueError(f"{key}: teacher prompts move the gold among whole documents, which only "
+                         f"data.in2.layout=mdqa has (got {c.layout}); leave it empty")
+    if c.teacher_slot is not None:
+        raise ValueError(f"{key} with data.in2.teacher_slot={c.teacher_slot}: one teacher slot, or candidates to "
+                         "choose it from per sample, not both")
+    if any(isinstance(s, bool) or not -1 <= s < c.n_docs for s in c.teacher_candidates):
+        raise ValueError(f"{key}: each must be a slot in [0, data.in2.n_docs={c.n_docs}) or -1 (the last)")
+    if len(set(c.teacher_candidate_indices)) != len(c.teacher_candidates):
+        raise ValueError(f"{key} names a slot twice (-1 is slot {c.n_docs - 1})")
+
+
 def _validate_teacher_slot(c: In2Config) -> None:
     if c.teacher_slot is None:
         return
@@ -265,6 +290,7 @@ def _validate_in2(cfg: DataConfig) -> None:
     if c.layout == In2Layout.mdqa:
         _validate_mdqa_layout(cfg)
     _validate_teacher_slot(c)
+    _validate_teacher_candidates(c)
     shares = vars(c.tasks)
     if any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
         raise ValueError(f"data.in2.tasks must be non-negative with a positive sum, got {shares}")

@@ -8,6 +8,10 @@ once after the teacher prompt (`teacher_input_ids`, `teacher_labels`); labels ar
 sequences end in the same target tokens, so their next-token distributions compare token by token. A sample keeps
 its `prompt_len`, `context_tokens` (`data_builders.build.train_documents` reads the training text from them),
 `depth`, `gold_slot` and `id`.
+
+With a teacher slot chosen per sample (debias=pos2distill_best: `choose_teachers` picks, among a build's
+`teacher_candidate_ids`, the prompt where the starting model gives the sample's own target the highest log p), the
+split also keeps each sample's `teacher_slot`.
 """
 from __future__ import annotations
 
@@ -35,6 +39,54 @@ DISTILL_FEATURES = Features({
     "gold_slot": Value("int32"),
     "id": Value("string"),
 })
+TEACHER_SLOT = "teacher_slot"  # the slot of a sample's own teacher prompt, when chosen per sample
+LogprobFn = Callable[[Sequence[tuple[Sequence[int], Sequence[int]]]], list[float]]  # (prompt, target) -> log p
+
+
+def check_candidate_columns(train: Dataset) -> None:
+    """ValueError, naming the key, when the split holds no candidate teacher prompts."""
+    missing = {"teacher_candidate_ids", "gold_slot"} - set(train.column_names)
+    if missing:
+        raise ValueError(f"the training split has no {', '.join(sorted(missing))}: debias=pos2distill_best needs "
+                         "data built with data.in2.teacher_candidates (data.in2.layout=mdqa)")
+
+
+def sample_targets(train: Dataset) -> list[list[int]]:
+    """Each sample's own target tokens: its labelled tokens after the prompt, without the closing eos."""
+    return [list(ids[n:-1]) for ids, n in zip(train["input_ids"], train["prompt_len"])]
+
+
+@dataclass
+class TeacherChoice:
+    """Which candidate slot teaches each sample: where the starting model's log p of its target is highest."""
+
+    slots: list[int]  # per sample, the chosen slot
+    logprobs: list[list[float]]  # per sample, log p of its target at each candidate, in the candidates' order
+
+    def counts(self, candidates: Sequence[int]) -> dict[str, int]:
+        """How many samples each candidate slot teaches, by slot."""
+        return {str(c): self.slots.count(c) for c in candidates}
+
+
+def choose_teachers(train: Dataset, candidates: Sequence[int], logprobs: LogprobFn) -> tuple[Dataset, TeacherChoice]:
+    """`train` with each sample's teacher prompt (`teacher_prompt_ids`) and its slot (`teacher_slot`): of its
+    `teacher_candidate_ids` (at `candidates`), the one where `logprobs` gives the sample's own target the highest
+    log p (the first such on a tie)."""
+    check_candidate_columns(train)
+    prompts, targets = train["teacher_candidate_ids"], sample_targets(train)
+    if any(len(p) != len(candidates) for p in prompts):
+        raise ValueError(f"a sample holds a different number of candidate prompts than the {len(candidates)} "
+                         "candidates: the data was built with other data.in2.teacher_candidates")
+    queries = [(list(prompt), target) for per_sample, target in zip(prompts, targets) for prompt in per_sample]
+    flat = logprobs(queries)
+    if len(flat) != len(queries):
+        raise ValueError(f"the log-probability function returned {len(flat)} values for {len(queries)} queries")
+    k = len(candidates)
+    table = [list(map(float, flat[i * k:(i + 1) * k])) for i in range(len(train))]
+    best = [max(range(k), key=lambda j, row=row: row[j]) for row in table]
+    chosen = train.add_column("teacher_prompt_ids", [list(prompts[i][j]) for i, j in enumerate(best)])
+    slots = [candidates[j] for j in best]
+    return chosen.add_column(TEACHER_SLOT, slots), TeacherChoice(slots, table)
 
 
 def check_teacher_columns(train: Dataset) -> None:
@@ -64,7 +116,10 @@ def distill_split(train: Dataset, responses: Sequence[Optional[Sequence[int]]], 
     if len(responses) != len(train):
         raise ValueError(f"{len(responses)} responses for {len(train)} training samples")
     check_teacher_columns(train)
-    rows: dict[str, list] = {name: [] for name in DISTILL_FEATURES}
+    features, kept_columns = DISTILL_FEATURES, ["context_tokens", "depth", "gold_slot", "id"]
+    if TEACHER_SLOT in train.column_names:
+        features, kept_columns = Features({**DISTILL_FEATURES, TEACHER_SLOT: Value("int32")}), [*kept_columns, TEACHER_SLOT]
+    rows: dict[str, list] = {name: [] for name in features}
     kept = [i for i, r in enumerate(responses) if r is not None]
     samples = train.select(kept)
     for prompt, sample, i in zip(student_prompts(samples), samples, kept):
@@ -72,10 +127,10 @@ def distill_split(train: Dataset, responses: Sequence[Optional[Sequence[int]]], 
         ids, labels = with_target(prompt, target)
         teacher_ids, teacher_labels = with_target(sample["teacher_prompt_ids"], target)
         row = {"input_ids": ids, "labels": labels, "teacher_input_ids": teacher_ids, "teacher_labels": teacher_labels,
-               "prompt_len": len(prompt), **{key: sample[key] for key in ("context_tokens", "depth", "gold_slot", "id")}}
-        for name, value in row.items():
-            rows[name].append(value)
-    return Dataset.from_dict(rows, features=DISTILL_FEATURES)
+               "prompt_len": len(prompt), **{key: sample[key] for key in kept_columns}}
+        for name in features:
+            rows[name].append(row[name])
+    return Dataset.from_dict(rows, features=features)
 
 
 @dataclass

@@ -21,8 +21,10 @@ evaluation questions, whose passages never reach the training split):
 With `data.in2.teacher_slot` (debias=pos2distill) each record also holds its teacher prompt, `teacher_prompt_ids`:
 the same question and documents with the gold moved to the teacher slot, the distractors in their order (the
 probe's placement of the same ranked distractors), tokenized as the sample's prompt; and its gold slot, `gold_slot`
-(TEACHER_FEATURES). A sample whose gold is at the teacher slot has its own prompt as its teacher prompt. Nothing
-else changes: the same questions, slots and bytes as without it.
+(TEACHER_FEATURES). A sample whose gold is at the teacher slot has its own prompt as its teacher prompt. With
+`data.in2.teacher_candidates` (debias=pos2distill_best) it holds such a prompt for each candidate slot instead,
+`teacher_candidate_ids` (CANDIDATE_FEATURES), for the objective to pick one per sample. Nothing else changes: the
+same questions, slots and bytes as without them.
 
 Questions are read in a seeded shuffled order, shuffled again for each further pass when a split asks for more
 samples than it has questions. A sample longer than data.context_len is dropped and counted
@@ -69,10 +71,18 @@ TEACHER_FEATURES = Features({
     "teacher_prompt_ids": List(Value("int32")),  # the prompt with the gold at the teacher slot (no answer, no eos)
     "gold_slot": Value("int32"),  # the gold document's slot, 0 .. n_docs - 1 (depth = slot / (n_docs - 1))
 })
+# RECORD_FEATURES and, with data.in2.teacher_candidates, each sample's prompt at every candidate slot and gold slot
+CANDIDATE_FEATURES = Features({
+    **RECORD_FEATURES,
+    "teacher_candidate_ids": List(List(Value("int32"))),  # the prompt with the gold at each candidate, in their order
+    "gold_slot": Value("int32"),
+})
 
 
 def record_features(cfg: DataConfig) -> Features:
     """The features of the records a build of `cfg` makes."""
+    if cfg.in2.teacher_candidates:
+        return CANDIDATE_FEATURES
     return TEACHER_FEATURES if cfg.in2.teacher_slot_index is not None else RECORD_FEATURES
 
 
@@ -198,7 +208,7 @@ def assemble_mdqa(split: MdqaSplit, tokens: _Tokens, n: int, cfg: DataConfig, se
     if not split.questions:
         raise ValueError(f"the {name} split has no question whose gold holds an answer alias as whole words")
     rng = random.Random(seed)
-    teacher_slot = cfg.in2.teacher_slot_index
+    teacher_slot, candidates = cfg.in2.teacher_slot_index, cfg.in2.teacher_candidate_indices
     features = record_features(cfg)
     rows: dict[str, list] = {key: [] for key in features}
     slots = [0] * split.n_docs
@@ -231,6 +241,9 @@ def assemble_mdqa(split: MdqaSplit, tokens: _Tokens, n: int, cfg: DataConfig, se
         if teacher_slot is not None:  # the same documents, the gold moved: the prompt's tokens only
             teacher_ids, teacher_prompt_len = tokens(split.sample(k, teacher_slot))[:2]
             record |= {"teacher_prompt_ids": teacher_ids[:teacher_prompt_len], "gold_slot": slot}
+        if candidates:
+            prompts = [tokens(split.sample(k, c))[:2] for c in candidates]
+            record |= {"teacher_candidate_ids": [ids[:n] for ids, n in prompts], "gold_slot": slot}
         for key, value in record.items():
             rows[key].append(value)
         slots[slot] += 1

@@ -42,7 +42,7 @@ SMOL = ["model=qwen2_tiny", *TINY, "data.in2.context_len_min=64", "data.in2.segm
         "watch.questions=1", "watch.skip_examples=0"]
 # the mdqa layout at three documents: no watch (its slots 0, 4 and 9 are not there)
 MDQA3 = ["model=qwen2_tiny", *TINY, "data.context_len=512", "data.in2.n_docs=3", "peft.r=4", "watch=off"]
-READS_NQ = ("in2_smol", "debias_study_smol", "in2_smol_mdqa", "in2_smol_distill", "reads_middle")
+READS_NQ = ("in2_smol", "debias_study_smol", "in2_smol_mdqa", "in2_smol_distill", "reads_middle", "lift_middle")
 SMOKE = {
     "biased_start": TINY,
     "in2_smol": SMOL,
@@ -53,6 +53,7 @@ SMOKE = {
     "debias_study_smol": [*SMOL, "data.in2.prior_layers=2"],
     # its default arm (debias=none) at in2_smol_mdqa's size; the other arms run in tests/test_probe_study.py
     "reads_middle": MDQA3,
+    "lift_middle": MDQA3,  # its default arm (debias=none) too; its arms: tests/test_lift_middle.py
     "debias_study": FROM_CHECKPOINT,
     "mdqa_reader": READER,
     "in2": TINY,

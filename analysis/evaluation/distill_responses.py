@@ -5,7 +5,8 @@ models.training.objectives.pos2distill, which scores and keeps them with data_bu
 up to a budget and the end of the answer's first line (what the metric reads): the token ids the model chose
 (`greedy_generate_ids`). The answers depend only on the starting function and the prompts, so a single-process run
 stores them under <POSDEBIAS_CACHE>/distill_responses/<key>.json and a later run with the same key reads them
-(`cached_answers`): the key hashes the model's function with its adapters off and how it is computed
+(`cached_answers`; the starting model's log p of targets, for choosing a teacher slot, alike with `model_logprob_fn`):
+the key hashes the model's function with its adapters off and how it is computed
 (`analysis.evaluation.reuse.computation_key`), the generation settings and every prompt's token ids. The prompts
 are answered and stored `CHUNK` at a time: on a CPU the 1,600 answers of `+exp=reads_middle` take hours, and a run
 killed while answering continues from its last stored chunk.
@@ -18,11 +19,13 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.evaluation.generate import greedy_generate_ids
+from analysis.evaluation.loglik import sequence_logprobs
 from analysis.evaluation.reuse import computation_key
-from data_builders.distill_data import AnswerFn
+from data_builders.distill_data import AnswerFn, LogprobFn
 from data_builders.files import atomic_write_text
 from models.peft_setup import adapters_disabled
 
@@ -43,6 +46,27 @@ def model_answer_fn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
                                        first_line_only=True, batch_tokens=batch_tokens)
 
     return answer
+
+
+def model_logprob_fn(model: PreTrainedModel, progress: bool = True) -> LogprobFn:
+    """log p(target | prompt) of `model` with its adapters off, summed over the target's tokens, for (prompt, target)
+    pairs of token ids (pos2distill_best's choice of teacher slot); one prompt pass each, in eval mode."""
+
+    def score(queries: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
+        module = getattr(model, "module", model)
+        was_training = module.training
+        module.eval()
+        try:
+            with adapters_disabled(model):
+                return [sequence_logprobs(model, prompt, [target])[0]
+                        for prompt, target in tqdm(queries, desc="teacher log p", disable=not progress, leave=False)]
+        finally:
+            module.train(was_training)
+
+    return score
+
+
+LOGPROB_SETTINGS = {"kind": "target_logprob", "adapters": "off"}  # `cached_answers` keys the scores apart
 
 
 def settings_of(tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, batch_size: int,

@@ -123,12 +123,13 @@ def sample_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: 
 
 @torch.no_grad()
 def adaptive_weights(kl: torch.Tensor, gold_positions: Optional[torch.Tensor] = None, preserve: float = 1.0,
-                     strong_position: int = 0) -> torch.Tensor:
+                     strong_position: int = 0, strong: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The reference's per-sample weights w (B,), detached, from the per-sample KLs (B,) and gold positions (B,).
 
     Strong samples (gold = strong_position) weigh `preserve`; a weak position p's samples weigh
     (K softmax(m)_p / |G_p|) KL_i / max_{G_p} KL, m the positions' mean KLs (module docstring).
-    `gold_positions` None: every sample is at one weak position.
+    `gold_positions` None: every sample is at one weak position. `strong` (B,) bool: which samples are strong, when
+    each has a teacher slot of its own (its gold there), instead of `gold = strong_position`.
     """
     kl = kl.detach().clamp_min(0)  # (B,) rounding can leave an exact-zero KL slightly negative
     if gold_positions is None:
@@ -136,7 +137,7 @@ def adaptive_weights(kl: torch.Tensor, gold_positions: Optional[torch.Tensor] = 
     gold_positions = gold_positions.to(kl.device)
     if gold_positions.shape != kl.shape:
         raise ValueError(f"gold_positions must be ({kl.shape[0]},), got {tuple(gold_positions.shape)}")
-    strong = gold_positions == strong_position  # (B,)
+    strong = gold_positions == strong_position if strong is None else strong.to(kl.device)  # (B,)
     weights = torch.where(strong, torch.full_like(kl, preserve), torch.zeros_like(kl))  # (B,)
     if strong.all():
         return weights
@@ -154,15 +155,17 @@ def adaptive_weights(kl: torch.Tensor, gold_positions: Optional[torch.Tensor] = 
 
 def position_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
                      gold_positions: Optional[torch.Tensor] = None, *, temperature: float = 1.0, preserve: float = 1.0,
-                     strong_position: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+                     strong_position: int = 0, strong: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
     """Pos2Distill's loss T^2 sum_i w_i KL_i and detached diagnostics (module docstring for the formulas).
 
     student_logits, teacher_logits: (B, T, V), aligned on the response positions (any dtype; log-softmax runs in
     float32 at least and so does the loss). mask: (B, T) bool, True on response positions. gold_positions: (B,)
     the student's gold-document position per sample (the reference's gold_idx), samples at `strong_position` are
-    preserve samples; None = all at one weak position. The teacher is detached and so are the weights: the
-    gradient flows through the student's log-probabilities only. Keyword names are DistillConfig's fields
-    (`position_kd_loss(s, t, m, g, **dataclasses.asdict(cfg))`).
+    preserve samples; None = all at one weak position. `strong` (B,) bool: the preserve samples instead, when each
+    sample has a teacher slot of its own (debias=pos2distill_best: its gold there). The teacher is detached and so
+    are the weights: the gradient flows through the student's log-probabilities only. Keyword names are
+    DistillConfig's fields (`position_kd_loss(s, t, m, g, **dataclasses.asdict(cfg))`).
 
     Diagnostics: kl_mean / kl_max over the samples with response tokens (at temperature T, without T^2),
     weight_mean / weight_max over the same, tokens (the response tokens), strong (the preserve samples).
@@ -172,14 +175,16 @@ def position_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     present = counts > 0  # (B,) a sample with no response tokens joins no position group
     weights = torch.zeros_like(kl)  # (B,)
     gold = None if gold_positions is None else gold_positions.to(kl.device)[present]  # (B_present,)
-    weights[present] = adaptive_weights(kl[present], gold, preserve, strong_position)
+    strong_present = None if strong is None else strong.to(kl.device)[present]  # (B_present,)
+    weights[present] = adaptive_weights(kl[present], gold, preserve, strong_position, strong_present)
     loss = temperature ** 2 * (weights.detach() * kl).sum()
     kl_d, w_d = kl.detach()[present], weights[present]  # (B_present,)
-    strong = 0 if gold is None else int((gold == strong_position).sum())
+    n_strong = (0 if gold is None else int((gold == strong_position).sum()) if strong_present is None
+                else int(strong_present.sum()))
     stats = {"kl_mean": kl_d.mean().item() if kl_d.numel() else 0.0, "kl_max": kl_d.max().item() if kl_d.numel() else 0.0,
              "weight_mean": w_d.mean().item() if w_d.numel() else 0.0,
              "weight_max": w_d.max().item() if w_d.numel() else 0.0,
-             "tokens": float(counts.sum()), "strong": float(strong)}
+             "tokens": float(counts.sum()), "strong": float(n_strong)}
     return loss, stats
 
 

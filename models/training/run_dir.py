@@ -17,6 +17,7 @@
       finished.json                        {"step": N}: written last, once a run reached trainer.max_steps and its end
       job_overrides.json                   a `-m` job's task overrides as it first started (Hydra rewrites .hydra/)
       distill_responses.json               debias=pos2distill: the answers at the strong slot, kept or not, counted
+      teacher_choice.json                  debias=pos2distill_best: each sample's teacher slot and log p per candidate
       wandb_run.json, wandb/               the wandb run the directory logs to, and wandb's own files
       .lock                                held by the one process writing the directory (models.training.run_lock)
 """
@@ -43,6 +44,7 @@ SUMMARY = "summary.md"
 FINISHED = "finished.json"  # the marker of a finished run: a sweep resumed with resume_sweep skips its job
 JOB_OVERRIDES = "job_overrides.json"  # what resume_sweep and analysis.study read as the job's overrides
 DISTILL_RESPONSES = "distill_responses.json"
+TEACHER_CHOICE = "teacher_choice.json"
 WANDB_RUN = "wandb_run.json"
 LOCK = ".lock"
 TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder: what marks it as complete
@@ -133,6 +135,10 @@ class RunDir:
     @property
     def distill_responses(self) -> Path:
         return self.root / DISTILL_RESPONSES
+
+    @property
+    def teacher_choice(self) -> Path:
+        return self.root / TEACHER_CHOICE
 
     @property
     def wandb_run(self) -> Path:

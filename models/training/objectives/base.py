@@ -68,7 +68,8 @@ class Context:
 class Preparation:
     """What `prepare` may use: the training split and the run around it. `answers` gives a function that answers
     prompts (token ids) greedily with the starting model, adapters off, each up to `max_new_tokens` and the end of
-    its first line, cached by the starting function and the prompts: an objective that distils the model's own
+    its first line, cached by the starting function and the prompts; `logprobs` scores (prompt, target) pairs of
+    token ids by the starting model's log p of the target, cached alike: an objective that distils the model's own
     answers needs nothing else of evaluation code (models never import analysis)."""
 
     train: Any  # the training split (a datasets.Dataset)
@@ -79,6 +80,7 @@ class Preparation:
     is_main: bool
     answers: Callable[[int], Callable[[Sequence[Sequence[int]]], list[list[int]]]]
     share: Callable[[Any], Any]  # the main process's object on every rank
+    logprobs: Optional[Callable[[Sequence[tuple[Sequence[int], Sequence[int]]]], list[float]]] = None
 
 
 class TrainingObjective:

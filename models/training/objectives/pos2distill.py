@@ -89,6 +89,35 @@ def tap_target_nll(tap: Tap, logits: torch.Tensor, mask: torch.Tensor, labels: t
         tap(full, targets)
 
 
+def check_distill_settings(start: StartUp, what: str) -> None:
+    """The checks every pos2distill objective shares (`what` names the objective in the errors): LoRA on standard
+    attention, mdqa-layout data, the loss's settings, unpacked batches without mixed rows."""
+    cfg, data, built = start.debias, start.data, start.built
+    if start.peft != PeftMethod.lora:
+        raise ValueError(f"{what} needs peft=lora (got peft.method={start.peft}): its teacher is the starting "
+                         "model, the same weights with the adapters off; a full fine-tune keeps no copy of them")
+    if start.attention != Attention.standard:
+        raise ValueError(f"{what} with model.attention={start.attention}: the diff layers' lambda ramp changes "
+                         "the model with its adapters off too, so the teacher would not stay the starting model")
+    if built.format != DataFormat.in2 or built.in2.layout != In2Layout.mdqa:
+        raise ValueError(f"{what} moves the gold among whole documents: it needs data.in2.layout=mdqa "
+                         "(data=in2_nq_mdqa)")
+    try:
+        cfg.distill.loss_config(0).validate()
+    except ValueError as err:  # its keys are those of the debias.distill section
+        raise ValueError(f"debias.{err}") from None
+    if not (math.isfinite(cfg.distill.guard) and cfg.distill.guard >= 0):
+        raise ValueError(f"debias.distill.guard={cfg.distill.guard} must be a finite number >= 0 (0 = off)")
+    if cfg.distill.max_new_tokens < 1:
+        raise ValueError(f"debias.distill.max_new_tokens={cfg.distill.max_new_tokens} must be >= 1")
+    if data.packing:
+        raise ValueError(f"{what} with data.packing=true: its student and teacher sequences are batched padded, "
+                         "row by row; set data.packing=false")
+    if cfg.needle_mix.share:
+        raise ValueError(f"{what} with debias.needle_mix.share={cfg.needle_mix.share}: the mixed retrieval rows "
+                         "have no teacher prompt; set it to 0")
+
+
 @register
 class Pos2Distill(TrainingObjective):
     name = "pos2distill"
@@ -106,16 +135,8 @@ class Pos2Distill(TrainingObjective):
 
     @classmethod
     def validate(cls, start: StartUp) -> None:
-        cfg, data, built, what = start.debias, start.data, start.built, "debias.objective=pos2distill"
-        if start.peft != PeftMethod.lora:
-            raise ValueError(f"{what} needs peft=lora (got peft.method={start.peft}): its teacher is the starting "
-                             "model, the same weights with the adapters off; a full fine-tune keeps no copy of them")
-        if start.attention != Attention.standard:
-            raise ValueError(f"{what} with model.attention={start.attention}: the diff layers' lambda ramp changes "
-                             "the model with its adapters off too, so the teacher would not stay the starting model")
-        if built.format != DataFormat.in2 or built.in2.layout != In2Layout.mdqa:
-            raise ValueError(f"{what} moves the gold among whole documents: it needs data.in2.layout=mdqa "
-                             "(data=in2_nq_mdqa)")
+        cfg, built, what = start.debias, start.built, "debias.objective=pos2distill"
+        check_distill_settings(start, what)
         slot = built.in2.teacher_slot_index
         if slot is None:
             raise ValueError(f"{what} needs data.in2.teacher_slot, the strong slot its teacher prompts put the gold "
@@ -123,20 +144,6 @@ class Pos2Distill(TrainingObjective):
         if cfg.distill.strong_position is not None and cfg.distill.strong_position != slot:
             raise ValueError(f"debias.distill.strong_position={cfg.distill.strong_position} must be the data's "
                              f"teacher slot, data.in2.teacher_slot={built.in2.teacher_slot} (slot {slot}), or null")
-        try:
-            cfg.distill.loss_config(slot).validate()
-        except ValueError as err:  # its keys are those of the debias.distill section
-            raise ValueError(f"debias.{err}") from None
-        if not (math.isfinite(cfg.distill.guard) and cfg.distill.guard >= 0):
-            raise ValueError(f"debias.distill.guard={cfg.distill.guard} must be a finite number >= 0 (0 = off)")
-        if cfg.distill.max_new_tokens < 1:
-            raise ValueError(f"debias.distill.max_new_tokens={cfg.distill.max_new_tokens} must be >= 1")
-        if data.packing:
-            raise ValueError(f"{what} with data.packing=true: its student and teacher sequences are batched padded, "
-                             "row by row; set data.packing=false")
-        if cfg.needle_mix.share:
-            raise ValueError(f"{what} with debias.needle_mix.share={cfg.needle_mix.share}: the mixed retrieval rows "
-                             "have no teacher prompt; set it to 0")
 
     def prepare(self, prep: Preparation) -> Optional[Any]:
         """The training split on the starting model's correct answers at the strong slot (module docstring)."""
@@ -165,12 +172,14 @@ class Pos2Distill(TrainingObjective):
         docstring); its diagnostics go to `metrics`."""
         targets = (batch["labels"][:, 1:] != IGNORE).sum(1)  # (B,) on the host
         if not torch.equal(targets, (batch["teacher_labels"][:, 1:] != IGNORE).sum(1)):
-            raise ValueError("pos2distill: a sample's student and teacher sequences have targets of different lengths")
+            raise ValueError(f"{self.name}: a sample's student and teacher sequences have targets of different "
+                             "lengths")
         teacher, mask = teacher_logits(model, batch, device)  # (B, T, V), (B, T)
         student, _ = student_logits(model, batch, device)  # (B, T, V): token t of both predicts target token t
         if tap is not None:
             tap_target_nll(tap, student, mask, batch["labels"])
-        loss, stats = position_kd_loss(student, teacher, mask, batch["gold_slots"], **asdict(self.loss_config))
+        loss, stats = position_kd_loss(student, teacher, mask, batch["gold_slots"], **asdict(self.loss_config),
+                                       strong=self.strong_samples(batch))
         guard = self.ctx.cfg.distill.guard
         if guard:
             policy, _ = policy_logits(model, batch, device)  # (B, T, V)
@@ -179,6 +188,10 @@ class Pos2Distill(TrainingObjective):
             stats["guard_kl"] = kl.item()
         self._stats.append(stats)
         return loss
+
+    def strong_samples(self, batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """Which samples are preserve samples, (B,) bool; None: those whose gold is at the one strong slot."""
+        return None
 
     def metrics(self) -> dict[str, float]:
         """The KL, weights and guard over the micro-batches since the last call (`debias/kl_mean`, `kl_max`,
