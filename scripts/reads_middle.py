@@ -16,7 +16,8 @@ Phases (`--phase`, default all, in this order):
   the runs), and each run's dev evaluation as soon as the run finishes.
 - `dev`: `scripts.eval_checkpoint` of every run on mdqa's dev questions (`evals/mdqa_dev/run-<n>/`).
 - `select`: each arm's setting chosen on dev (`analysis.probe_study.choose`) into `selection.json`.
-- `test`: the chosen runs on mdqa's test questions (`evals/mdqa_test/`) and on kv (`evals/kv/`).
+- `test`: the chosen runs on mdqa's test questions (`evals/mdqa_test/`) and on kv (`evals/kv/`); for
+  `+exp=lift_middle` also on mdqa with 20 documents at gold 0, 9 and 19 (`evals/mdqa20_test/`).
 - `report`: `analysis.probe_study`'s report in `<out>/report/`.
 
 With `--choose-on-seeds 0`, `train` and `dev` run seed 0 of every arm and setting first, `select` chooses on them,
@@ -79,6 +80,11 @@ EVALUATIONS = {
     "mdqa_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=10", "mdqa.questions=test", "examples=200"]),
     "kv": ("kv", None, ["probes=[kv]", "kv.n_pairs=10", "examples=100"]),
 }
+# an experiment's evaluations beyond those: +exp=lift_middle also asks mdqa with 20 documents, its middle gold and ends
+EXTRA_EVALUATIONS = {
+    "lift_middle": {"mdqa20_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=20", "mdqa.positions=[0,9,19]",
+                                                     "mdqa.questions=test", "examples=200"])},
+}
 DEV = "mdqa_dev"
 # what --keep copies: paths under <out>, as globs (a run's files once it finished)
 KEPT = (PLAN, SELECTION, "evals/*/*/eval/*.json", f"{CACHE}/distill_responses/*.json",
@@ -118,7 +124,7 @@ def make_plan(exp: str, grid: dict[str, list[str]], choose_on_seeds: Sequence[in
         runs.append({"n": n, "arm": chosen[ARM_KEY], "setting": setting, "seed": int(chosen.get(SEED_KEY, 0)),
                      "overrides": [f"{k}={v}" for k, v in chosen.items()]})
     evaluations = {name: {"probe": probe, "part": part, "args": args}
-                   for name, (probe, part, args) in EVALUATIONS.items()}
+                   for name, (probe, part, args) in (EVALUATIONS | EXTRA_EVALUATIONS.get(exp, {})).items()}
     return {"exp": exp, "sweep": grid, "runs": runs, "evaluations": evaluations, "dev": DEV,
             "choose_on_seeds": None if choose_on_seeds is None else sorted(choose_on_seeds)}
 
