@@ -43,12 +43,16 @@ TEACHER_SLOT = "teacher_slot"  # the slot of a sample's own teacher prompt, when
 LogprobFn = Callable[[Sequence[tuple[Sequence[int], Sequence[int]]]], list[float]]  # (prompt, target) -> log p
 
 
+def _check_columns(train: Dataset, columns: set[str], objective: str, setting: str) -> None:
+    missing = columns - set(train.column_names)
+    if missing:
+        raise ValueError(f"the training split has no {', '.join(sorted(missing))}: debias={objective} needs data "
+                         f"built with data.in2.{setting} (data.in2.layout=mdqa)")
+
+
 def check_candidate_columns(train: Dataset) -> None:
     """ValueError, naming the key, when the split holds no candidate teacher prompts."""
-    missing = {"teacher_candidate_ids", "gold_slot"} - set(train.column_names)
-    if missing:
-        raise ValueError(f"the training split has no {', '.join(sorted(missing))}: debias=pos2distill_best needs "
-                         "data built with data.in2.teacher_candidates (data.in2.layout=mdqa)")
+    _check_columns(train, {"teacher_candidate_ids", "gold_slot"}, "pos2distill_best", "teacher_candidates")
 
 
 def sample_targets(train: Dataset) -> list[list[int]]:
@@ -91,10 +95,7 @@ def choose_teachers(train: Dataset, candidates: Sequence[int], logprobs: Logprob
 
 def check_teacher_columns(train: Dataset) -> None:
     """ValueError, naming the key, when the split holds no teacher prompts."""
-    missing = {"teacher_prompt_ids", "gold_slot"} - set(train.column_names)
-    if missing:
-        raise ValueError(f"the training split has no {', '.join(sorted(missing))}: debias=pos2distill needs data "
-                         "built with data.in2.teacher_slot (data.in2.layout=mdqa)")
+    _check_columns(train, {"teacher_prompt_ids", "gold_slot"}, "pos2distill", "teacher_slot")
 
 
 def student_prompts(train: Dataset) -> list[list[int]]:

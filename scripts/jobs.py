@@ -8,14 +8,16 @@ fills a fresh experiment folder from it. `scripts.reads_middle` and `scripts.wat
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from data_builders.files import atomic_file
 from data_builders.tokenizer import default_cache_dir
@@ -185,3 +187,27 @@ def stopped(signum: int, frame: object) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def stoppable(keep: Keep | None, label: str) -> Iterator[None]:
+    """An experiment's command while it runs: SIGTERM or Ctrl-C stop it (`stopped`), and whatever way it ends, what
+    `keep` keeps is saved (and said, as `[label]`)."""
+    handlers = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        if keep is not None:
+            saved = keep.save()
+            if saved:
+                print(f"[{label}] {len(saved)} files kept in {keep.folder}", flush=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def exit_code(scheduler: Scheduler) -> int:
+    """1, naming them, when jobs failed or were not run; else 0."""
+    if scheduler.failed:
+        print("failed or not run:\n" + "\n".join(f"  {k}: {v}" for k, v in scheduler.failed.items()), file=sys.stderr)
+        return 1
+    return 0

@@ -54,7 +54,6 @@ import argparse
 import itertools
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -66,7 +65,7 @@ from analysis.command_line import CommandParser
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
 from data_builders.files import atomic_write_text
 from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, TRAIN_LOG, RunDir
-from scripts.jobs import CACHE, ROOT, STOP_SIGNALS, Job, Keep, Scheduler, experiment_cache, stopped
+from scripts.jobs import CACHE, ROOT, Job, Keep, Scheduler, exit_code, experiment_cache, stoppable
 from train import compose_config
 
 DEFAULT_EXP = "reads_middle"
@@ -281,16 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if restored:
             print(f"[reads_middle] {len(restored)} files restored from {keep.folder}", flush=True)
-    handlers = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
-    try:
+    with stoppable(keep, "reads_middle"):
         return _main(args, out, keep)
-    finally:
-        if keep is not None:
-            saved = keep.save()
-            if saved:
-                print(f"[reads_middle] {len(saved)} files kept in {keep.folder}", flush=True)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
 
 
 def _main(args: argparse.Namespace, out: Path, keep: Keep | None) -> int:
@@ -357,10 +348,7 @@ def _main(args: argparse.Namespace, out: Path, keep: Keep | None) -> int:
         except ProbeStudyError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-    if scheduler.failed:
-        print("failed or not run:\n" + "\n".join(f"  {k}: {v}" for k, v in scheduler.failed.items()), file=sys.stderr)
-        return 1
-    return 0
+    return exit_code(scheduler)
 
 
 if __name__ == "__main__":

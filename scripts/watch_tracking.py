@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from analysis.report.tables import markdown_table
 from data_builders.files import atomic_write_text
 from models.training.checkpoint import list_checkpoints
 from models.training.run_dir import EVAL_DIR, METRICS, SUMMARY, TRAIN_LOG, WATCH, RunDir
-from scripts.jobs import CACHE, ROOT, STOP_SIGNALS, Job, Keep, Scheduler, experiment_cache, stopped
+from scripts.jobs import CACHE, ROOT, Job, Keep, Scheduler, exit_code, experiment_cache, stoppable
 
 GRID = ROOT / "docs" / "reads_middle_grid" / "kept"  # issue 39's kept grid: its plan, runs and evaluations
 RUNS = (2, 3, 4, 5, 8, 9)
@@ -290,12 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         restored = keep.restore()
         if restored:
             print(f"[watch_tracking] {len(restored)} files restored from {keep.folder}", flush=True)
-    handlers = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
     scheduler = Scheduler(1, args.deadline, "watch_tracking", {"POSDEBIAS_CACHE": str(experiment_cache(out))},
                           None if keep is None else keep.save)
     max_steps, every = 150, 25  # +exp=reads_middle's length and checkpoint cadence
     phases = set(args.phase)
-    try:
+    with stoppable(keep, "watch_tracking"):
         jobs = train_jobs(out, runs, args.train_args)
         for job in jobs if "train" not in phases else ():
             job.done = True  # not trained now: what waits for it runs on what is there
@@ -311,17 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "report" in phases:
             report = write_report(out, args.report_out or out / "report", tracking(out, args.test, max_steps, every))
             print(f"wrote {report}")
-    finally:
-        if keep is not None:
-            saved = keep.save()
-            if saved:
-                print(f"[watch_tracking] {len(saved)} files kept in {keep.folder}", flush=True)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    if scheduler.failed:
-        print("failed or not run:\n" + "\n".join(f"  {k}: {v}" for k, v in scheduler.failed.items()), file=sys.stderr)
-        return 1
-    return 0
+    return exit_code(scheduler)
 
 
 if __name__ == "__main__":

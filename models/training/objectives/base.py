@@ -18,7 +18,7 @@ import torch
 
 from data_builders.config import DataConfig, DataFormat
 from models.training.debias import DebiasConfig
-from models.training.loss import IGNORE, Tap
+from models.training.loss import IGNORE, Tap, labelled_nll
 
 REGISTRY: dict[str, type[TrainingObjective]] = {}
 
@@ -201,6 +201,23 @@ def mean_one_clipped(raw: torch.Tensor, cap: float) -> torch.Tensor:
             break
         clipped |= over
     return w
+
+
+def per_sample_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: Any = None,
+                   tap: Optional[Tap] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an objective that weighs samples by their gold depth starts from: each sample's summed NLL and labelled
+    tokens (`sample_sums`), each sample's gold depth, and the micro-batch's labelled tokens (`labelled_nll`'s count)."""
+    nll, count = labelled_nll(model, batch, device, per_token=True, tap=tap)
+    targets = batch["labels"][:, 1:].to(nll.device)
+    depths = batch["depths"].to(nll.device)
+    sums, counts = sample_sums(nll, targets, batch["sample_ids"].to(nll.device), depths.numel())
+    return sums, counts, depths, count
+
+
+def check_max_weight(cfg: DebiasConfig) -> None:
+    """`debias.max_weight` of a weighting objective whose weights average 1."""
+    if cfg.max_weight < 1:
+        raise ValueError(f"debias.max_weight={cfg.max_weight} must be >= 1 (the weights average 1)")
 
 
 def sample_sums(nll: torch.Tensor, targets: torch.Tensor, sample_ids: torch.Tensor, n_samples: int

@@ -13,13 +13,14 @@ from typing import Any, Mapping, Optional
 import torch
 
 from data_builders.depth_prior import depth_prior
-from models.training.loss import Tap, labelled_nll
+from models.training.loss import Tap
 from models.training.objectives.base import (
     StartUp,
     TrainingObjective,
+    check_max_weight,
     mean_one_clipped,
+    per_sample_nll,
     register,
-    sample_sums,
 )
 
 ALPHA_KEYS = ("prior/vanilla/alpha", "prior/chunked/alpha")  # the fitted alpha it follows, the first found
@@ -44,8 +45,7 @@ class DepthWeight(TrainingObjective):
     @classmethod
     def validate(cls, start: StartUp) -> None:
         cfg = start.debias
-        if cfg.max_weight < 1:
-            raise ValueError(f"debias.max_weight={cfg.max_weight} must be >= 1 (the weights average 1)")
+        check_max_weight(cfg)
         if cfg.prior_alpha is None and start.jacobian_every < 1:
             raise ValueError("debias.objective=depth_weight with debias.prior_alpha=null follows the alpha fitted to "
                              "the measured Jacobian, which is off (jacobian.every=0): set debias.prior_alpha (e.g. 0.5)")
@@ -63,10 +63,7 @@ class DepthWeight(TrainingObjective):
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: Any = None,
                  tap: Optional[Tap] = None) -> torch.Tensor:
         cfg = self.ctx.cfg
-        nll, count = labelled_nll(model, batch, device, per_token=True, tap=tap)
-        targets = batch["labels"][:, 1:].to(nll.device)
-        depths = batch["depths"].to(nll.device)
-        sums, _ = sample_sums(nll, targets, batch["sample_ids"].to(nll.device), depths.numel())
+        sums, _, depths, count = per_sample_nll(model, batch, device, tap)
         if self.alpha is None:
             raise RuntimeError("depth_weight has no alpha yet: the Jacobian is measured before the first update")
         w = depth_weights(depths, self.ctx.layers, self.alpha, cfg.prior_power, cfg.max_weight)

@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from data_builders.probes import bin_label, depth_bin
-from models.training.loss import Tap, labelled_nll
-from models.training.objectives.base import StartUp, TrainingObjective, register, sample_sums
+from models.training.loss import Tap
+from models.training.objectives.base import StartUp, TrainingObjective, per_sample_nll, register
 
 
 def bin_of(depths: torch.Tensor, bins: int) -> torch.Tensor:
@@ -92,10 +92,7 @@ class GroupDROObjective(TrainingObjective):
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: Any = None,
                  tap: Optional[Tap] = None) -> torch.Tensor:
-        nll, _ = labelled_nll(model, batch, device, per_token=True, tap=tap)
-        targets = batch["labels"][:, 1:].to(nll.device)
-        depths = batch["depths"].to(nll.device)
-        sums, counts = sample_sums(nll, targets, batch["sample_ids"].to(nll.device), depths.numel())
+        sums, counts, depths, _ = per_sample_nll(model, batch, device, tap)
         return self.dro.loss(sums, counts, depths, self.ctx.all_sum)
 
     def metrics(self) -> dict[str, float]:

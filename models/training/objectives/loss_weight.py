@@ -17,13 +17,14 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from data_builders.probes import bin_label
-from models.training.loss import Tap, labelled_nll
+from models.training.loss import Tap
 from models.training.objectives.base import (
     StartUp,
     TrainingObjective,
+    check_max_weight,
     mean_one_clipped,
+    per_sample_nll,
     register,
-    sample_sums,
 )
 from models.training.objectives.group_dro import bin_of
 
@@ -89,8 +90,7 @@ class LossWeight(TrainingObjective):
     @classmethod
     def validate(cls, start: StartUp) -> None:
         cfg = start.debias
-        if cfg.max_weight < 1:
-            raise ValueError(f"debias.max_weight={cfg.max_weight} must be >= 1 (the weights average 1)")
+        check_max_weight(cfg)
         if cfg.bins < 1 or cfg.loss_power < 0:
             raise ValueError(f"debias.bins={cfg.bins} must be >= 1 and debias.loss_power={cfg.loss_power} >= 0")
         if not 0 < cfg.loss_ema <= 1:
@@ -98,10 +98,7 @@ class LossWeight(TrainingObjective):
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: Any = None,
                  tap: Optional[Tap] = None) -> torch.Tensor:
-        nll, count = labelled_nll(model, batch, device, per_token=True, tap=tap)
-        targets = batch["labels"][:, 1:].to(nll.device)
-        depths = batch["depths"].to(nll.device)
-        sums, counts = sample_sums(nll, targets, batch["sample_ids"].to(nll.device), depths.numel())
+        sums, counts, depths, count = per_sample_nll(model, batch, device, tap)
         w = self.bin_loss.step(sums, counts, depths, self.ctx.all_sum)
         self._last = {"debias/weight_max": float(w.max()), "debias/weight_min": float(w.min())}
         return (w.to(sums.device, sums.dtype) * sums).sum() / count
