@@ -157,7 +157,7 @@ def compose_config(overrides: list[str], return_hydra_config: bool = False) -> D
             cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
         except ConfigCompositionException as err:
             renamed_keys.check_composition_error(err)
-            if hint := renamed_keys.unknown_override(overrides, TrainConfig, config_groups(CONF_DIR)):
+            if hint := renamed_keys.unknown_override(overrides, TrainConfig, config_groups(CONF_DIR, overrides)):
                 raise renamed_keys.UnknownKeyError(hint) from err
             raise
     check_required(CONF_DIR, choices_of(cfg.hydra), overrides)
@@ -668,7 +668,7 @@ def explain_composition_failure(argv: Sequence[str]) -> None:
     a mistyped key or preset (`renamed_keys.unknown_override`), or, when a config file sets a renamed key, its new
     name and the file (`renamed_keys.check_composition_error`). The sweep's comma lists are left out of composing:
     their first values are not needed to find a key."""
-    if hint := renamed_keys.unknown_override(argv, TrainConfig, config_groups(CONF_DIR)):
+    if hint := renamed_keys.unknown_override(argv, TrainConfig, config_groups(CONF_DIR, argv)):
         print(f"error: {hint}", file=sys.stderr)
         return
     overrides = [a for a in argv if not a.startswith("-") and "," not in a.partition("=")[2]]

@@ -52,6 +52,14 @@ def test_posdebias_ls_lists_every_preset_and_probe_with_a_description():
     assert re.search(r"^  pos2distill\s+\[objective pos2distill\] the model's answers", out, re.M)
 
 
+def test_a_hydra_searchpath_adds_its_folders_options_to_the_groups(tmp_path):
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "mine.yaml").write_text("# @package _global_\n")
+    assert "mine" not in config_groups(CONF_DIR)["exp"]
+    groups = config_groups(CONF_DIR, ["seed=1", f"hydra.searchpath=[pkg://x,file://{tmp_path}]"])
+    assert "mine" in groups["exp"] and "in2" in groups["exp"]
+
+
 def test_every_preset_says_what_it_is_in_one_line():
     for group, options in catalog(CONF_DIR).items():
         for name, text in options.items():

@@ -9,16 +9,32 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Sequence
 
 WIDTH = 100  # a description longer than this is cut at a word
 PACKAGE_LINE = re.compile(r"^#\s*@package\b")
 INTERNAL_GROUPS = ("recipe",)  # chosen by a model preset (its defaults), not on the command line
 
 
-def config_groups(conf_dir: Path) -> dict[str, list[str]]:
-    """Each config group a user picks (`model=...`, `+exp=...`) -> its options, sorted."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
-            for d in sorted(conf_dir.iterdir()) if d.is_dir() and d.name not in INTERNAL_GROUPS}
+def config_groups(conf_dir: Path, overrides: Sequence[str] = ()) -> dict[str, list[str]]:
+    """Each config group a user picks (`model=...`, `+exp=...`) -> its options, sorted: conf_dir's, and those of the
+    folders a `hydra.searchpath=[file://...]` override among `overrides` adds."""
+    groups: dict[str, set[str]] = {}
+    for root in (conf_dir, *searchpath_dirs(overrides)):
+        for d in sorted(root.iterdir()) if root.is_dir() else ():
+            if d.is_dir() and d.name not in INTERNAL_GROUPS:
+                groups.setdefault(d.name, set()).update(p.stem for p in d.glob("*.yaml"))
+    return {group: sorted(options) for group, options in sorted(groups.items())}
+
+
+def searchpath_dirs(overrides: Sequence[str]) -> list[Path]:
+    """The local folders of a `hydra.searchpath=[file://a,file://b]` override (other schemes are Hydra's own)."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "hydra.searchpath":
+            return [Path(entry.strip()[len("file://"):]) for entry in value.strip("[]").split(",")
+                    if entry.strip().startswith("file://")]
+    return []
 
 
 def header(path: Path) -> list[str]:

@@ -155,9 +155,9 @@ class Pos2Distill(TrainingObjective):
         n, where = responses.counts, RunDir(prep.run_dir).distill_responses
         if prep.is_main:
             atomic_write_text(where, json.dumps(responses.to_json(), indent=1))
-            log.info("pos2distill: with the gold at slot %d the starting model answered %d of %d training questions "
+            log.info("%s: with the gold at %s the starting model answered %d of %d training questions "
                      "correctly; %d kept as targets, dropped %d wrong and %d longer than data.context_len=%d (%s)",
-                     built.in2.teacher_slot_index, n["correct"], n["samples"], n["kept"], n["dropped_wrong"],
+                     self.name, self.teacher_slots(), n["correct"], n["samples"], n["kept"], n["dropped_wrong"],
                      n["dropped_longer_than_context_len"], built.context_len, where)
         if n["kept"] < prep.micro_batch_size * prep.data_parallel:
             raise ValueError(f"debias.objective=pos2distill kept {n['kept']} of {n['samples']} training samples (the "
@@ -165,6 +165,10 @@ class Pos2Distill(TrainingObjective):
                              f"of {prep.micro_batch_size} x {prep.data_parallel}: raise data.num_train (or "
                              f"debias.distill.keep_wrong=true to keep wrong answers too); {where} has the answers")
         return distill_split(prep.train, responses.targets, prep.tokenizer.eos_token_id)
+
+    def teacher_slots(self) -> str:
+        """Where the teacher prompts put the gold, for the log."""
+        return f"slot {self.ctx.built.in2.teacher_slot_index}"
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: Any = None,
                  tap: Optional[Tap] = None) -> torch.Tensor:

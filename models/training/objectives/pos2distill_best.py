@@ -79,6 +79,9 @@ class Pos2DistillBest(Pos2Distill):
                      "per slot %s (%s)", choice.counts(self.candidates), where)
         return super().prepare(Preparation(**{**vars(prep), "train": chosen}))
 
+    def teacher_slots(self) -> str:
+        return f"each sample's best of slots {self.candidates}"
+
     def strong_samples(self, batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """The samples whose gold sits at their own teacher slot, (B,) bool."""
         return batch["gold_slots"] == batch["teacher_slots"]
