@@ -2,7 +2,7 @@
 within runs? (docs/WATCH.md)
 
     python -m scripts.watch_tracking /work/watch_tracking --keep docs/watch/kept        # all of it, continuing
-    python -m scripts.watch_tracking /work/watch_tracking --phase report --out docs/watch/report
+    python -m scripts.watch_tracking /work/watch_tracking --phase report --report-out docs/watch/report
 
 The six chosen runs of issue 39's grid (docs/READS_MIDDLE.md: runs 2 and 3 `none` lr 1e-3, 4 and 5 `pos2distill`
 lr 2e-4, 8 and 9 `pos2distill_guard` lr 2e-4; seeds 0 and 1) are trained again with the watch on, with the
