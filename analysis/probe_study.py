@@ -88,6 +88,7 @@ class Plan:
     runs: tuple[PlannedRun, ...]
     evaluations: Mapping[str, Mapping[str, Any]]
     dev: str  # the evaluation that chooses each arm's setting (mdqa on the dev questions)
+    exp: str = "reads_middle"  # the experiment (+exp=), whose goals the report checks (GOALS)
 
     @property
     def arms(self) -> list[str]:
@@ -115,7 +116,7 @@ def read_plan(folder: str | Path) -> Plan:
         data = json.loads(path.read_text(encoding="utf-8"))
         runs = tuple(PlannedRun(int(r["n"]), str(r["arm"]), str(r["setting"]), int(r["seed"]), tuple(r["overrides"]))
                      for r in data["runs"])
-        return Plan(Path(folder), runs, data["evaluations"], str(data["dev"]))
+        return Plan(Path(folder), runs, data["evaluations"], str(data["dev"]), str(data.get("exp", "reads_middle")))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ProbeStudyError(f"{path}: unreadable plan ({err}); scripts.reads_middle writes it") from err
 
@@ -324,10 +325,11 @@ class Goal:
     met: bool | None  # None: not measured
 
 
-def goals(mdqa: Mapping[str, Any], kv: Mapping[str, Any] | None, arm: str) -> list[Goal]:
-    """Issue 39's goals for `arm` from the test estimates (`evaluation_numbers` of mdqa and kv): every weak gold
-    position (all but the strong end) lifted to >= 0.20 and above the base, the strong end non-inferior, the
+def reads_middle_goals(tests: Mapping[str, Mapping[str, Any]], arm: str) -> list[Goal]:
+    """Issue 39's goals for `arm` from the test estimates (`tests`: `goal_evaluations`, its mdqa and kv): every weak
+    gold position (all but the strong end) lifted to >= 0.20 and above the base, the strong end non-inferior, the
     log-likelihood contrast middle - strong at >= -0.5 nats with a resolved rise, kv's worst position >= 0.20."""
+    mdqa, kv = tests["mdqa"], tests.get("kv")
     acc, ll = mdqa[stats.ACCURACY.field], mdqa[LOGLIK.field]
     strong, gold = acc["strong"], [p for p in acc["positions"] if p >= 0]
     middle = gold[len(gold) // 2]
@@ -359,6 +361,66 @@ def goals(mdqa: Mapping[str, Any], kv: Mapping[str, Any] | None, arm: str) -> li
     out.append(Goal(what, target, f"{num(kacc[str(worst)]['value']['value'])} at pair {worst}; ends' changes "
                     f"{_iv(ends[0])}, {_iv(ends[1])}", met))
     return out
+
+
+LIFT_MIDDLE_KV_PAIRS = (4, 7)  # kv-10's middle pairs (of 0, 1, 4, 7, 9), issue 65's
+FORMAT_WORDS = 3  # the answer format kept: the median first-line words within this of the start's
+
+
+def lift_middle_goals(tests: Mapping[str, Mapping[str, Any]], arm: str) -> list[Goal]:
+    """Issue 65's goals for `arm` (docs/LIFT_MIDDLE.md): the middle gold of mdqa-10 lifted by accuracy and log p
+    without lowering the strong end, the contrast middle - strong, kv's middle pairs (not the first pair alone),
+    the answer format kept, and mdqa-20's middle gold by log p. A goal whose evaluation is missing is not
+    measured."""
+    mdqa, kv, mdqa20 = tests["mdqa"], tests.get("kv"), tests.get("mdqa20")
+    acc, ll = mdqa[stats.ACCURACY.field], mdqa[LOGLIK.field]
+    strong, gold = ll["strong"], [p for p in acc["positions"] if p >= 0]
+    middle = gold[len(gold) // 2]
+    acc, ll = acc["arms"][arm], ll["arms"][arm]
+    mid_acc, mid_ll, strong_ll = acc[str(middle)]["change"], ll[str(middle)]["change"], ll[str(strong)]["change"]
+    out = [Goal(f"mdqa accuracy change at gold {middle}", ">= +0.05, its interval above 0", _iv(mid_acc),
+                mid_acc["value"] >= 0.05 and mid_acc["low"] > 0),
+           Goal(f"mdqa log p change at gold {middle}", ">= +0.5 nats", _iv(mid_ll), mid_ll["value"] >= 0.5),
+           Goal(f"mdqa log p change at gold {strong}", ">= -0.05 nats (the middle lifted, not the end lowered)",
+                _iv(strong_ll), strong_ll["value"] >= -0.05),
+           Goal(f"mdqa log p gold {middle} - gold {strong}", ">= -0.5 nats", _iv(ll[str(middle)]["contrast"]),
+                ll[str(middle)]["contrast"]["value"] >= -0.5)]
+    what = f"kv accuracy change at pairs {' and '.join(map(str, LIFT_MIDDLE_KV_PAIRS))}"
+    target = ">= +0.10 each; the first pair not the whole of the mean gain"
+    kacc = None if kv is None else kv[stats.ACCURACY.field]
+    if kacc is None or not all(p in kacc["positions"] for p in LIFT_MIDDLE_KV_PAIRS):
+        out.append(Goal(what, target, "not measured", None))
+    else:
+        kgold = [p for p in kacc["positions"] if p >= 0]
+        change = {p: kacc["arms"][arm][str(p)]["change"] for p in kgold}
+        rest = float(np.mean([change[p]["value"] for p in kgold[1:]]))  # the mean gain without the first pair
+        out.append(Goal(what, target, ", ".join(f"pair {p} {_iv(change[p])}" for p in LIFT_MIDDLE_KV_PAIRS)
+                        + f"; first pair {_iv(change[kgold[0]])}, the others' mean {num(rest, True)}",
+                        all(change[p]["value"] >= 0.10 for p in LIFT_MIDDLE_KV_PAIRS) and rest > 0))
+    words = {who: {p: s.get("median_first_line_words") for p, s in mdqa.get("answers", {}).get(who, {}).items()}
+             for who in (BASE, arm)}
+    shifts = {p: words[arm][p] - words[BASE][p] for p in words[BASE]
+              if p in words[arm] and int(p) >= 0 and None not in (words[arm][p], words[BASE][p])}
+    out.append(Goal("the answer format (mdqa median first-line words)", f"within ±{FORMAT_WORDS} of the start's",
+                    ", ".join(f"gold {p} {num(words[BASE][p])} → {num(words[arm][p])}" for p in shifts) or
+                    "not measured", all(abs(d) <= FORMAT_WORDS for d in shifts.values()) if shifts else None))
+    what, target = "mdqa-20 log p change at its middle gold", "its interval above 0"
+    if mdqa20 is None or LOGLIK.field not in mdqa20:
+        return out + [Goal(what, target, "not measured", None)]
+    ll20 = mdqa20[LOGLIK.field]
+    gold20 = [p for p in ll20["positions"] if p >= 0]
+    middle20 = gold20[len(gold20) // 2]
+    row = ll20["arms"][arm][str(middle20)]["change"]
+    return out + [Goal(what.replace("its middle gold", f"gold {middle20}"), target, _iv(row), row["low"] > 0)]
+
+
+GOALS = {"reads_middle": reads_middle_goals, "lift_middle": lift_middle_goals}  # an experiment's goals (Plan.exp)
+
+
+def goal_evaluations(plan: Plan, evaluations: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The goals' evaluations, by name without `_test` (scripts.reads_middle's: mdqa, kv, mdqa20), dev left out."""
+    return {name.removesuffix("_test"): numbers for name, numbers in evaluations.items()
+            if plan.evaluations[name].get("part") != "dev"}
 
 
 def _iv(e: Mapping[str, Any] | None, signed: bool = True) -> str:
@@ -424,11 +486,9 @@ def study_numbers(folder: str | Path) -> Study:
                         "chosen": chosen.get(r.arm) == r.setting, "valley": run_valley(plan.run_dir(r.n)),
                         "changes": _run_changes(plan, r)}
                        for r in plan.runs if _ran(plan, r)]
-    tests = {e: v for e, v in numbers["evaluations"].items() if plan.evaluations[e].get("part") != "dev"}
-    mdqa = next((v for v in tests.values() if v["probe"] == "mdqa"), None)
-    kv = next((v for v in tests.values() if v["probe"] == "kv"), None)
-    if mdqa is not None and LOGLIK.field in mdqa:
-        numbers["goals"] = {arm: [g.__dict__ for g in goals(mdqa, kv, arm)] for arm in chosen}
+    tests = goal_evaluations(plan, numbers["evaluations"])
+    if "mdqa" in tests and LOGLIK.field in tests["mdqa"] and plan.exp in GOALS:
+        numbers["goals"] = {arm: [g.__dict__ for g in GOALS[plan.exp](tests, arm)] for arm in chosen}
     return Study(plan, selection, numbers)
 
 

@@ -64,7 +64,8 @@ from analysis import probe_study
 from analysis.command_line import CommandParser
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
 from data_builders.files import atomic_write_text
-from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, TRAIN_LOG, RunDir
+from models.training.objectives import objective_class
+from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, TEACHER_CHOICE, TRAIN_LOG, RunDir
 from scripts.jobs import CACHE, ROOT, Job, Keep, Scheduler, exit_code, experiment_cache, stoppable
 from train import compose_config
 
@@ -88,7 +89,7 @@ DEV = "mdqa_dev"
 # what --keep copies: paths under <out>, as globs (a run's files once it finished)
 KEPT = (PLAN, SELECTION, "evals/*/*/eval/*.json", f"{CACHE}/distill_responses/*.json",
         f"{CACHE}/evaluations/answered/*.jsonl",
-        *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, DISTILL_RESPONSES)))
+        *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, DISTILL_RESPONSES, TEACHER_CHOICE)))
 
 
 def kept_in(folder: Path, out: Path) -> Keep:
@@ -155,8 +156,9 @@ def arm_args(items: Sequence[str]) -> dict[str, list[str]]:
 
 
 def distills(exp: str, arm: str, train_args: Sequence[str]) -> bool:
-    """Whether the arm's runs answer teacher prompts before training (debias.objective=pos2distill)."""
-    return str(compose_config([f"+exp={exp}", f"{ARM_KEY}={arm}", *train_args]).debias.objective) == "pos2distill"
+    """Whether the arm's runs answer teacher prompts before training (pos2distill, pos2distill_best)."""
+    objective = str(compose_config([f"+exp={exp}", f"{ARM_KEY}={arm}", *train_args]).debias.objective)
+    return objective_class(objective).teacher_pass
 
 
 def run_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], phases: set[str], exp: str,

@@ -19,6 +19,7 @@ from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
 from models.training.distill import adaptive_weights, position_kd_loss
 from models.training.distributed import DistInfo
+from scripts import reads_middle
 from tests.test_pos2distill import SMOKE, nq_file  # noqa: F401 (the fixture)
 from tests.test_train import MDQA3
 from train import as_train_config, run, validate
@@ -164,6 +165,8 @@ def test_every_arm_of_the_experiment_composes_and_validates(compose_cfg, nq_file
     longer = as_train_config(compose_cfg("+exp=lift_middle", f"debias={arm}", f"data.path={nq_file}",
                                          "trainer.max_steps=450"))
     assert longer.trainer.max_steps == 450  # issue 65's arm d: the command line, over the experiment
+    # the experiment runs the teacher pass of the distilling arms once, before their other runs
+    assert reads_middle.distills("lift_middle", arm, []) is arm.startswith("pos2distill")
 
 
 def test_a_tiny_kv_mix_run_trains_on_mdqa_rows_and_kv_rows(compose_cfg, nq_file, tmp_path):  # noqa: F811

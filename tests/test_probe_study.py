@@ -103,7 +103,7 @@ def test_goals_read_the_estimates():
     for score in (stats.ACCURACY, LOGLIK):
         est[score.field] = probe_study.position_estimates(
             probe_study.score_table(result(base_acc, base_ll), {"good": good}, score), strong=2)
-    goals = {g.what: g for g in probe_study.goals(est, None, "good")}
+    goals = {g.what: g for g in probe_study.reads_middle_goals({"mdqa": est}, "good")}
     assert goals["mdqa accuracy at gold 0"].met and goals["mdqa accuracy at gold 1"].met
     assert goals["mdqa accuracy at gold 2"].met  # the strong end kept: its rate is 0.8 in every table
     assert goals["kv worst position's accuracy"].met is None
@@ -111,9 +111,78 @@ def test_goals_read_the_estimates():
     est = {score.field: probe_study.position_estimates(
         probe_study.score_table(result(base_acc, base_ll), {"dropped": dropped}, score), strong=2)
         for score in (stats.ACCURACY, LOGLIK)}
-    goals = {g.what: g for g in probe_study.goals(est, None, "dropped")}
+    goals = {g.what: g for g in probe_study.reads_middle_goals({"mdqa": est}, "dropped")}
     assert not goals["mdqa accuracy at gold 0"].met and not goals["mdqa accuracy at gold 2"].met
     assert "gold 1 - gold 2" in next(k for k in goals if "log-likelihood" in k)
+
+
+def estimates(base: tuple, arm: list[tuple], strong: int) -> dict:
+    """`evaluation_numbers`-shaped estimates of one arm ("a") against the base, from (accuracy, log p) tables."""
+    return {score.field: probe_study.position_estimates(
+        probe_study.score_table(result(*base), {"a": [result(*t) for t in arm]}, score), strong=strong)
+        for score in (stats.ACCURACY, LOGLIK)}
+
+
+def shifted(tables: tuple, by: dict[int, tuple[float, float]]) -> tuple:
+    """(accuracy, log p) tables with position p's accuracy set to by[p][0] (if not None) and log p moved by by[p][1]."""
+    acc, ll = tables
+    return ({q: {p: (by[p][0] if by.get(p, (None,))[0] is not None else c) for p, c in row.items()}
+             for q, row in acc.items()},
+            {q: {p: v + by.get(p, (None, 0.0))[1] for p, v in row.items()} for q, row in ll.items()})
+
+
+def test_lift_middle_goals_ask_the_middle_up_and_the_strong_end_kept():
+    many = [f"q{i}" for i in range(40)]
+    base = table(0, questions=many)  # positions -1, 0, 1, 2: middle gold 1, strong end 2
+    lifted = [shifted(table(0, questions=many), {1: (1.0, 2.0)}) for _ in (1, 2)]
+    goals = {g.what: g for g in probe_study.lift_middle_goals({"mdqa": estimates(base, lifted, 2)}, "a")}
+    assert goals["mdqa accuracy change at gold 1"].met and goals["mdqa log p change at gold 1"].met
+    assert goals["mdqa log p change at gold 2"].met and goals["mdqa log p gold 1 - gold 2"].met
+    assert goals["kv accuracy change at pairs 4 and 7"].met is None
+    assert goals["mdqa-20 log p change at its middle gold"].met is None
+    lowered = [shifted(table(0, questions=many), {1: (None, 0.6), 2: (None, -0.3)}) for _ in (1, 2)]
+    goals = {g.what: g for g in probe_study.lift_middle_goals({"mdqa": estimates(base, lowered, 2)}, "a")}
+    assert goals["mdqa log p change at gold 1"].met  # +0.6
+    assert not goals["mdqa log p change at gold 2"].met  # -0.3: the contrast rose by lowering the end
+    assert not goals["mdqa accuracy change at gold 1"].met
+
+
+def test_lift_middle_kv_goal_needs_the_middle_pairs_not_the_first_alone():
+    questions = [f"k{i}" for i in range(40)]
+
+    def kv_tables(acc_by: dict[int, float]) -> tuple:
+        return ({q: {p: acc_by.get(p, 0.2) for p in (0, 1, 4, 7, 9)} for q in questions},
+                {q: {p: -3.0 for p in (0, 1, 4, 7, 9)} for q in questions})
+
+    mdqa = estimates(table(0), [table(1)], 2)
+    base = kv_tables({0: 0.5, 9: 0.5})
+    for arm_acc, met in (({0: 0.5, 4: 0.35, 7: 0.35, 9: 0.5}, True),  # the middle pairs +0.15
+                         ({0: 1.0, 9: 0.5}, False),  # the first pair's gain only
+                         ({0: 0.5, 4: 0.25, 7: 0.45, 9: 0.5}, False)):  # pair 4 only +0.05
+        kv = estimates(base, [kv_tables(arm_acc)], 9)
+        goal = next(g for g in probe_study.lift_middle_goals({"mdqa": mdqa, "kv": kv}, "a") if "kv" in g.what)
+        assert goal.met is met, (arm_acc, goal.measured)
+
+
+def test_lift_middle_format_goal_compares_median_first_line_words():
+    mdqa = estimates(table(0), [table(1)], 2)
+    for arm_words, met in ((16.0, True), (19.0, True), (12.0, False)):
+        mdqa["answers"] = {"base": {"-1": {"median_first_line_words": 3.0}, "0": {"median_first_line_words": 16.0}},
+                           "a": {"-1": {"median_first_line_words": 40.0}, "0": {"median_first_line_words": arm_words}}}
+        goal = next(g for g in probe_study.lift_middle_goals({"mdqa": mdqa}, "a") if "format" in g.what)
+        assert goal.met is met, goal.measured  # closed-book (-1) is not a gold position: left out
+
+
+@pytest.mark.parametrize("exp, goal", [(None, "mdqa accuracy at gold 0"), ("lift_middle", "mdqa log p change at gold 1")])
+def test_an_experiments_report_checks_its_own_goals(tmp_path, exp, goal):
+    write_experiment(tmp_path, {("kd", "lr=1", 0): 0.5, ("kd", "lr=1", 1): 0.75})
+    if exp is not None:  # a plan without "exp" is issue 39's, +exp=reads_middle
+        (tmp_path / PLAN).write_text(json.dumps({**json.loads((tmp_path / PLAN).read_text()), "exp": exp}))
+    (tmp_path / SELECTION).write_text(json.dumps(probe_study.choose(probe_study.read_plan(tmp_path))))
+    study = probe_study.study_numbers(tmp_path)
+    assert [g["what"] for g in study.numbers["goals"]["kd"]][0 if exp is None else 1] == goal
+    report = probe_study.write_report(study, tmp_path / "report").read_text()
+    assert f"| kd | {goal} |" in report
 
 
 def write_experiment(folder: Path, dev_scores: dict[tuple[str, str, int], float], test: bool = True) -> None:

@@ -89,6 +89,7 @@ class TrainingObjective:
     name: ClassVar[str]
     batch_depths: ClassVar[bool] = True  # its batches carry each sample's gold depth and token owners
     batch_teacher: ClassVar[bool] = False  # its batches carry each sample's teacher sequence
+    teacher_pass: ClassVar[bool] = False  # `prepare` has the starting model answer teacher prompts (cached by them)
     owns: ClassVar[tuple[str, ...]] = ()  # its debias.* keys (dotted under debias)
     owns_data: ClassVar[tuple[str, ...]] = ()  # its data.* keys (dotted under data)
     Settings: ClassVar[Optional[type]] = None  # a dataclass of its own settings, given as debias.settings.<key>

@@ -122,6 +122,7 @@ def check_distill_settings(start: StartUp, what: str) -> None:
 class Pos2Distill(TrainingObjective):
     name = "pos2distill"
     batch_teacher = True
+    teacher_pass = True
     owns = tuple(f"distill.{f.name}" for f in fields(Pos2DistillConfig))
     owns_data = ("in2.teacher_slot",)
 
