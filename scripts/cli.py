@@ -12,6 +12,7 @@ Each verb's module also runs as `python -m <module>`; the table below says which
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +174,13 @@ def run_verb(words: Sequence[str], verbs: dict[str, Verb], prog: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_verb(sys.argv[1:] if argv is None else argv, VERBS, "posdebias")
+    try:
+        code = run_verb(sys.argv[1:] if argv is None else argv, VERBS, "posdebias")
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `posdebias ls | head`: the reader has all it wanted; no traceback, no flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import configparser
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -50,6 +51,16 @@ def test_posdebias_ls_lists_every_preset_and_probe_with_a_description():
     for probe in Probe:
         assert re.search(rf"^  {probe.value}\s+\S", out, re.M)
     assert re.search(r"^  pos2distill\s+\[objective pos2distill\] the model's answers", out, re.M)
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`posdebias ls | head -1`: the reader has gone; the command ends quietly, as SIGPIPE would end it."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to the pipe now fails with EPIPE
+    script = Path(sys.executable).parent / "posdebias"
+    out = subprocess.run([str(script), "ls"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write_end)
+    assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
 
 
 def test_a_hydra_searchpath_adds_its_folders_options_to_the_groups(tmp_path):
