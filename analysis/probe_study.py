@@ -44,6 +44,7 @@ from analysis import stats
 from analysis.command_line import CommandParser
 from analysis.evaluation.answer_kinds import summarize
 from analysis.evaluation.result import LOGLIK, ProbeResult
+from analysis.evaluation.watch import position_signals, read_rows
 from analysis.report.figures import plot_arm_curves
 from analysis.report.position_tables import answer_cells, answer_columns
 from analysis.report.tables import markdown_table, num
@@ -295,6 +296,38 @@ def choose(plan: Plan, seeds: Sequence[int] | None = None) -> dict[str, Any]:
             "arms": arms, "headline": headline, "incomplete": incomplete}
 
 
+def watch_changes(run_dir: Path) -> dict[str, float]:
+    """A run's end-minus-start change of every watched position signal (`<run>/watch.jsonl`; empty without it)."""
+    return {s.key: s.change.value for s in position_signals(read_rows(RunDir(run_dir).watch))}
+
+
+def watch_against_dev(plan: Plan, selection: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The watched signals as a cheap first filter, beside the dev choice: for each signal, Spearman's rho over the
+    runs between its change and the run's dev score (`dev_score`), with the exact permutation p, and for each arm
+    the setting that the signal's mean change over the choice's seeds would have chosen (higher is better: every
+    watched contrast rises when the middle is lifted), against the setting chosen on dev."""
+    seeds = set(selection.get("seeds", plan.seeds()))
+    score = {r.n: dev_score(res) for r in plan.runs
+             if r.seed in seeds and (res := load_result(plan, plan.dev, run_target(r.n))) is not None}
+    watched = {n: watch_changes(plan.run_dir(n)) for n in score}
+    out = []
+    for key in dict.fromkeys(k for changes in watched.values() for k in changes):
+        runs = [n for n in score if key in watched[n]]
+        corr = stats.permutation_correlation([watched[n][key] for n in runs], [score[n] for n in runs])
+        would: dict[str, Any] = {}
+        for arm, info in selection["arms"].items():
+            means = {}
+            for setting in plan.settings(arm):
+                mine = [watched[r.n][key] for r in plan.runs_of(arm, setting) if r.n in runs]
+                if mine and len(mine) == len([r for r in plan.runs_of(arm, setting) if r.seed in seeds]):
+                    means[setting] = float(np.mean(mine))
+            if means:
+                best = max(means, key=lambda k: (means[k], -list(means).index(k)))
+                would[arm] = {"setting": best, "agrees": best == info["setting"], "means": means}
+        out.append({"signal": key, "runs": runs, **corr.as_dict(), "choices": would})
+    return out
+
+
 def read_selection(folder: Path) -> dict[str, Any]:
     path = folder / SELECTION
     try:
@@ -477,7 +510,8 @@ def study_numbers(folder: str | Path) -> Study:
     headline = selection["headline"]
     order = [headline] + [a for a in plan.arms if a != headline and a in chosen]
     chosen = {arm: chosen[arm] for arm in order}
-    numbers: dict[str, Any] = {"selection": selection, "evaluations": {}}
+    numbers: dict[str, Any] = {"selection": selection, "evaluations": {},
+                               "watch_vs_dev": watch_against_dev(plan, selection)}
     for evaluation in plan.evaluations:
         found = evaluation_numbers(plan, evaluation, chosen)
         if found is not None:
@@ -591,6 +625,20 @@ def run_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
                           rows)
 
 
+def watch_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The watched signals beside the dev choice (`watch_against_dev`); nothing for runs without a watch."""
+    if not rows:
+        return []
+    table = [[f"`{r['signal']}`", str(len(r["runs"])), num(r["rho"], True), num(r["p_value"]),
+              "; ".join(f"{arm}: {c['setting']} ({'as dev' if c['agrees'] else 'not as dev'})"
+                        for arm, c in r["choices"].items()) or "–"]
+             for r in sorted(rows, key=lambda r: -abs(r["rho"]) if math.isfinite(r["rho"]) else 0)]
+    return ["## The watched signals beside the dev choice", "",
+            "Each run's end-minus-start change of a watched signal against its dev score: Spearman's rho over the runs "
+            "(exact permutation p), and the setting each arm would get from the signal's mean change over the "
+            "choice's seeds.", ""] + markdown_table(["signal", "runs", "rho with dev", "p", "its choice"], table) + [""]
+
+
 def report_lines(study: Study) -> list[str]:
     numbers, plan = study.numbers, study.plan
     sel = numbers["selection"]
@@ -606,6 +654,7 @@ def report_lines(study: Study) -> list[str]:
                             for setting, runs in sel["incomplete"].items())
         lines += [f"**A partial choice:** it did not see these settings, which have runs without a dev evaluation: "
                   f"{missing}.", ""]
+    lines += watch_lines(numbers.get("watch_vs_dev", []))
     if "goals" in numbers:
         lines += ["## Goals (test questions)", ""]
         rows = [[arm, g["what"], g["target"], g["measured"], {True: "met", False: "not met", None: "–"}[g["met"]]]

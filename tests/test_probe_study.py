@@ -291,6 +291,33 @@ def test_the_report_shows_the_chosen_arms_against_the_starting_model(tmp_path):
     assert study.numbers["goals"]["kd"] and [r["changes"] for r in study.numbers["runs"]][0]["middle"] == 1
 
 
+def write_watch(run_dir: Path, lift: float) -> None:
+    """A watch.jsonl whose mdqa log p at gold 4 rises by `lift` between steps 0 and 10 (gold 9's stays)."""
+    rows = [{"step": 0, "kind": "panel", "sets": ["mdqa"], "slots": [0, 4, 9], "middle": 4, "strong": {"mdqa": 9},
+             "every": 1, "loglik_every": 10, "questions": {"mdqa": 2}}]
+    rows += [{"step": step, "kind": "loglik", "set": "mdqa", "question": q, "slot": slot,
+              "loglik": (-3.0 + (lift if step else 0.0)) if slot == 4 else -1.0}
+             for step in (0, 10) for q in ("a", "b") for slot in (4, 9)]
+    RunDir(run_dir).watch.parent.mkdir(parents=True, exist_ok=True)
+    RunDir(run_dir).watch.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_report_sets_the_watched_signals_beside_the_dev_choice(tmp_path):
+    dev = {("kd", "lr=1", 0): 0.25, ("kd", "lr=2", 0): 0.5, ("kd", "lr=3", 0): 0.75, ("kd", "lr=4", 0): 1.0}
+    write_experiment(tmp_path, dev)
+    for n, score in enumerate(dev.values()):
+        write_watch(tmp_path / "runs" / str(n), lift=2 * score if n != 3 else 0.1)  # the best dev run watched low
+    (tmp_path / SELECTION).write_text(json.dumps(probe_study.choose(probe_study.read_plan(tmp_path))))
+    study = probe_study.study_numbers(tmp_path)
+    row = next(r for r in study.numbers["watch_vs_dev"] if r["signal"] == "watch/mdqa/loglik_contrast")
+    assert row["runs"] == [0, 1, 2, 3] and row["rho"] == pytest.approx(-0.2)  # ranks 2 3 4 1 against 1 2 3 4
+    kd = row["choices"]["kd"]
+    assert kd["setting"] == "lr=3" and not kd["agrees"]  # dev chose lr=4
+    assert kd["means"] == pytest.approx({"lr=1": 0.5, "lr=2": 1.0, "lr=3": 1.5, "lr=4": 0.1})
+    report = probe_study.write_report(study, tmp_path / "report").read_text()
+    assert "## The watched signals beside the dev choice" in report and "kd: lr=3 (not as dev)" in report
+
+
 def test_the_report_gives_the_range_of_the_shown_intervals_degrees_of_freedom():
     def cell(df):
         return {"df": df, "method": f"t({df:.1f}), crossed design: 2 seeds (shared) x 9 questions"}
