@@ -8,6 +8,7 @@ The config is converted once into the typed `TrainConfig` and checked by `valida
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -234,6 +235,10 @@ class Run:
         parts = {"debias": self.objective, "health": self.health, "jacobian_window": self.jacobian,
                  "watch": self.watch}
         return {name: part for name, part in parts.items() if part is not None}
+
+    def component_states(self) -> dict[str, Any]:
+        """Each stateful part's state as it is now (a copy: the parts go on changing theirs)."""
+        return {name: copy.deepcopy(part.state_dict()) for name, part in self.stateful().items()}
 
 
 def load_data(cfg: TrainConfig, info: DistInfo) -> DataBundle:
@@ -466,13 +471,16 @@ def resume(run: Run, ckpt: Path) -> None:
     run.evals.start_curve_from(ckpt.parents[1])
 
 
-def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
-    """A complete checkpoint `checkpoints/step-<step>` (written aside, then renamed). `metrics_bytes`: where
-    metrics.jsonl ends for this checkpoint (default: now), which resuming in place cuts the file back to.
+def save(run: Run, step: int, metrics_bytes: Optional[int] = None,
+         components: Optional[dict[str, Any]] = None) -> Path:
+    """A complete checkpoint `checkpoints/step-<step>` (written aside, then renamed). `metrics_bytes` and
+    `components`: where metrics.jsonl ends and the stateful parts' states for this checkpoint (default: now); a
+    resume in place cuts the file back there and goes on from those states.
     NonFiniteWeights, and nothing written, when a trainable weight is not finite: a checkpoint is always good."""
     if (name := run.engine.nonfinite_weight()) is not None:
         raise NonFiniteWeights(f"not saving step {step}: {name} holds NaN or infinity; {last_good_checkpoint(run)}")
     metrics_bytes = run.logger.bytes_written() if metrics_bytes is None else metrics_bytes
+    components = run.component_states() if components is None else components
 
     def write(folder: Path) -> None:
         run.engine.save(folder, run.tokenizer)
@@ -480,8 +488,7 @@ def save(run: Run, step: int, metrics_bytes: Optional[int] = None) -> Path:
             (folder / CHECKPOINT_CONFIG).write_text(json.dumps(dataclasses.asdict(run.cfg), indent=1, default=str))
         # group_dro's q, loss_weight's averages: an exact resume needs them; the wandb run: a run resumed from
         # here continues it
-        state = TrainerState(step, run.stream.position, metrics_bytes, run.logger.run_id,
-                             {name: part.state_dict() for name, part in run.stateful().items()})
+        state = TrainerState(step, run.stream.position, metrics_bytes, run.logger.run_id, components)
         state.save(folder, run.info.rank)
 
     folder = atomic_checkpoint(run.run_dir, step, write, run.cfg.trainer.keep_last_n, run.is_main, barrier)
@@ -592,12 +599,13 @@ def finish(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     """After the last update: the measurements once more (the paper's (n, steps + 1, L) arrays), accuracy by depth,
     the final checkpoint, the figures and the summary."""
     final = run.cfg.trainer.max_steps
-    # A run resumed from the final checkpoint logs these end rows again: that checkpoint keeps the log before them.
-    before_end = run.logger.bytes_written()
+    # A run resumed from the final checkpoint measures and logs these end rows again: that checkpoint keeps the log
+    # and the parts' states (the watch's noise history, the Jacobian window) from before them.
+    before_end, states = run.logger.bytes_written(), run.component_states()
     measure(run, final, last=True)
     acc = run.evals.depth_accuracy(run.model, final, run.logger)
     run.logger.log(acc, step=final)
-    save(run, final, before_end)
+    save(run, final, before_end, states)
     if not run.is_main:
         return {**metrics, **acc}
     run.evals.end_figure(final, acc, run.logger)

@@ -217,7 +217,7 @@ def test_a_damaged_checkpoint_fails_by_name_and_latest_skips_it(tmp_path, four_s
     assert f"removing {leftover}, left by a crash" in log and not leftover.exists()
 
 
-TIMING_KEYS = ("train/wall_s", "train/tokens_per_s", "train/peak_mem_mib", "jacobian/wall_s")
+TIMING_KEYS = ("train/wall_s", "train/tokens_per_s", "train/peak_mem_mib", "jacobian/wall_s", "watch/wall_s")
 KILL_RUN = ["trainer.max_steps=8", "trainer.save_every=1", "trainer.keep_last_n=2", "eval.every=2",
             "jacobian=hutchinson", "jacobian.seq_len=64", "jacobian.chunk_len=32", "jacobian.num_probes=2",
             "jacobian.n_vanilla=1", "jacobian.n_chunked=1"]

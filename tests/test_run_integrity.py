@@ -19,7 +19,7 @@ from models.training.resume_guard import MAY_CHANGE, ResumeRefused, differences,
 from models.training.run_dir import CHECKPOINT_CONFIG
 from models.training.step_health import SPIKE_WARMUP, NonFiniteWeights, StepHealth
 from tests.conftest import TINY
-from tests.test_faults import train_cli
+from tests.test_faults import metric_rows, train_cli
 from train import TrainConfig, run
 
 
@@ -180,6 +180,18 @@ def test_a_resume_that_may_go_on_keeps_the_first_config(tmp_path, two_step_run):
     assert (run_dir / ".hydra" / "first" / "config.yaml").read_text() == first
     assert "max_steps: 3" in (run_dir / ".hydra" / "config.yaml").read_text()
     assert [r["step"] for r in rows(run_dir) if "train/loss" in r] == [1, 2, 3]
+
+
+def test_a_resume_from_the_final_checkpoint_repeats_the_end_rows_exactly(tmp_path, two_step_run):
+    """The final checkpoint is written after the end measurements; it keeps the parts' states from before them (the
+    watch's step-to-step SD, the Jacobian window), so that measuring the end again logs the same numbers."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_step_run, run_dir)
+    before = metric_rows(run_dir)
+    assert any(k.startswith("watch/sd/") for k in before[-2]) or any(k.startswith("watch/sd/") for k in before[-1])
+    out = train_cli(run_dir, "trainer.max_steps=2", "trainer.resume_from=latest")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert metric_rows(run_dir) == before
 
 
 def test_a_resume_from_another_runs_checkpoint_is_checked_in_process_too(compose_cfg, tmp_path, two_step_run):
