@@ -307,6 +307,25 @@ def test_the_mdqa_watch_asks_dev_questions_that_the_dev_evaluation_does_not(tmp_
     assert all(it.units[it.slot] == it.gold for it in items)
 
 
+def test_the_rotation_takes_the_sets_in_turns(tmp_path):
+    """Two sets of 6 prompts each: the rotation alternates them, so that kv is not left at its first measurement
+    until every mdqa prompt has had its turn."""
+    from analysis.evaluation.watch import build_panel
+    from data_builders.mdqa import write_jsonl_gz
+    from data_builders.question_split import QuestionSplit
+    from data_builders.tokenizer import train_bpe_tokenizer
+    from scripts.investigations.synthetic_oracle import oracle_records
+
+    records = oracle_records(160, seed=3)
+    nq = write_jsonl_gz(tmp_path / "nq-open-oracle.jsonl.gz", records)
+    tokenizer = train_bpe_tokenizer([r["ctxs"][0]["text"] for r in records], 400)
+    panel = build_panel(WatchConfig(sets=["mdqa", "kv"], questions=2, skip_examples=4), 2, tokenizer, False, QuestionSplit(),
+                        nq)
+    assert [it.set for it in panel.items] == ["mdqa", "kv"] * 6
+    assert [(it.question, it.slot) for it in panel.items if it.set == "mdqa"][:3] == [
+        (panel.items[0].question, slot) for slot in (0, 4, 9)]  # a question's slots still measured one after another
+
+
 def test_a_second_run_from_the_same_model_reads_its_first_panel_back(compose_cfg, tmp_path):
     for name in ("a", "b"):
         run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=1", "trainer.save_every=0", "seed=7"), tmp_path / name)

@@ -14,7 +14,8 @@ position-debiasing fine-tune changes is how the model reads the task's prompts, 
   every run: differences are precise). Per prompt: each unit's (document, pair, or IN2 depth tenth) share of the
   prompt's rho^2, the gold unit's share, the documents' share of all of it, and the closed-form prior's share
   p^2 over the same spans (alpha fitted to the prompt's profile: analysis.measure.prior.fit_alpha).
-  Every prompt is measured at the first step and the last; in between, one prompt every `every` steps, in turn.
+  Every prompt is measured at the first step and the last; in between, one prompt every `every` steps, in turn,
+  the sets taking turns (each set's prompts refreshed at the same rate, not one set after the other).
   Each logged value pools the latest measurement of every prompt (a window of one rotation).
 - **The answer's log p per slot** (analysis.evaluation.loglik: teacher-forced, the best of the first aliases, the
   evaluation's own definition) over the whole panel every `loglik_every` steps, at the first step and at the last.
@@ -27,6 +28,7 @@ also a row of `<run>/watch.jsonl`, which the run summary and `analysis.compare` 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import time
@@ -211,14 +213,16 @@ def build_panel(cfg: WatchConfig, layers: int, tokenizer: PreTrainedTokenizerBas
                 in2_context_start: int = 0) -> WatchPanel:
     """The panel of `cfg.sets`: mdqa dev questions of `split` in `nq_path`, kv records, and (in2) the held-out
     `in2_records` whose contexts begin at `in2_context_start`."""
-    items: list[WatchItem] = []
+    per_set: list[list[WatchItem]] = []
     for name in map(WatchSet, cfg.sets):
         if name == WatchSet.in2:
-            items += in2_items(in2_records, in2_context_start, cfg)
+            per_set.append(in2_items(in2_records, in2_context_start, cfg))
         elif name == WatchSet.mdqa:
-            items += mdqa_items(cfg, Path(str(nq_path)), split, tokenizer, chat_template)
+            per_set.append(mdqa_items(cfg, Path(str(nq_path)), split, tokenizer, chat_template))
         else:
-            items += kv_items(cfg, tokenizer, chat_template)
+            per_set.append(kv_items(cfg, tokenizer, chat_template))
+    # the rotation's order: the sets take turns, so that each is refreshed at the same rate during a run
+    items = [it for turn in itertools.zip_longest(*per_set) for it in turn if it is not None]
     return WatchPanel(cfg, items, layers)
 
 
