@@ -18,7 +18,9 @@ overrides of the kept grid's plan.json and the experiment's own config (`+exp=re
 - `report`: the tracking tables and figures (`--out`, default `<out>/report`): how close the retrained losses are to
   the kept ones; for each watched signal (and the generic valley, for comparison) Spearman's rho between its
   end-minus-start change and the run's test contrast change, with the exact permutation p; within runs 3 and 4, rho
-  between the signal and the dev contrast over the checkpoints.
+  between the signal and the dev contrast over the checkpoints. `--also FOLDER` adds the watched runs of other
+  experiments (`scripts.reads_middle` folders, e.g. +exp=lift_middle's) to the across-run test, with their own test
+  evaluations.
 
 The same command run again continues (scripts.jobs: a finished run is kept, an interrupted one resumes, a written
 evaluation is kept); `--keep DIR` mirrors what is small and costly into DIR and fills a fresh folder from it.
@@ -35,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from analysis import stats
+from analysis import probe_study, stats
 from analysis.command_line import CommandParser
 from analysis.evaluation.result import LOGLIK, ProbeResult, contrast_change
 from analysis.evaluation.watch import position_signals, read_rows
@@ -167,9 +169,9 @@ def dev_contrast(out: Path, target: str, step: int) -> float | None:
     return result.paired_difference(MIDDLE, STRONG, score=LOGLIK).value
 
 
-def signal_changes(out: Path, n: int) -> dict[str, float]:
-    """Run n's end-minus-start change of every watched signal, the training NLL contrast and the generic valley."""
-    folder = RunDir(run_dir(out, n))
+def signal_changes(folder_of_run: Path) -> dict[str, float]:
+    """A run's end-minus-start change of every watched signal, the training NLL contrast and the generic valley."""
+    folder = RunDir(folder_of_run)
     changes = {s.key: s.change.value for s in position_signals(read_rows(folder.watch))}
     rows = read_metrics(folder.root) if folder.metrics.is_file() else []
     for key in (*GENERIC, TRAIN_SIGNAL):
@@ -198,16 +200,35 @@ class Tracking:
     within: list[dict[str, Any]]
 
 
-def tracking(out: Path, test: str, max_steps: int, every: int) -> Tracking:
+def experiment_points(folder: Path) -> dict[str, tuple[dict[str, float], float]]:
+    """The runs of another experiment (a `scripts.reads_middle` folder: +exp=lift_middle's) as more points of the
+    across-run test: `<folder name>/<run>` -> (its signals' changes, its test log p contrast change, gold 4 − gold 9
+    against the starting model), for the runs with a watch and a test mdqa evaluation."""
+    plan = probe_study.read_plan(folder)
+    base = probe_study.load_result(plan, "mdqa_test", probe_study.BASE)
+    points: dict[str, tuple[dict[str, float], float]] = {}
+    for r in plan.runs if base is not None else ():
+        mine = probe_study.load_result(plan, "mdqa_test", probe_study.run_target(r.n))
+        changes = signal_changes(plan.run_dir(r.n))
+        if mine is not None and changes:
+            points[f"{folder.name}/{r.n}"] = (changes, contrast_change(base, mine, MIDDLE, STRONG, LOGLIK).value)
+    return points
+
+
+def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Path] = ()) -> Tracking:
     matches = {n: loss_match(out, n) for n in RUNS}
     own = [n for n in RUNS if test == "own" or (test == "auto" and not (matches[n] or {}).get("same", False))]
-    target = {n: test_change(out, n, n in own, max_steps) for n in RUNS}
-    changes = {n: signal_changes(out, n) for n in RUNS}
-    keys = list(dict.fromkeys(k for c in changes.values() for k in c))
+    points: dict[Any, tuple[dict[str, float], float]] = {}
+    for n in RUNS:
+        if (change := test_change(out, n, n in own, max_steps)) is not None:
+            points[n] = (signal_changes(run_dir(out, n)), change.value)
+    for folder in also:
+        points |= experiment_points(folder)
+    keys = list(dict.fromkeys(k for c, _ in points.values() for k in c))
     across = []
     for key in keys:
-        runs = [n for n in RUNS if key in changes[n] and target[n] is not None]
-        x, y = [changes[n][key] for n in runs], [target[n].value for n in runs]
+        runs = [n for n, (c, _) in points.items() if key in c]
+        x, y = [points[n][0][key] for n in runs], [points[n][1] for n in runs]
         corr = stats.permutation_correlation(x, y)
         across.append({"signal": key, "runs": runs, "changes": x, "test_changes": y, **corr.as_dict()})
     within = []
@@ -233,6 +254,7 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
     loss_rows = [[str(n), *(("—",) * 3 if m is None else (str(m["steps"]), f"{m['first_step']:.2e}",
                                                           f"{m['max']:.2e}"))] for n, m in result.losses.items()]
     across = sorted(result.across, key=lambda r: -abs(r["rho"]) if math.isfinite(r["rho"]) else 0)
+    also = list(dict.fromkeys(n for r in result.across for n in r["runs"] if isinstance(n, str)))
     across_rows = [[f"`{r['signal']}`", str(len(r["runs"])), f"{r['rho']:+.2f}", f"{r['p_value']:.3f}",
                     " ".join(f"{c:+.3f}" for c in r["changes"])] for r in across]
     within_rows = [[str(r["run"]), f"`{r['signal']}`", str(len(r["steps"])), f"{r['rho']:+.2f}", f"{r['p_value']:.3f}"]
@@ -244,7 +266,8 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
              f"Runs {', '.join(map(str, RUNS))} of issue 39's grid trained again with the watch on (`python -m "
              f"scripts.watch_tracking {out}`). The test change of a run: its log p contrast, gold {MIDDLE} − gold "
              f"{STRONG} on the test questions, minus the starting model's, paired by question ({test}"
-             + (f" for runs {', '.join(map(str, result.own_test))}" if result.own_test else "") + ").", "",
+             + (f" for runs {', '.join(map(str, result.own_test))}" if result.own_test else "") + ")."
+             + (f" Other experiments' watched runs add points (`--also`): {', '.join(also)}." if also else ""), "",
              "## The retrained runs against the kept ones (train/loss by step)", "",
              *markdown_table(["run", "steps compared", "first step |Δ|", "largest |Δ|"], loss_rows), "",
              "## Across runs: the signal's change (end − start) against the test change", "",
@@ -275,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which nothing new starts")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR", help="mirror what is small and costly in DIR")
     parser.add_argument("--report-out", type=Path, default=None, help="the report's folder (default <out>/report)")
+    parser.add_argument("--also", type=Path, nargs="*", default=[], metavar="FOLDER",
+                        help="scripts.reads_middle experiments whose watched runs add points to the across-run test "
+                             "(e.g. +exp=lift_middle's folder)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             scheduler.run(test_jobs(out, own, max_steps, args.data_dir, args.eval_args)
                           + [j for j in train_jobs(out, runs, args.train_args) if j.name in {f"train:{n}" for n in own}])
         if "report" in phases:
-            report = write_report(out, args.report_out or out / "report", tracking(out, args.test, max_steps, every))
+            report = write_report(out, args.report_out or out / "report",
+                                  tracking(out, args.test, max_steps, every, args.also))
             print(f"wrote {report}")
     return exit_code(scheduler)
 

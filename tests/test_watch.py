@@ -268,6 +268,29 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
     assert "| `watch/mdqa/loglik_contrast` | 6 | +1.00 | 0.003 |" in report
     assert (tmp_path / "report" / "tracking.png").is_file()
 
+    # another experiment's two watched runs, following the same rule, add two points: 8 runs, exact p over 8!
+    other = tmp_path / "lift_middle"
+    runs = [{"n": k, "arm": "x", "setting": "", "seed": k, "overrides": []} for k in (0, 1)]
+    other.mkdir()
+    (other / "plan.json").write_text(json.dumps({"runs": runs, "dev": "mdqa_dev", "evaluations": {
+        "mdqa_test": {"probe": "mdqa", "part": "test", "args": []}}}))
+    fake_eval(other / "evals" / "mdqa_test" / "base" / "eval" / "mdqa_step0.json", {q: (-3.0, -1.0) for q in questions})
+    for k, rank in ((0, 6), (1, 7)):
+        fake_eval(other / "evals" / "mdqa_test" / f"run-{k}" / "eval" / "mdqa_step150.json",
+                  {q: (-3.0 + 0.1 * rank, -1.0) for q in questions})
+        shutil.copytree(out / "runs" / "2", other / "runs" / str(k))
+        watch = [json.loads(line) for line in (other / "runs" / str(k) / "watch.jsonl").read_text().splitlines()]
+        for row in watch[1:]:
+            row["loglik"] = -2.0 + (0.2 * rank * row["step"] / 150 if row["slot"] == 4 else 0.0)
+        (other / "runs" / str(k) / "watch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in watch))
+    with_other = wt.tracking(out, "kept", 150, 25, [other])
+    more = {r["signal"]: r for r in with_other.across}
+    assert more["watch/mdqa/loglik_contrast"]["runs"] == [*wt.RUNS, "lift_middle/0", "lift_middle/1"]
+    assert more["watch/mdqa/loglik_contrast"]["rho"] == pytest.approx(1.0)
+    assert more["watch/mdqa/loglik_contrast"]["p_value"] == pytest.approx(2 / 40320)
+    report = wt.write_report(out, tmp_path / "report", with_other).read_text()
+    assert "add points (`--also`): lift_middle/0, lift_middle/1." in report
+
 
 def test_the_smollm2_recipes_watch_mdqa_dev_questions_and_kv(compose_cfg, tmp_path):
     """+exp=in2_smol's watch (mdqa with 10 documents and kv with 10 pairs) on the tiny model and a synthetic NQ file:
