@@ -102,6 +102,7 @@ def test_too_many_nonfinite_losses_stop_the_run(compose_cfg, tmp_path, monkeypat
         run(compose_cfg(*TINY, "trainer.max_steps=5", "trainer.max_bad_steps=1"), tmp_path)
 
 
+@pytest.mark.slow  # a `python train.py` process of its own (~15 s): the default suite keeps the in-process faults
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])  # USR1: SLURM
 def test_a_stop_signal_saves_and_exits_cleanly(tmp_path, signum):
     env = {**os.environ, "POSDEBIAS_CACHE": str(tmp_path / "cache")}
@@ -168,6 +169,7 @@ def train_cli(run_dir, *overrides, limit_file_bytes=None, timeout=300) -> subpro
                           preexec_fn=limit if limit_file_bytes else None)
 
 
+@pytest.mark.slow  # a `python train.py` process of its own (~15 s): the default suite keeps the in-process faults
 def test_a_full_disk_keeps_the_last_good_checkpoint_and_says_what_it_needed(tmp_path):
     first = train_cli(tmp_path, "trainer.max_steps=2")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -194,6 +196,7 @@ def four_step_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow  # a `python train.py` process of its own (~15 s): the default suite keeps the in-process faults
 @pytest.mark.parametrize("damaged", ["optimizer.pt", "model.safetensors"])
 def test_a_damaged_checkpoint_fails_by_name_and_latest_skips_it(tmp_path, four_step_run, damaged):
     run_dir = tmp_path / "run"
