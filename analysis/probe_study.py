@@ -44,7 +44,7 @@ from analysis import stats
 from analysis.command_line import CommandParser
 from analysis.evaluation.answer_kinds import summarize
 from analysis.evaluation.result import LOGLIK, ProbeResult
-from analysis.evaluation.watch import position_signals, read_rows
+from analysis.evaluation.watch import watched_changes
 from analysis.report.figures import plot_arm_curves
 from analysis.report.position_tables import answer_cells, answer_columns
 from analysis.report.tables import markdown_table, num
@@ -296,11 +296,6 @@ def choose(plan: Plan, seeds: Sequence[int] | None = None) -> dict[str, Any]:
             "arms": arms, "headline": headline, "incomplete": incomplete}
 
 
-def watch_changes(run_dir: Path) -> dict[str, float]:
-    """A run's end-minus-start change of every watched position signal (`<run>/watch.jsonl`; empty without it)."""
-    return {s.key: s.change.value for s in position_signals(read_rows(RunDir(run_dir).watch))}
-
-
 def watch_against_dev(plan: Plan, selection: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The watched signals as a cheap first filter, beside the dev choice: for each signal, Spearman's rho over the
     runs between its change and the run's dev score (`dev_score`), with the exact permutation p, and for each arm
@@ -309,7 +304,7 @@ def watch_against_dev(plan: Plan, selection: Mapping[str, Any]) -> list[dict[str
     seeds = set(selection.get("seeds", plan.seeds()))
     score = {r.n: dev_score(res) for r in plan.runs
              if r.seed in seeds and (res := load_result(plan, plan.dev, run_target(r.n))) is not None}
-    watched = {n: watch_changes(plan.run_dir(n)) for n in score}
+    watched = {n: watched_changes(RunDir(plan.run_dir(n)).watch) for n in score}
     out = []
     for key in dict.fromkeys(k for changes in watched.values() for k in changes):
         runs = [n for n in score if key in watched[n]]

@@ -40,7 +40,7 @@ import numpy as np
 from analysis import probe_study, stats
 from analysis.command_line import CommandParser
 from analysis.evaluation.result import LOGLIK, ProbeResult, contrast_change
-from analysis.evaluation.watch import position_signals, read_rows
+from analysis.evaluation.watch import watched_changes
 from analysis.report.figures import plot_tracking
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table
@@ -172,7 +172,7 @@ def dev_contrast(out: Path, target: str, step: int) -> float | None:
 def signal_changes(folder_of_run: Path) -> dict[str, float]:
     """A run's end-minus-start change of every watched signal, the training NLL contrast and the generic valley."""
     folder = RunDir(folder_of_run)
-    changes = {s.key: s.change.value for s in position_signals(read_rows(folder.watch))}
+    changes = watched_changes(folder.watch)
     rows = read_metrics(folder.root) if folder.metrics.is_file() else []
     for key in (*GENERIC, TRAIN_SIGNAL):
         values = [r[key] for r in rows if key in r and math.isfinite(r[key])]

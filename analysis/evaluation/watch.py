@@ -559,3 +559,8 @@ def position_signals(rows: Sequence[Mapping[str, Any]]) -> list[Signal]:
             if found is not None:
                 out.append(found)
     return out
+
+
+def watched_changes(journal: Path) -> dict[str, float]:
+    """A run's end-minus-start change of every watched signal, from its watch.jsonl (empty without one)."""
+    return {s.key: s.change.value for s in position_signals(read_rows(journal))}
