@@ -35,7 +35,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -43,7 +43,7 @@ from scipy import stats as scipy_stats
 from analysis import stats
 from analysis.command_line import CommandParser
 from analysis.evaluation.answer_kinds import summarize
-from analysis.evaluation.result import LOGLIK, ProbeResult
+from analysis.evaluation.result import LOGLIK, ProbeResult, pairing_mismatch
 from analysis.evaluation.watch import watched_changes
 from analysis.report.figures import plot_arm_curves
 from analysis.report.position_tables import answer_cells, answer_columns
@@ -255,29 +255,90 @@ def answer_kinds(base: ProbeResult, arms: Mapping[str, Sequence[ProbeResult]]) -
 # ---------------------------------------------------------------------------------------------- choosing
 
 
-def dev_score(result: ProbeResult) -> float:
-    """What a setting is chosen by: the mean accuracy over the gold positions (closed-book left out), the mdqa
-    curve's mean. A lift of the weak positions raises it and a loss at the strong one lowers it."""
+def mean_accuracy_score(result: ProbeResult, base: ProbeResult | None) -> float:
+    """Issue 39's dev score: the mean accuracy over the gold positions (closed-book left out), the mdqa curve's mean.
+    A lift of the weak positions raises it and a loss at the strong one lowers it."""
     return result.mean_of(stats.ACCURACY)
 
 
+def middle_loglik_score(result: ProbeResult, base: ProbeResult | None) -> float:
+    """Issue 65's dev score, its goals as one number: how much more the log p of the gold answer rose at the middle
+    gold position than at the strong end, where a fall of the strong end earns nothing: Δ middle − max(Δ strong, 0),
+    in nats, each Δ the mean change against the starting model over the questions both asked (its strong end by log
+    p). An answer format that moves every position alike scores 0, a lift of the start alone 0, a contrast won by
+    lowering the end no more than the middle's own rise. Log p, not accuracy: 100 dev questions resolve a few tenths
+    of a nat, not a few points of accuracy."""
+    if base is None:
+        raise ProbeStudyError("the middle gold's dev score is against the starting model: its dev evaluation is "
+                              "missing")
+    gold = sorted(p for p in base.labels() if p >= 0)
+    middle, strong = gold[len(gold) // 2], base.strong_end(LOGLIK)
+    mid, end = (float(np.mean(_changes(result, base, at))) for at in (middle, strong))
+    return mid - max(end, 0.0)
+
+
+def _changes(result: ProbeResult, base: ProbeResult, position: int) -> list[float]:
+    """`result`'s log p minus the starting model's at `position`, question by question (those both asked)."""
+    mine, start = result.scores_by_question(position, LOGLIK), base.scores_by_question(position, LOGLIK)
+    shared = sorted(mine.keys() & start.keys())
+    if not shared:
+        raise ProbeStudyError(f"no question asked at gold {position} by both a run and the starting model")
+    return [mine[q] - start[q] for q in shared]
+
+
+@dataclass(frozen=True)
+class DevRule:
+    """How an experiment chooses each arm's setting on the dev evaluation: `score(run's result, starting model's)`,
+    higher is better, and what it is in words (selection.json's `rule`)."""
+
+    score: Callable[[ProbeResult, ProbeResult | None], float]
+    text: str
+
+
+DEV_RULES = {  # an experiment's choice rule (Plan.exp); one not named here chooses as reads_middle does
+    "reads_middle": DevRule(mean_accuracy_score, "the dev mdqa accuracy averaged over the gold positions "
+                                                 "(closed-book left out)"),
+    "lift_middle": DevRule(middle_loglik_score, "the dev mdqa log p (nats) of the gold answer: its change at the "
+                                                "middle gold position less its rise at the strong end (a fall "
+                                                "there counts as 0), against the starting model"),
+}
+
+
+def dev_rule(plan: Plan) -> DevRule:
+    return DEV_RULES.get(plan.exp, DEV_RULES["reads_middle"])
+
+
+def dev_result(plan: Plan, target: str, base: ProbeResult | None) -> ProbeResult | None:
+    """`target`'s dev evaluation, None when it is not written; ProbeStudyError when it was not asked as the
+    starting model's was (`result.pairing_mismatch`): a score against the base needs the same items."""
+    found = load_result(plan, plan.dev, target)
+    if found is not None and base is not None:
+        why = pairing_mismatch(found, base, (target, BASE))
+        if why:
+            raise ProbeStudyError(f"{plan.eval_dir(plan.dev, target)}: not paired with the starting model's "
+                                  f"{plan.dev} evaluation: {why}")
+    return found
+
+
 def choose(plan: Plan, seeds: Sequence[int] | None = None) -> dict[str, Any]:
-    """Each arm's setting with the best mean `dev_score` over its seeds (ties: the first in the plan's order), and
-    the headline arm: the arm whose chosen setting scores best. Reads the dev evaluation only, of the runs of
-    `seeds` (default: every seed). A setting with a run that has no dev evaluation is left out (named under
-    `incomplete`, its arm's choice not `complete`); ProbeStudyError when no arm has a complete setting."""
+    """Each arm's setting with the best mean dev score (the experiment's `dev_rule`) over its seeds (ties: the
+    first in the plan's order), and the headline arm: the arm whose chosen setting scores best. Reads the dev
+    evaluation only, of the runs of `seeds` (default: every seed). A setting with a run that has no dev evaluation
+    is left out (named under `incomplete`, its arm's choice not `complete`); ProbeStudyError when no arm has a
+    complete setting."""
+    rule, base = dev_rule(plan), load_result(plan, plan.dev, BASE)
     arms: dict[str, Any] = {}
     incomplete: dict[str, list[int]] = {}
     for arm in plan.arms:
         scores = {}
         for setting in plan.settings(arm):
             runs = [r for r in plan.runs_of(arm, setting) if seeds is None or r.seed in seeds]
-            results = [load_result(plan, plan.dev, run_target(r.n)) for r in runs]
+            results = [dev_result(plan, run_target(r.n), base) for r in runs]
             missing = [r.n for r, res in zip(runs, results) if res is None]
             if missing:
                 incomplete[f"{arm} {setting}"] = missing
                 continue
-            scores[setting] = float(np.mean([dev_score(r) for r in results]))
+            scores[setting] = float(np.mean([rule.score(r, base) for r in results]))
         if not scores:
             continue
         best = max(scores, key=lambda k: (scores[k], -list(scores).index(k)))
@@ -287,23 +348,22 @@ def choose(plan: Plan, seeds: Sequence[int] | None = None) -> dict[str, Any]:
         raise ProbeStudyError(f"{plan.folder}: no arm has a setting whose every run has its {plan.dev} evaluation "
                               f"(missing: {incomplete})")
     headline = max(arms, key=lambda a: (arms[a]["dev_scores"][arms[a]["setting"]], -plan.arms.index(a)))
-    base = load_result(plan, plan.dev, BASE)
-    return {"rule": "per arm, the setting of the highest mean over seeds of the dev mdqa accuracy averaged over the "
-                    "gold positions (closed-book left out); the headline arm is the arm whose chosen setting scores "
-                    "highest; ties go to the first in the plan",
+    return {"rule": f"per arm, the setting of the highest mean over seeds of {rule.text}; the headline arm is the "
+                    "arm whose chosen setting scores highest; ties go to the first in the plan",
             "seeds": sorted(plan.seeds() if seeds is None else seeds), "evaluation": plan.dev,
-            "base_dev_score": None if base is None else dev_score(base),
+            "base_dev_score": None if base is None else rule.score(base, base),
             "arms": arms, "headline": headline, "incomplete": incomplete}
 
 
 def watch_against_dev(plan: Plan, selection: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The watched signals as a cheap first filter, beside the dev choice: for each signal, Spearman's rho over the
-    runs between its change and the run's dev score (`dev_score`), with the exact permutation p, and for each arm
-    the setting that the signal's mean change over the choice's seeds would have chosen (higher is better: every
-    watched contrast rises when the middle is lifted), against the setting chosen on dev."""
+    runs between its change and the run's dev score (the experiment's `dev_rule`), with the exact permutation p,
+    and for each arm the setting that the signal's mean change over the choice's seeds would have chosen (higher is
+    better: every watched contrast rises when the middle is lifted), against the setting chosen on dev."""
     seeds = set(selection.get("seeds", plan.seeds()))
-    score = {r.n: dev_score(res) for r in plan.runs
-             if r.seed in seeds and (res := load_result(plan, plan.dev, run_target(r.n))) is not None}
+    rule, base = dev_rule(plan), load_result(plan, plan.dev, BASE)
+    score = {r.n: rule.score(res, base) for r in plan.runs
+             if r.seed in seeds and (res := dev_result(plan, run_target(r.n), base)) is not None}
     watched = {n: watched_changes(RunDir(plan.run_dir(n)).watch) for n in score}
     out = []
     for key in dict.fromkeys(k for changes in watched.values() for k in changes):
@@ -467,13 +527,19 @@ class Study:
     numbers: dict[str, Any] = field(default_factory=dict)
 
 
-def _results(plan: Plan, evaluation: str, runs: Sequence[PlannedRun]) -> list[ProbeResult]:
+def _results(plan: Plan, evaluation: str, runs: Sequence[PlannedRun], base: ProbeResult) -> list[ProbeResult]:
+    """The runs' results of `evaluation`, each asked as the starting model's was (`result.pairing_mismatch`):
+    ProbeStudyError naming the run when one is missing or not paired."""
     results = []
     for r in runs:
         result = load_result(plan, evaluation, run_target(r.n))
         if result is None:
             raise ProbeStudyError(f"{plan.eval_dir(evaluation, run_target(r.n))}: no {evaluation} evaluation of run "
                                   f"{r.n} ({r.arm}, {r.setting}, seed {r.seed})")
+        why = pairing_mismatch(result, base, (run_target(r.n), BASE))
+        if why:
+            raise ProbeStudyError(f"{plan.eval_dir(evaluation, run_target(r.n))}: not paired with the starting "
+                                  f"model's {evaluation} evaluation: {why}")
         results.append(result)
     return results
 
@@ -484,7 +550,8 @@ def evaluation_numbers(plan: Plan, evaluation: str, chosen: Mapping[str, str]) -
     base = load_result(plan, evaluation, BASE)
     if base is None:
         return None
-    arms = {arm: _results(plan, evaluation, plan.runs_of(arm, setting)) for arm, setting in chosen.items()}
+    arms = {arm: _results(plan, evaluation, plan.runs_of(arm, setting), base)
+            for arm, setting in chosen.items()}
     probe = plan.evaluations[evaluation]["probe"]
     out: dict[str, Any] = {"probe": probe, "part": plan.evaluations[evaluation].get("part"),
                            "settings": base.settings, "seeds": plan.seeds()}

@@ -245,6 +245,69 @@ def test_a_setting_with_a_run_missing_its_dev_evaluation_is_left_out_by_name(tmp
     assert "**A partial choice:** it did not see these settings" in report and "none lr=2 (runs 1)" in report
 
 
+def save_curve(folder: Path, target: str, accuracy: dict[int, float], loglik: dict[int, float],
+               evaluation: str = "mdqa_dev") -> None:
+    """An mdqa evaluation of `target` whose every question scores `accuracy[p]` and `loglik[p]` at gold position p
+    (closed-book: 0 and -9)."""
+    acc = {q: {p: accuracy.get(p, 0.0) for p in POSITIONS} for q in QUESTIONS}
+    ll = {q: {p: loglik.get(p, -9.0) for p in POSITIONS} for q in QUESTIONS}
+    out = folder / "evals" / evaluation / target / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    result(acc, ll, kinds="gold").save_json(out / "mdqa_step0.json")
+
+
+def lift_experiment(folder: Path, exp: str | None) -> None:
+    """One arm, four settings on dev against a starting model whose strong end is gold 2 (POSITIONS' last):
+    lr=1 lifts the start alone (the best mean accuracy), lr=2 lifts the middle gold (1) by 1.0 nats but lowers the
+    strong end by 0.8, lr=3 lifts the middle by 0.5 and keeps the end, lr=4 lifts every position by 2.0 (a format)."""
+    runs = [{"n": n, "arm": "kd", "setting": f"lr={n + 1}", "seed": 0, "overrides": []} for n in range(4)]
+    plan = {"runs": runs, "evaluations": {"mdqa_dev": {"probe": "mdqa", "part": "dev", "args": []}}, "dev": "mdqa_dev"}
+    (folder / PLAN).write_text(json.dumps(plan | ({} if exp is None else {"exp": exp})))
+    save_curve(folder, BASE, {0: 0.25, 1: 0.0, 2: 0.5}, {0: -4.0, 1: -5.0, 2: -3.0})
+    save_curve(folder, run_target(0), {0: 1.0, 1: 0.0, 2: 0.5}, {0: -2.0, 1: -5.0, 2: -3.0})
+    save_curve(folder, run_target(1), {0: 0.25, 1: 0.25, 2: 0.5}, {0: -4.0, 1: -4.0, 2: -3.8})
+    save_curve(folder, run_target(2), {0: 0.25, 1: 0.25, 2: 0.5}, {0: -4.0, 1: -4.5, 2: -3.0})
+    save_curve(folder, run_target(3), {0: 0.5, 1: 0.25, 2: 0.5}, {0: -2.0, 1: -3.0, 2: -1.0})
+
+
+@pytest.mark.parametrize("exp, chosen, scores", [
+    (None, "lr=1", {"lr=1": 0.5, "lr=2": 1 / 3, "lr=3": 1 / 3, "lr=4": 5 / 12}),
+    ("lift_middle", "lr=2", {"lr=1": 0.0, "lr=2": 1.0, "lr=3": 0.5, "lr=4": 0.0}),
+])
+def test_each_experiment_chooses_by_its_own_dev_rule(tmp_path, exp, chosen, scores):
+    # issue 39's rule (mean accuracy) takes the lift of the start; issue 65's takes the middle's log p rise beyond
+    # the strong end's: a format that lifts every position alike scores 0, a lift of the start alone 0, and the
+    # end's fall earns nothing (lr=2 scores its middle's own +1.0, not the contrast's +1.8)
+    lift_experiment(tmp_path, exp)
+    choice = probe_study.choose(probe_study.read_plan(tmp_path))
+    assert choice["arms"]["kd"]["setting"] == chosen
+    assert choice["arms"]["kd"]["dev_scores"] == pytest.approx(scores)
+    assert probe_study.dev_rule(probe_study.read_plan(tmp_path)).text in choice["rule"]
+
+
+def test_the_middle_rule_needs_the_starting_models_dev_evaluation(tmp_path):
+    lift_experiment(tmp_path, "lift_middle")
+    for f in (tmp_path / "evals" / "mdqa_dev" / BASE / "eval").iterdir():
+        f.unlink()
+    with pytest.raises(ProbeStudyError, match="starting model: its dev evaluation is missing"):
+        probe_study.choose(probe_study.read_plan(tmp_path))
+
+
+@pytest.mark.parametrize("evaluation", ["mdqa_dev", "mdqa_test"])
+def test_a_run_evaluated_unlike_the_starting_model_is_refused_by_name(tmp_path, evaluation):
+    write_experiment(tmp_path, {("kd", "lr=1", 0): 0.5, ("kd", "lr=1", 1): 0.75})
+    for target, n_docs in ((BASE, 10), (run_target(0), 10), (run_target(1), 20)):  # run 1: the same question ids
+        path = tmp_path / "evals" / evaluation / target / "eval" / "mdqa_step0.json"    # among 20 documents
+        found = ProbeResult.load_json(path)
+        found.settings["n_docs"] = n_docs
+        found.save_json(path)
+    plan = probe_study.read_plan(tmp_path)
+    with pytest.raises(ProbeStudyError, match=f"{evaluation}/run-1: not paired with the starting model's "
+                                              f"{evaluation} evaluation: mdqa n_docs: 20 in run-1"):
+        (tmp_path / SELECTION).write_text(json.dumps(probe_study.choose(plan)))
+        probe_study.study_numbers(tmp_path)
+
+
 def test_an_arm_whose_choice_saw_every_setting_goes_on_while_a_partial_one_waits_unless_accepted(
         tmp_path, monkeypatch, capsys):
     sweep = ["debias=none,kd", "trainer.lr=1,2", "seed=0,1"]
