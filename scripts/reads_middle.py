@@ -17,7 +17,8 @@ Phases (`--phase`, default all, in this order):
 - `dev`: `scripts.eval_checkpoint` of every run on mdqa's dev questions (`evals/mdqa_dev/run-<n>/`).
 - `select`: each arm's setting chosen on dev (`analysis.probe_study.choose`) into `selection.json`.
 - `test`: the chosen runs on mdqa's test questions (`evals/mdqa_test/`) and on kv (`evals/kv/`); for
-  `+exp=lift_middle` also on mdqa with 20 documents at gold 0, 9 and 19 (`evals/mdqa20_test/`).
+  `+exp=lift_middle` also on mdqa with 20 documents at gold 0, 9 and 19, 100 test questions
+  (`evals/mdqa20_test/`).
 - `report`: `analysis.probe_study`'s report in `<out>/report/`.
 
 With `--choose-on-seeds 0`, `train` and `dev` run seed 0 of every arm and setting first, `select` chooses on them,
@@ -80,10 +81,12 @@ EVALUATIONS = {
     "mdqa_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=10", "mdqa.questions=test", "examples=200"]),
     "kv": ("kv", None, ["probes=[kv]", "kv.n_pairs=10", "examples=100"]),
 }
-# an experiment's evaluations beyond those: +exp=lift_middle also asks mdqa with 20 documents, its middle gold and ends
+# an experiment's evaluations beyond those: +exp=lift_middle also asks mdqa with 20 documents, its middle gold and
+# ends, on the first 100 test questions: an item there costs twice one of mdqa-10 (~8 s on a 2-core CPU), and the goal
+# is a log p change, which 100 questions resolve to a few tenths of a nat
 EXTRA_EVALUATIONS = {
     "lift_middle": {"mdqa20_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=20", "mdqa.positions=[0,9,19]",
-                                                     "mdqa.questions=test", "examples=200"])},
+                                                     "mdqa.questions=test", "examples=100"])},
 }
 DEV = "mdqa_dev"
 # what --keep copies: paths under <out>, as globs (a run's files once it finished)
