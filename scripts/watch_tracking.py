@@ -9,9 +9,9 @@ lr 2e-4, 8 and 9 `pos2distill_guard` lr 2e-4; seeds 0 and 1) are trained again w
 overrides of the kept grid's plan.json and the experiment's own config (`+exp=reads_middle`). Phases (`--phase`):
 
 - `train`: the six runs (`<out>/runs/<n>`); runs 3 and 4 keep every checkpoint (every 25 steps).
-- `dev`: the dev contrast within runs 3 and 4: `scripts.eval_checkpoint` at each of their checkpoints and of the
-  starting model, the log p of the gold answer at gold 4 and 9 (`answers=false`) on the 100 dev questions of the
-  grid's dev evaluation, which the watch never asks (`<out>/evals/dev/<n>/step-<k>`).
+- `dev`: the dev contrast within runs 3 and 4: `scripts.eval_checkpoint` at each of their checkpoints (each run's
+  right after it trains) and of the starting model, the log p of the gold answer at gold 4 and 9 (`answers=false`)
+  on the 100 dev questions of the grid's dev evaluation, which the watch never asks (`<out>/evals/dev/<n>/step-<k>`).
 - `test`: the test contrast of each retrained run and of the starting model (200 test questions, gold 4 and 9), for
   runs whose training losses do not repeat the kept ones (`--test own` for all; `kept` for none): their kept test
   evaluations then describe other weights.
@@ -114,6 +114,21 @@ def dev_jobs(out: Path, max_steps: int, every: int, data_dir: str, eval_args: Se
             ckpt = RunDir(run_dir(out, n)).checkpoint(step)
             jobs.append(eval_job(out, "dev", str(n), str(ckpt), step, data_dir, (f"train:{n}",), eval_args))
     return jobs
+
+
+def in_order(trains: Sequence[Job], evaluations: Sequence[Job]) -> list[Job]:
+    """The jobs as one process runs them: each training run, then the evaluations that wait for it, the starting
+    model's before the first run that has some. The within-run answer (runs 3 and 4 against their dev contrast) then comes
+    after run 4 trains, not after all six."""
+    free = [j for j in evaluations if not j.after]
+    out: list[Job] = []
+    for train in trains:
+        mine = [j for j in evaluations if train.name in j.after]
+        if mine:
+            out += free
+            free = []
+        out += [train, *mine]
+    return out + free
 
 
 def test_jobs(out: Path, runs: Sequence[int], max_steps: int, data_dir: str, eval_args: Sequence[str]) -> list[Job]:
@@ -324,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for job in jobs if "train" not in phases else ():
             job.done = True  # not trained now: what waits for it runs on what is there
         if "dev" in phases:
-            jobs += dev_jobs(out, max_steps, every, args.data_dir, args.eval_args)
+            jobs = in_order(jobs, dev_jobs(out, max_steps, every, args.data_dir, args.eval_args))
         scheduler.run(jobs)
         if "test" in phases:
             matches = {n: loss_match(out, n) for n in RUNS}

@@ -292,6 +292,16 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
     assert "add points (`--also`): lift_middle/0, lift_middle/1." in report
 
 
+def test_the_within_runs_are_evaluated_on_dev_right_after_they_train(tmp_path):
+    from scripts import watch_tracking as wt
+
+    runs = {n: [f"seed={n}"] for n in wt.RUNS}
+    order = [j.name for j in wt.in_order(wt.train_jobs(tmp_path, runs, []),
+                                         wt.dev_jobs(tmp_path, 50, 25, "data", []))]
+    assert order == ["train:2", "dev:base:0", "train:3", "dev:3:25", "dev:3:50", "train:4", "dev:4:25", "dev:4:50",
+                     "train:5", "train:8", "train:9"]
+
+
 def test_the_smollm2_recipes_watch_mdqa_dev_questions_and_kv(compose_cfg, tmp_path):
     """+exp=in2_smol's watch (mdqa with 10 documents and kv with 10 pairs) on the tiny model and a synthetic NQ file:
     dev questions the training never sees, their gold at slots 0, 4 and 9, logged under watch/mdqa and watch/kv."""
