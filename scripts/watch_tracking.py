@@ -18,9 +18,9 @@ overrides of the kept grid's plan.json and the experiment's own config (`+exp=re
 - `report`: the tracking tables and figures (`--out`, default `<out>/report`): how close the retrained losses are to
   the kept ones; for each watched signal (and the generic valley, for comparison) Spearman's rho between its
   end-minus-start change and the run's test contrast change, with the exact permutation p; within runs 3 and 4, rho
-  between the signal and the dev contrast over the checkpoints. `--also FOLDER` adds the watched runs of other
-  experiments (`scripts.reads_middle` folders, e.g. +exp=lift_middle's) to the across-run test, with their own test
-  evaluations.
+  between the signal and the dev contrast over the checkpoints, beside the rho of the step itself (`CLOCK`).
+  `--also FOLDER` adds the watched runs of other experiments (`scripts.reads_middle` folders, e.g. +exp=lift_middle's)
+  to the across-run test, with their own test evaluations.
 
 The same command run again continues (scripts.jobs: a finished run is kept, an interrupted one resumes, a written
 evaluation is kept); `--keep DIR` mirrors what is small and costly into DIR and fills a fresh folder from it.
@@ -65,6 +65,9 @@ LOSS_MATCH = 1e-3  # the largest step loss difference under which a retrained ru
 # the watched signals tested, and the generic valley beside them (metrics.jsonl's first and last measured values)
 GENERIC = ("valley/vanilla/peak_to_trough_log10", "valley/vanilla/middle_mass")
 TRAIN_SIGNAL = "watch/train/nll_contrast"
+# the training step itself, beside the signals within a run: a dev contrast that rises with training ranks the
+# checkpoints like any signal that trends, so a signal tracks the contrast only where it ranks them better than this
+CLOCK = "the step (no signal)"
 
 
 def grid_runs() -> dict[int, list[str]]:
@@ -251,6 +254,9 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
     for n in WITHIN:
         dev = {s: dev_contrast(out, "base" if s == 0 else str(n), s) for s in steps}
         dev = {s: v for s, v in dev.items() if v is not None}
+        clock = stats.permutation_correlation(list(dev), list(dev.values()))
+        within.append({"run": n, "signal": CLOCK, "steps": list(dev), "values": list(dev), "dev": list(dev.values()),
+                       **clock.as_dict()})
         for key in keys:
             if key in GENERIC:
                 continue
@@ -289,6 +295,9 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
              "Spearman's rho over the runs and its exact permutation p (two-sided).", "",
              *markdown_table(["signal", "runs", "rho", "p", "each run's change"], across_rows), "",
              "## Within runs: the signal over the checkpoints against the dev contrast", "",
+             f"Spearman's rho over the checkpoints, beside *{CLOCK}*: the checkpoints ranked by their step. Where the "
+             "dev contrast rises with training, any signal that trends ranks them as well as the step does; a signal "
+             "tracks the contrast where it does better than the step.", "",
              *markdown_table(["run", "signal", "checkpoints", "rho", "p"], within_rows), "",
              f"![tracking]({figure.name})", ""]
     report = folder / "report.md"

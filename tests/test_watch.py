@@ -264,6 +264,7 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
     within = {(r["run"], r["signal"]): r for r in result.within}
     assert within[(4, "watch/mdqa/loglik_contrast")]["rho"] == pytest.approx(1.0)
     assert within[(4, "watch/mdqa/loglik_contrast")]["steps"] == list(range(0, 151, 25))
+    assert within[(4, wt.CLOCK)]["rho"] == pytest.approx(1.0)  # the dev contrast rises with the step here
     report = wt.write_report(out, tmp_path / "report", result).read_text()
     assert "| `watch/mdqa/loglik_contrast` | 6 | +1.00 | 0.003 |" in report
     assert (tmp_path / "report" / "tracking.png").is_file()
