@@ -308,15 +308,21 @@ def dev_rule(plan: Plan) -> DevRule:
     return DEV_RULES.get(plan.exp, DEV_RULES["reads_middle"])
 
 
+def check_paired(plan: Plan, evaluation: str, target: str, result: ProbeResult, base: ProbeResult) -> None:
+    """ProbeStudyError naming `target` when its result of `evaluation` was not asked as the starting model's was
+    (`result.pairing_mismatch`): a comparison with the base needs the same items."""
+    why = pairing_mismatch(result, base, (target, BASE))
+    if why:
+        raise ProbeStudyError(f"{plan.eval_dir(evaluation, target)}: not paired with the starting model's "
+                              f"{evaluation} evaluation: {why}")
+
+
 def dev_result(plan: Plan, target: str, base: ProbeResult | None) -> ProbeResult | None:
-    """`target`'s dev evaluation, None when it is not written; ProbeStudyError when it was not asked as the
-    starting model's was (`result.pairing_mismatch`): a score against the base needs the same items."""
+    """`target`'s dev evaluation, None when it is not written, checked against the starting model's
+    (`check_paired`) when that is written."""
     found = load_result(plan, plan.dev, target)
     if found is not None and base is not None:
-        why = pairing_mismatch(found, base, (target, BASE))
-        if why:
-            raise ProbeStudyError(f"{plan.eval_dir(plan.dev, target)}: not paired with the starting model's "
-                                  f"{plan.dev} evaluation: {why}")
+        check_paired(plan, plan.dev, target, found, base)
     return found
 
 
@@ -528,18 +534,15 @@ class Study:
 
 
 def _results(plan: Plan, evaluation: str, runs: Sequence[PlannedRun], base: ProbeResult) -> list[ProbeResult]:
-    """The runs' results of `evaluation`, each asked as the starting model's was (`result.pairing_mismatch`):
-    ProbeStudyError naming the run when one is missing or not paired."""
+    """The runs' results of `evaluation`, each asked as the starting model's was (`check_paired`): ProbeStudyError
+    naming the run when one is missing or not paired."""
     results = []
     for r in runs:
         result = load_result(plan, evaluation, run_target(r.n))
         if result is None:
             raise ProbeStudyError(f"{plan.eval_dir(evaluation, run_target(r.n))}: no {evaluation} evaluation of run "
                                   f"{r.n} ({r.arm}, {r.setting}, seed {r.seed})")
-        why = pairing_mismatch(result, base, (run_target(r.n), BASE))
-        if why:
-            raise ProbeStudyError(f"{plan.eval_dir(evaluation, run_target(r.n))}: not paired with the starting "
-                                  f"model's {evaluation} evaluation: {why}")
+        check_paired(plan, evaluation, run_target(r.n), result, base)
         results.append(result)
     return results
 

@@ -121,8 +121,8 @@ def dev_jobs(out: Path, max_steps: int, every: int, data_dir: str, eval_args: Se
 
 def in_order(trains: Sequence[Job], evaluations: Sequence[Job]) -> list[Job]:
     """The jobs as one process runs them: each training run, then the evaluations that wait for it, the starting
-    model's before the first run that has some. The within-run answer (runs 3 and 4 against their dev contrast) then comes
-    after run 4 trains, not after all six."""
+    model's before the first run that has some. The within-run answer (runs 3 and 4 against their dev contrast)
+    then comes after run 4 trains, not after all six."""
     free = [j for j in evaluations if not j.after]
     out: list[Job] = []
     for train in trains:
