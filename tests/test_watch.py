@@ -367,3 +367,142 @@ def test_a_second_run_from_the_same_model_reads_its_first_panel_back(compose_cfg
               if r["step"] == 0 and r["kind"] == "jacobian"] for name in ("a", "b")]
     assert len(first[0]) == 6 and first[0] == first[1]  # the same rows, seconds included: read, not measured
     assert list((Path(os.environ["POSDEBIAS_CACHE"]) / "watch").glob("*.json"))
+
+
+def smol_run(tmp_path, *overrides: str):
+    """+exp=in2_smol's config on the tiny model and a synthetic NQ file (its mdqa watch asks dev questions of it)."""
+    from data_builders.mdqa import write_jsonl_gz
+    from scripts.investigations.synthetic_oracle import oracle_records
+    from tests.test_train import SMOL
+    from train import compose_config
+
+    nq = tmp_path / "nq" / "nq-open-oracle.jsonl.gz"
+    if not nq.is_file():
+        write_jsonl_gz(nq, oracle_records(160, seed=3))
+    return compose_config(["+exp=in2_smol", *SMOL, f"data.path={nq}", *overrides])
+
+
+MORE = ["watch.questions=1", "watch.loglik_questions=3", "watch.every=1", "trainer.max_steps=2"]
+
+
+def test_log_p_is_measured_on_more_questions_than_the_jacobian(tmp_path):
+    """watch.loglik_questions: the first question of each set in the Jacobian's rotation, two more by log p alone at
+    the first and last step; the training is the same as without them."""
+    run(smol_run(tmp_path, *MORE), tmp_path / "more")
+    run(smol_run(tmp_path, *MORE[:1], *MORE[2:]), tmp_path / "fewer")
+    journal = [json.loads(line) for line in (tmp_path / "more" / "watch.jsonl").read_text().splitlines()]
+    assert journal[0]["questions"] == {"mdqa": 1, "kv": 1} and journal[0]["loglik_questions"] == {"mdqa": 3, "kv": 3}
+    kinds = lambda step, kind: [r for r in journal if r["step"] == step and r["kind"] == kind]  # noqa: E731
+    assert len(kinds(0, "jacobian")) == len(kinds(2, "jacobian")) == 6 and len(kinds(1, "jacobian")) == 1
+    assert len(kinds(0, "loglik")) == len(kinds(2, "loglik")) == 12 and not kinds(1, "loglik")
+    assert {r["question"] for r in kinds(2, "jacobian")}.isdisjoint({r["question"] for r in kinds(2, "loglik")})
+    losses = lambda name: {r["step"]: r["train/loss"] for r in rows(tmp_path / name) if "train/loss" in r}  # noqa: E731
+    assert losses("more") == losses("fewer")
+    from analysis.evaluation.watch import position_signals
+
+    contrast = next(s for s in position_signals(journal) if s.key == "watch/mdqa/loglik_contrast")
+    assert contrast.change.n == 3  # the log p contrast's change over all three questions
+
+
+def test_the_watch_of_a_saved_checkpoint_is_what_its_run_logged(tmp_path):
+    """scripts.watch_checkpoint on the final checkpoint gives the rows the run logged at its last step, and with
+    --start those of step 0: the same numbers, so a panel measured later is the run's own."""
+    from scripts.watch_checkpoint import main
+
+    run(smol_run(tmp_path, *MORE), tmp_path / "run")
+    journal = [json.loads(line) for line in (tmp_path / "run" / "watch.jsonl").read_text().splitlines()]
+    ckpt = tmp_path / "run" / "checkpoints" / "step-2"
+    assert main([str(ckpt), "--out", str(tmp_path / "end.jsonl")]) == 0
+    assert main([str(ckpt), "--start", "--out", str(tmp_path / "start.jsonl")]) == 0
+    for name, step in (("end", 2), ("start", 0)):
+        again = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        logged = [r for r in journal if r["step"] == step and r["kind"] != "panel"]
+        assert again[0]["kind"] == "panel" and again[0]["step"] == step
+        assert [(r["kind"], r["set"], r["question"], r["slot"]) for r in again[1:]] == [
+            (r["kind"], r["set"], r["question"], r["slot"]) for r in logged]
+        for a, b in zip(again[1:], logged):
+            assert a["loglik"] == pytest.approx(b["loglik"], abs=1e-6)  # the two ends differ by ~0.07
+            if a["kind"] == "jacobian":
+                assert a["units"] == pytest.approx(b["units"], abs=1e-6)
+
+    # a larger panel than the run's, and a setting the tool does not change, named
+    assert main([str(ckpt), "watch.loglik_questions=4", "watch.every=0", "--out", str(tmp_path / "more.jsonl")]) == 0
+    more = [json.loads(line) for line in (tmp_path / "more.jsonl").read_text().splitlines()]
+    assert more[0]["loglik_questions"] == {"mdqa": 4, "kv": 4} and {r["kind"] for r in more[1:]} == {"loglik"}
+    assert main([str(ckpt), "trainer.lr=1"]) == 2
+
+
+def fake_panel(path, step: int, contrast: float, questions: int = 3) -> None:
+    """A larger-panel file (scripts.watch_checkpoint's rows): each question's log p at gold 4 and 9."""
+    header = {"step": step, "kind": "panel", "sets": ["mdqa"], "slots": [4, 9], "middle": 4, "strong": {"mdqa": 9},
+              "every": 0, "loglik_every": 0, "questions": {"mdqa": 1}, "loglik_questions": {"mdqa": questions}}
+    rows = [{"step": step, "kind": "loglik", "set": "mdqa", "question": f"q{k}", "slot": slot,
+             "loglik": -5.0 + (contrast + 0.1 * k if slot == 4 else 0.0)} for k in range(questions) for slot in (4, 9)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in [header, *rows]))
+
+
+def test_the_larger_panel_is_measured_after_each_run_and_ranked_like_the_watch(tmp_path, monkeypatch):
+    from scripts import watch_tracking as wt
+
+    trains = wt.train_jobs(tmp_path, {n: [] for n in wt.RUNS}, [])
+    order = [j.name for j in wt.in_order(trains, wt.panel_jobs(tmp_path, 50, 25, training=True))]
+    assert order == ["train:2", "panel:start:0", "panel:2:50", "train:3", "panel:3:25", "panel:3:50", "train:4",
+                     "panel:4:25", "panel:4:50", "train:5", "panel:5:50", "train:8", "panel:8:50", "train:9",
+                     "panel:9:50"]
+    assert wt.panel_jobs(tmp_path, 50, 25, training=False) == []  # nothing trained: nothing to measure yet
+    command = wt.panel_jobs(tmp_path, 50, 25, training=True)[0].command
+    assert "--start" in command and "watch.loglik_questions=81" in command
+
+    grid, out = tmp_path / "grid", tmp_path / "out"
+    questions = [f"q{k}" for k in range(5)]
+    fake_eval(grid / "evals" / "mdqa_test" / "base" / "eval" / "mdqa_step0.json", {q: (-3.0, -1.0) for q in questions})
+    fake_panel(wt.panel_file(out, "start", 0), 0, -2.0)
+    for rank, n in enumerate(wt.RUNS):
+        fake_eval(grid / "evals" / "mdqa_test" / f"run-{n}" / "eval" / "mdqa_step150.json",
+                  {q: (-3.0 + 0.1 * rank, -1.0) for q in questions})
+        fake_panel(wt.panel_file(out, str(n), 150), 150, -2.0 + 0.3 * rank)
+    for rank, n in enumerate(wt.RUNS):
+        if n not in wt.WITHIN:
+            continue
+        # the panel and the dev contrast rise but dip at step 75, together; step 150 as above
+        for step, value in zip(range(25, 151, 25), (-1.9, -1.8, -2.5, -1.75, -1.72, -2.0 + 0.3 * rank)):
+            if step < 150:
+                fake_panel(wt.panel_file(out, str(n), step), step, value)
+            fake_eval(wt.eval_file(wt.eval_dir(out, "dev", str(n), step), step),
+                      {q: (value - 1.0, -1.0) for q in questions})
+    fake_eval(wt.eval_file(wt.eval_dir(out, "dev", "base", 0), 0), {q: (-3.0, -1.0) for q in questions})
+    (grid / "runs").mkdir()
+    monkeypatch.setattr(wt, "GRID", grid)
+    result = wt.tracking(out, "kept", 150, 25)
+    key = wt.PANEL_SIGNAL + "watch/mdqa/loglik_contrast"
+    across = {r["signal"]: r for r in result.across}[key]
+    assert across["rho"] == pytest.approx(1.0) and across["changes"] == pytest.approx([0.3 * k for k in range(6)])
+    within = {(r["run"], r["signal"]): r for r in result.within}
+    assert within[(3, key)]["rho"] == pytest.approx(1.0) and within[(3, key)]["steps"] == list(range(0, 151, 25))
+    assert within[(3, wt.CLOCK)]["rho"] < 1.0  # step 75 dips: the panel follows the dev contrast, not the clock
+
+
+def test_the_report_says_what_a_measurement_on_other_questions_can_reach(tmp_path, monkeypatch):
+    """The kept grid's dev evaluation against its test evaluation, and the test against itself by random halves: here
+    every question orders the runs alike, so both rank them perfectly; one noisy question set breaks the halves."""
+    from scripts import watch_tracking as wt
+
+    monkeypatch.setattr(wt, "GRID", tmp_path)
+    assert wt.reach() is None  # no kept evaluations: nothing to say
+    questions = [f"q{k}" for k in range(8)]
+    for part in ("mdqa_dev", "mdqa_test"):
+        fake_eval(tmp_path / "evals" / part / "base" / "eval" / "mdqa_step0.json", {q: (-3.0, -1.0) for q in questions})
+        for rank, n in enumerate(wt.RUNS):
+            fake_eval(tmp_path / "evals" / part / f"run-{n}" / "eval" / "mdqa_step150.json",
+                      {q: (-3.0 + 0.1 * rank * (2 if part == "mdqa_dev" else 1), -1.0) for q in questions})
+    found = wt.reach(splits=50)
+    assert found["dev_rho"] == pytest.approx(1.0) and found["dev_p_value"] == pytest.approx(2 / 720)
+    assert found["test"] == pytest.approx([0.1 * k for k in range(6)]) and found["split_half_median"] == pytest.approx(1)
+    rng = np.random.default_rng(0)
+    for n in wt.RUNS:  # test changes that are noise around one value: the halves disagree
+        fake_eval(tmp_path / "evals" / "mdqa_test" / f"run-{n}" / "eval" / "mdqa_step150.json",
+                  {q: (-3.0 + float(rng.normal()), -1.0) for q in questions})
+    noisy = wt.reach(splits=200)
+    assert noisy["split_half_at_least_0.8"] < 0.5
+    assert "two random halves of its 8 questions" in "\n".join(wt.reach_lines(noisy))

@@ -77,6 +77,10 @@ class WatchConfig:
     seed: int = 0  # the probes' generator: the same probe for a prompt at every step and in every run
     loglik_every: int = 0  # the whole panel's log p every N steps; 0 = at the first and last step only
     loglik: bool = True  # false: no log p at all
+    # questions of each set whose answer log p is measured: the Jacobian's `questions`, then more, whose log p alone
+    # is measured (0: the Jacobian's alone). A log p contrast over ~80 questions ranks runs that 12 cannot
+    # (docs/WATCH.md); it costs one forward a prompt at the first step (cached), the last, and every loglik_every
+    loglik_questions: int = 0
     # folder of nq-open-oracle.jsonl.gz for mdqa; None: the training data's own NQ file (data.source=nq)
     data_dir: Optional[str] = None
     n_docs: int = 10  # mdqa documents per prompt
@@ -99,6 +103,9 @@ def validate_watch(cfg: WatchConfig) -> None:
     for key in ("every", "loglik_every", "skip_examples"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"watch.{key}={getattr(cfg, key)} must be >= 0")
+    if cfg.loglik_questions and (cfg.loglik_questions < cfg.questions or not cfg.loglik):
+        raise ValueError(f"watch.loglik_questions={cfg.loglik_questions} measures the log p of the Jacobian's "
+                         f"watch.questions={cfg.questions} and more: give 0 or >= {cfg.questions}, with watch.loglik=true")
     if len(set(cfg.slots)) < 2 or min(cfg.slots) < 0:
         raise ValueError(f"watch.slots={cfg.slots}: give two or more distinct slots >= 0")
     for s in cfg.sets:
@@ -155,38 +162,45 @@ def _unasked(items: list[ProbeItem], asked: set[str], questions: int, slots: Seq
         if it.query not in asked and it.query not in keep:
             keep.append(str(it.query))
     if len(keep) < questions:
-        raise ValueError(f"watch.questions={questions}: only {len(keep)} questions are left once the evaluation's "
-                         "sample is left out (watch.skip_examples)")
+        raise ValueError(f"watch.questions / watch.loglik_questions: {questions} asked, only {len(keep)} questions are "
+                         "left once the evaluation's sample is left out (watch.skip_examples)")
     chosen = set(keep[:questions])
     return [it for it in items if it.query in chosen and it.position in slots]
 
 
 def mdqa_items(cfg: WatchConfig, path: Path, split: QuestionSplit, tokenizer: PreTrainedTokenizerBase,
-               chat_template: bool) -> list[WatchItem]:
-    """Dev questions of `split` in the NQ file `path` that the dev evaluation's sample does not ask, each with its
-    gold at every slot (distractors retrieved from the file's own passages, as the evaluation's)."""
+               chat_template: bool, questions: Optional[int] = None) -> list[WatchItem]:
+    """The first `questions` (default watch.questions) dev questions of `split` in the NQ file `path` that the dev
+    evaluation's sample does not ask, each with its gold at every slot (distractors retrieved from the file's own
+    passages, as the evaluation's)."""
     dev = dict(heldout=split, part=EvaluationPart.dev, closed_book=False, n_docs=cfg.n_docs)
     asked = {str(it.query) for it in mdqa_probe(path, positions=[0], n_examples=cfg.skip_examples, seed=0, **dev)
              } if cfg.skip_examples else set()
     items = mdqa_probe(path, positions=sorted(set(cfg.slots)), **dev)
-    return _text_items(_unasked(items, asked, cfg.questions, cfg.slots), WatchSet.mdqa, tokenizer, chat_template)
+    return _text_items(_unasked(items, asked, questions or cfg.questions, cfg.slots), WatchSet.mdqa, tokenizer,
+                       chat_template)
 
 
-def kv_items(cfg: WatchConfig, tokenizer: PreTrainedTokenizerBase, chat_template: bool) -> list[WatchItem]:
-    """Synthetic kv records: UUID pairs as Liu et al.'s files hold them, drawn with a seed no evaluation uses."""
-    items = kv_probe(None, cfg.n_pairs, sorted(set(cfg.slots)), n_examples=cfg.questions, seed=cfg.seed + 1)
+def kv_items(cfg: WatchConfig, tokenizer: PreTrainedTokenizerBase, chat_template: bool,
+             questions: Optional[int] = None) -> list[WatchItem]:
+    """The first `questions` (default watch.questions) synthetic kv records: UUID pairs as Liu et al.'s files hold
+    them, drawn one after another with a seed no evaluation uses (the first records do not depend on how many)."""
+    items = kv_probe(None, cfg.n_pairs, sorted(set(cfg.slots)), n_examples=questions or cfg.questions,
+                     seed=cfg.seed + 1)
     return _text_items(items, WatchSet.kv, tokenizer, chat_template)
 
 
 def in2_items(records: Sequence[Mapping[str, Any]], context_start: int, cfg: WatchConfig,
-              units: int = 10) -> list[WatchItem]:
+              units: int = 10, questions: Optional[int] = None) -> list[WatchItem]:
     """The last held-out IN2 records with one gold segment, the gold cut out of the context and put back at depth
     slot / (units − 1) of the rest: the same distractor tokens around it. The units are the context's tenths.
     `context_start`: where every record's context begins (the prompt format's prefix length). The held-out split
-    is the one pool a run never trains on, so these may be records its own IN2 curve scores too."""
+    is the one pool a run never trains on, so these may be records its own IN2 curve scores too. `questions`:
+    how many (default watch.questions)."""
+    questions = questions or cfg.questions
     out: list[WatchItem] = []
     for rec in reversed(records):
-        if len(rec["gold_spans"]) != 1 or len(out) == cfg.questions * len(cfg.slots):
+        if len(rec["gold_spans"]) != 1 or len(out) == questions * len(cfg.slots):
             continue
         ids, (s, e) = [int(t) for t in rec["input_ids"][: rec["prompt_len"]]], rec["gold_spans"][0]
         end = context_start + int(rec["context_tokens"])
@@ -202,8 +216,8 @@ def in2_items(records: Sequence[Mapping[str, Any]], context_start: int, cfg: Wat
             edges = [context_start + round(k * len(context) / units) for k in range(units + 1)]
             tenths = tuple((a, b) for a, b in zip(edges[:-1], edges[1:]))
             out.append(WatchItem(WatchSet.in2, str(rec["id"]), slot, tuple(prompt), tenths, g, (tuple(target),)))
-    if len(out) < cfg.questions * len(cfg.slots):
-        raise ValueError(f"watch.questions={cfg.questions}: the held-out IN2 split has only "
+    if len(out) < questions * len(cfg.slots):
+        raise ValueError(f"watch.questions / watch.loglik_questions: {questions} asked, the held-out IN2 split has only "
                          f"{len(out) // len(cfg.slots)} records with one gold segment left for the watch")
     return out
 
@@ -212,18 +226,24 @@ def build_panel(cfg: WatchConfig, layers: int, tokenizer: PreTrainedTokenizerBas
                 split: QuestionSplit, nq_path: Optional[Path] = None, in2_records: Sequence[Mapping[str, Any]] = (),
                 in2_context_start: int = 0) -> WatchPanel:
     """The panel of `cfg.sets`: mdqa dev questions of `split` in `nq_path`, kv records, and (in2) the held-out
-    `in2_records` whose contexts begin at `in2_context_start`."""
+    `in2_records` whose contexts begin at `in2_context_start`; each set's first watch.questions in the Jacobian's
+    rotation, the rest up to watch.loglik_questions measured by log p alone."""
+    n = max(cfg.questions, cfg.loglik_questions)
     per_set: list[list[WatchItem]] = []
+    extra: list[WatchItem] = []
     for name in map(WatchSet, cfg.sets):
         if name == WatchSet.in2:
-            per_set.append(in2_items(in2_records, in2_context_start, cfg))
+            found = in2_items(in2_records, in2_context_start, cfg, questions=n)
         elif name == WatchSet.mdqa:
-            per_set.append(mdqa_items(cfg, Path(str(nq_path)), split, tokenizer, chat_template))
+            found = mdqa_items(cfg, Path(str(nq_path)), split, tokenizer, chat_template, questions=n)
         else:
-            per_set.append(kv_items(cfg, tokenizer, chat_template))
+            found = kv_items(cfg, tokenizer, chat_template, questions=n)
+        jacobian = set(list(dict.fromkeys(it.question for it in found))[:cfg.questions])
+        per_set.append([it for it in found if it.question in jacobian])
+        extra += [it for it in found if it.question not in jacobian]
     # the rotation's order: the sets take turns, so that each is refreshed at the same rate during a run
     items = [it for turn in itertools.zip_longest(*per_set) for it in turn if it is not None]
-    return WatchPanel(cfg, items, layers)
+    return WatchPanel(cfg, items, layers, extra)
 
 
 # ---------------------------------------------------------------------------------------------- one measurement
@@ -296,8 +316,9 @@ class WatchPanel:
     """The panel's prompts and their latest measurements; `metrics` pools them (module docstring)."""
 
     cfg: WatchConfig
-    items: list[WatchItem]
+    items: list[WatchItem]  # the Jacobian's, in the rotation's order (their log p from the same forward)
     layers: int
+    extra: list[WatchItem] = field(default_factory=list)  # watch.loglik_questions beyond the Jacobian's: log p alone
     latest: dict[str, dict[str, Any]] = field(default_factory=dict)  # item key -> its latest Jacobian measurement
     logliks: dict[str, float] = field(default_factory=dict)  # item key -> its latest log p
     cursor: int = 0  # the next item the rotation measures
@@ -321,58 +342,70 @@ class WatchPanel:
             item = self.items[i]
             started = time.perf_counter()
             mass, loglik = measure_item(model, item, i, self.cfg, self.layers)
-            row = {"step": step, "kind": "jacobian", "set": item.set, "question": item.question, "slot": item.slot,
-                   "units": mass.units, "gold": mass.gold, "prior_units": mass.prior_units, "alpha": mass.alpha,
-                   "loglik": loglik, "seconds": time.perf_counter() - started}
-            self.latest[item.key] = row
-            if self.cfg.loglik:
-                self.logliks[item.key] = loglik
-            rows.append(row)
+            rows.append(self._remember({
+                "step": step, "kind": "jacobian", "set": item.set, "question": item.question, "slot": item.slot,
+                "units": mass.units, "gold": mass.gold, "prior_units": mass.prior_units, "alpha": mass.alpha,
+                "loglik": loglik, "seconds": time.perf_counter() - started}))
         if len(indices) == 1:
             self.cursor = (indices[0] + 1) % len(self.items)
         return rows
 
+    def _remember(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Keep a row as its prompt's latest measurement."""
+        key = f"{row['set']}/{row['question']}/{row['slot']}"
+        if row["kind"] == "jacobian":
+            self.latest[key] = row
+        if self.cfg.loglik:
+            self.logliks[key] = row["loglik"]
+        return row
+
     def measure_first(self, model: torch.nn.Module, step: int, cache_dir: Optional[Path]) -> list[dict[str, Any]]:
-        """Every item, as `measure` does, read back from `cache_dir` when the same function measured the same panel
-        before: the runs of an experiment start from one model (LoRA's B is zero), so their first panels are one.
-        The key hashes the function and how it is computed (`reuse.computation_key`: call it under the autocast the
-        measurement uses), every item and the probes' settings. None: measure."""
+        """What is due at the first step (`jacobian_due`, `loglik_due`), read back from `cache_dir` when the same
+        function measured the same panel before: the runs of an experiment start from one model (LoRA's B is zero),
+        so their first panels are one. The key hashes the function and how it is computed
+        (`reuse.computation_key`: call it under the autocast the measurement uses), every item and the probes'
+        settings. None: measure."""
+        jacobian, logliks = self.jacobian_due(step, True, False), self.loglik_due(step, True, False)
         path = None
         if cache_dir is not None:
             what = {"function": computation_key(model), "probes": [self.cfg.num_probes, self.cfg.seed, self.cfg.loglik],
-                    "items": [[it.key, it.ids, it.units, it.gold, it.targets] for it in self.items]}
+                    "items": [[it.key, it.ids, it.units, it.gold, it.targets] for it in map(self.items.__getitem__,
+                                                                                            jacobian)],
+                    "logliks": [[it.key, it.ids, it.targets] for it in logliks]}
             path = cache_dir / WATCH_CACHE / f"{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]}.json"
             if path.is_file():
-                rows = [{**row, "step": step} for row in json.loads(path.read_text(encoding="utf-8"))]
-                for row, item in zip(rows, self.items):
-                    self.latest[item.key] = row
-                    if self.cfg.loglik:
-                        self.logliks[item.key] = row["loglik"]
-                return rows
-        rows = self.measure(model, step, range(len(self.items)))
+                return [self._remember({**row, "step": step}) for row in json.loads(path.read_text(encoding="utf-8"))]
+        rows = self.measure(model, step, jacobian) + self.measure_logliks(model, step, logliks)
         if path is not None:
             atomic_write_text(path, json.dumps(rows))
         return rows
 
-    def loglik_due(self, step: int, first: bool, last: bool) -> bool:
-        """Whether the whole panel's log p is measured alone at `step`: every loglik_every steps, and at the first
-        and last step when no Jacobian measures it there."""
-        if not self.cfg.loglik:
-            return False
-        ends = (first or last) and self.cfg.every <= 0
-        return ends or (self.cfg.loglik_every > 0 and step % self.cfg.loglik_every == 0 and not (first or last))
+    def measure_due(self, model: torch.nn.Module, step: int, first: bool = False, last: bool = False,
+                    cache_dir: Optional[Path] = None) -> list[dict[str, Any]]:
+        """Everything due at `step` (the Jacobians of `jacobian_due`, the log p of `loglik_due`; the first step's
+        through the cache, `measure_first`); their rows."""
+        if first:
+            return self.measure_first(model, step, cache_dir)
+        return (self.measure(model, step, self.jacobian_due(step, first, last))
+                + self.measure_logliks(model, step, self.loglik_due(step, first, last)))
 
-    def measure_logliks(self, model: torch.nn.Module, step: int) -> list[dict[str, Any]]:
-        """The whole panel's log p, forward passes only; its rows."""
+    def loglik_due(self, step: int, first: bool, last: bool) -> list[WatchItem]:
+        """The items whose log p is measured alone at `step`: every one every loglik_every steps; at the first and
+        last step, those no Jacobian measures there (the extra questions, or all when watch.every=0)."""
+        if not self.cfg.loglik:
+            return []
+        if first or last:
+            return self.extra if self.cfg.every > 0 else self.items + self.extra
+        return self.items + self.extra if self.cfg.loglik_every > 0 and step % self.cfg.loglik_every == 0 else []
+
+    def measure_logliks(self, model: torch.nn.Module, step: int, items: Sequence[WatchItem]) -> list[dict[str, Any]]:
+        """The log p of `items`, forward passes only; their rows."""
         started = time.perf_counter()
-        values = measure_logliks(model, self.items)
-        seconds = (time.perf_counter() - started) / max(1, len(self.items))
-        rows = []
-        for item, value in zip(self.items, values):
-            self.logliks[item.key] = value
-            rows.append({"step": step, "kind": "loglik", "set": item.set, "question": item.question,
-                         "slot": item.slot, "loglik": value, "seconds": seconds})
-        return rows
+        values = measure_logliks(model, items)
+        seconds = (time.perf_counter() - started) / max(1, len(items))
+        return [self._remember({"step": step, "kind": "loglik", "set": item.set, "question": item.question,
+                                "slot": item.slot, "loglik": value, "seconds": seconds})
+                for item, value in zip(items, values)]
 
     # -- the signals
 
@@ -407,7 +440,7 @@ class WatchPanel:
         out: dict[str, float] = {}
         for s in self.sets():
             by_q: dict[str, dict[int, float]] = {}
-            for it in self.items:
+            for it in self.items + self.extra:
                 if it.set == s and it.key in self.logliks:
                     by_q.setdefault(it.question, {})[it.slot] = self.logliks[it.key]
             if not by_q:
@@ -468,11 +501,14 @@ def truncate_rows(path: Path, before_step: int) -> None:
 # ---------------------------------------------------------------------------------------------- a run's change
 
 
-def panel_header(cfg: WatchConfig, items: Sequence[WatchItem], step: int) -> dict[str, Any]:
+def panel_header(panel: WatchPanel, step: int) -> dict[str, Any]:
     """watch.jsonl's first row: what the panel is, for whoever reads the rows back."""
-    return {"step": step, "kind": "panel", "sets": list(dict.fromkeys(it.set for it in items)), "slots": cfg.slots,
-            "middle": cfg.middle, "strong": dict(cfg.strong), "every": cfg.every, "loglik_every": cfg.loglik_every,
-            "questions": {s: len({it.question for it in items if it.set == s}) for s in {it.set for it in items}}}
+    cfg, items, everything = panel.cfg, panel.items, panel.items + panel.extra
+    count = lambda among, s: len({it.question for it in among if it.set == s})  # noqa: E731
+    sets = list(dict.fromkeys(it.set for it in everything))
+    return {"step": step, "kind": "panel", "sets": sets, "slots": cfg.slots, "middle": cfg.middle,
+            "strong": dict(cfg.strong), "every": cfg.every, "loglik_every": cfg.loglik_every,
+            "questions": {s: count(items, s) for s in sets}, "loglik_questions": {s: count(everything, s) for s in sets}}
 
 
 @dataclass
