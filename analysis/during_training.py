@@ -291,7 +291,7 @@ class TaskWatch:
         if not rows:
             return {}
         metrics = panel.jacobian_metrics() if any(r["kind"] == "jacobian" for r in rows) else {}
-        metrics |= panel.loglik_metrics() if any(np.isfinite(r.get("loglik", np.nan)) for r in rows) else {}
+        metrics |= panel.loglik_metrics() if panel.logliks_complete(rows) else {}
         metrics |= panel.noise(metrics)
         metrics[f"{WATCH_PREFIX}/wall_s"] = time.perf_counter() - started
         if self.is_main:

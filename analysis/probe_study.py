@@ -558,8 +558,9 @@ def evaluation_numbers(plan: Plan, evaluation: str, chosen: Mapping[str, str]) -
     probe = plan.evaluations[evaluation]["probe"]
     out: dict[str, Any] = {"probe": probe, "part": plan.evaluations[evaluation].get("part"),
                            "settings": base.settings, "seeds": plan.seeds()}
+    measured = [base, *(r for rs in arms.values() for r in rs)]
     for score in SCORES:
-        if not (all(r.has_loglik for rs in arms.values() for r in rs) and base.has_loglik) and score is LOGLIK:
+        if not all(score in r.scores for r in measured):  # answers=false: the log p alone
             continue
         table = score_table(base, arms, score, f"{plan.folder / 'evals' / evaluation}:")
         strong = base.strong_end(LOGLIK if base.has_loglik else stats.ACCURACY)

@@ -81,11 +81,15 @@ EVALUATIONS = {
     "mdqa_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=10", "mdqa.questions=test", "examples=200"]),
     "kv": ("kv", None, ["probes=[kv]", "kv.n_pairs=10", "examples=100"]),
 }
-# an experiment's evaluations beyond those: +exp=lift_middle also asks mdqa with 20 documents, its middle gold and
-# ends, on the first 100 test questions: an item there costs twice one of mdqa-10 (~8 s on a 2-core CPU), and the goal
-# is a log p change, which 100 questions resolve to a few tenths of a nat
+# an experiment's evaluations beyond those, or in their place: +exp=lift_middle also asks mdqa with 20 documents, its
+# middle gold and ends, on the first 100 test questions: an item there costs twice one of mdqa-10 (~8 s on a 2-core
+# CPU), and the goal is a log p change, which 100 questions resolve to a few tenths of a nat. Its dev rule reads the
+# log p at gold 4 and 9 alone (analysis.probe_study.DEV_RULES), so its dev evaluation asks the log p at gold 0, 4 and
+# 9 without answers: one forward an item, ~10 min a run against ~26 with answers and closed-book
 EXTRA_EVALUATIONS = {
-    "lift_middle": {"mdqa20_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=20", "mdqa.positions=[0,9,19]",
+    "lift_middle": {"mdqa_dev": ("mdqa", "dev", [*EVALUATIONS["mdqa_dev"][2], "mdqa.positions=[0,4,9]",
+                                                 "mdqa.closed_book=false", "answers=false"]),
+                    "mdqa20_test": ("mdqa", "test", ["probes=[mdqa]", "mdqa.n_docs=20", "mdqa.positions=[0,9,19]",
                                                      "mdqa.questions=test", "examples=100"])},
 }
 DEV = "mdqa_dev"

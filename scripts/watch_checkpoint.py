@@ -16,6 +16,7 @@ training data rebuilt: give `watch.sets=[mdqa]` or `[kv]` instead.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -33,9 +34,11 @@ from analysis.evaluation.watch import WatchSet, build_panel, panel_header
 from data_builders.build import built_with
 from data_builders.config import DataSource
 from data_builders.files import atomic_write_text
+from models.build import DType, differs_from_pretrained
 from models.training.checkpoint import base_weights, list_checkpoints, load_checkpoint_model
 from models.training.engines import Precision
 from models.training.resume_guard import trained_with
+from models.training.run_dir import run_dir_of
 from models.training.state import TrainerState
 from models.wheel_models import local_pretrained
 
@@ -67,7 +70,8 @@ def run_config(ckpt: Path, overrides: Sequence[str]) -> Any:
     except (ValueError, FileNotFoundError) as err:
         raise WatchCheckpointError(str(err)) from err
     if not cfg.watch.on:
-        raise WatchCheckpointError("the watch is off in this run config: turn it on (watch.enabled=true)")
+        raise WatchCheckpointError("nothing to measure: the watch is off (watch.enabled=false), or measures neither "
+                                   "Jacobians nor log p (watch.every=0 watch.loglik=false)")
     if WatchSet.in2 in cfg.watch.sets:
         raise WatchCheckpointError("watch.sets has in2, whose prompts are the run's held-out IN2 records: rebuilding "
                                    "its training data is not done here; give watch.sets=[mdqa] or [kv]")
@@ -75,8 +79,14 @@ def run_config(ckpt: Path, overrides: Sequence[str]) -> Any:
 
 
 def checkpoint_step(ckpt: Path) -> int:
-    state = ckpt / "trainer_state.json"
-    return int(TrainerState.read(ckpt).step) if state.is_file() else 0
+    """The training step of the checkpoint: its trainer_state.json, else its folder's name (step-N)."""
+    if (ckpt / "trainer_state.json").is_file():
+        return int(TrainerState.read(ckpt).step)
+    name = ckpt.resolve().name
+    if name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    raise WatchCheckpointError(f"{ckpt}: no trainer_state.json and not a step-N folder: which training step it holds "
+                               "is unknown")
 
 
 def load_run_model(cfg: Any, ckpt: Path, start: bool, device: str) -> torch.nn.Module:
@@ -84,21 +94,35 @@ def load_run_model(cfg: Any, ckpt: Path, start: bool, device: str) -> torch.nn.M
     attention (`start`: the base alone, the function of a LoRA run at step 0)."""
     weights = base_weights(ckpt)
     if start and not weights.adapters:
-        if not cfg.model.pretrained:
-            raise WatchCheckpointError(f"--start: {ckpt} holds whole weights of a randomly initialised run, whose "
-                                       "starting weights were not kept; measure one of its checkpoints instead")
+        if differs_from_pretrained(cfg.model):
+            raise WatchCheckpointError(f"--start: {ckpt} holds whole weights of a run that did not start from "
+                                       "model.pretrained as it is (a random init, diff layers swapped in, or RoPE "
+                                       "turned off), whose starting weights were not kept: measure a checkpoint")
         source = local_pretrained(cfg.model.pretrained)
     else:
         source = weights.path if start else ckpt
-    model = load_checkpoint_model(source, dtype=cfg.model.dtype, merge_lora=False,
+    # LoRA: the base in the run's model.dtype, the adapters in fp32 as peft makes them; whole weights as saved (the
+    # torch engine trains and saves them in fp32)
+    dtype = cfg.model.dtype if weights.adapters else DType.auto
+    model = load_checkpoint_model(source, dtype=dtype, merge_lora=False,
                                   attn_implementation=str(cfg.model.attn_implementation))
     return model.to(device)
+
+
+def default_out(ckpt: Path, step: int, start: bool, overrides: Sequence[str]) -> Path:
+    """`<run>/watch_checkpoints/step-<N>.jsonl` (`start.jsonl`), with a digest of the overrides when there are some:
+    two panels of one checkpoint never overwrite each other."""
+    run_dir = run_dir_of(ckpt.resolve()) or ckpt.resolve().parent
+    name = "start" if start else f"step-{step}"
+    if overrides:
+        name += "-" + hashlib.sha256(json.dumps(sorted(overrides)).encode()).hexdigest()[:8]
+    return run_dir / "watch_checkpoints" / f"{name}.jsonl"
 
 
 def watch_checkpoint(ckpt: str | Path, overrides: Sequence[str] = (), start: bool = False,
                      out: Optional[str | Path] = None, device: str = "cpu") -> Path:
     """Measure the watch's last-step panel on `ckpt` (module docstring); the rows go to `out` (default
-    `<run>/watch_checkpoints/step-<N>.jsonl`, `start-<N>` with `start`). Returns that path."""
+    `default_out`). Returns that path."""
     ckpt = Path(ckpt)
     if ckpt.is_dir() and not (ckpt / "checkpoint_config.json").is_file() and list_checkpoints(ckpt):
         ckpt = list_checkpoints(ckpt)[-1]  # a run directory: its newest checkpoint
@@ -106,14 +130,17 @@ def watch_checkpoint(ckpt: str | Path, overrides: Sequence[str] = (), start: boo
         raise WatchCheckpointError(f"{ckpt}: no such checkpoint folder")
     cfg = run_config(ckpt, overrides)
     step = 0 if start else checkpoint_step(ckpt)
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = load_run_model(cfg, ckpt, start, device)
-    built = built_with(cfg.data)
-    split = built.nq_split if built.source == DataSource.nq else cfg.eval.mdqa.split
-    layers = int(model.config.num_hidden_layers)
-    panel = build_panel(cfg.watch, layers, tokenizer, cfg.eval.chat_template, split, watch_nq_file(cfg.watch, cfg.data))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ckpt)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = load_run_model(cfg, ckpt, start, device)
+        built = built_with(cfg.data)
+        split = built.nq_split if built.source == DataSource.nq else cfg.eval.mdqa.split
+        panel = build_panel(cfg.watch, int(model.config.num_hidden_layers), tokenizer, cfg.eval.chat_template, split,
+                            watch_nq_file(cfg.watch, cfg.data))
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise WatchCheckpointError(f"{ckpt}: {err}") from err
     started = time.perf_counter()
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == Precision.bf16):
         rows = panel.measure_due(model, step, last=True)
@@ -122,8 +149,7 @@ def watch_checkpoint(ckpt: str | Path, overrides: Sequence[str] = (), start: boo
     metrics = panel.loglik_metrics() | panel.jacobian_metrics()
     for key in sorted(k for k in metrics if k.endswith(("_contrast", "doc_share"))):
         print(f"  {key} {metrics[key]:+.3f}", file=sys.stderr)
-    run_dir = ckpt.parent.parent
-    out = Path(out) if out else run_dir / "watch_checkpoints" / f"{'start' if start else 'step'}-{step}.jsonl"
+    out = Path(out) if out else default_out(ckpt, step, start, overrides)
     out.parent.mkdir(parents=True, exist_ok=True)
     header = {**panel_header(panel, step), "checkpoint": str(ckpt.resolve()), "start": start,
               "overrides": list(overrides)}

@@ -284,6 +284,10 @@ def panel_changes(out: Path, n: int, max_steps: int) -> dict[str, float]:
     start, end = panel_rows(out, "start", 0), panel_rows(out, str(n), max_steps)
     if not (start and end):
         return {}
+    asked = [{(r["question"], r["slot"]) for r in rows if r.get("kind") == "loglik"} for rows in (start, end)]
+    if asked[0] != asked[1]:
+        raise ValueError(f"{panel_file(out, str(n), max_steps)} asks other prompts than "
+                         f"{panel_file(out, 'start', 0)}: measure both with the same panel (PANEL)")
     return {PANEL_SIGNAL + s.key: s.change.value for s in position_signals(start + end[1:])}
 
 
@@ -367,9 +371,11 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
         for key in keys:
             if key in GENERIC:
                 continue
-            logged = ({s: v[key] for s, v in panel.items() if key in v} if key.startswith(PANEL_SIGNAL)
-                      else series(out, n, key))
-            pairs = [(s, at_or_before(logged, s), dev[s]) for s in dev if at_or_before(logged, s) is not None]
+            if key.startswith(PANEL_SIGNAL):  # measured on each checkpoint: its own step, never an earlier one
+                pairs = [(s, panel[s][key], dev[s]) for s in dev if key in panel[s]]
+            else:
+                logged = series(out, n, key)
+                pairs = [(s, at_or_before(logged, s), dev[s]) for s in dev if at_or_before(logged, s) is not None]
             corr = stats.permutation_correlation([p[1] for p in pairs], [p[2] for p in pairs])
             within.append({"run": n, "signal": key, "steps": [p[0] for p in pairs],
                            "values": [p[1] for p in pairs], "dev": [p[2] for p in pairs], **corr.as_dict()})

@@ -657,3 +657,24 @@ def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_pa
     fresh = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert fresh.returncode == 0 and "start:" not in fresh.stdout, fresh.stdout[-2000:] + fresh.stderr[-2000:]
     assert (tmp_path / "fresh" / "report" / "report.md").read_text() == report.replace(str(exp), command[3])
+
+
+def test_lift_middle_chooses_on_dev_log_p_alone_and_reports(tmp_path):
+    """+exp=lift_middle's dev evaluation asks the log p alone (answers=false: its rule reads nothing else); the choice
+    is the same as with answers, and the report is written."""
+    from scripts.reads_middle import EVALUATIONS, EXTRA_EVALUATIONS
+
+    dev_args = (EVALUATIONS | EXTRA_EVALUATIONS["lift_middle"])["mdqa_dev"][2]
+    assert "answers=false" in dev_args and "mdqa.closed_book=false" in dev_args
+    assert "answers=false" not in EVALUATIONS["mdqa_dev"][2]  # issue 39's rule reads the answers
+    lift_experiment(tmp_path, "lift_middle")
+    for path in (tmp_path / "evals" / "mdqa_dev").glob("*/eval/*.json"):
+        found = json.loads(path.read_text())
+        found["outcomes"] = [{**o, "correct": None, "prediction": ""} for o in found["outcomes"] if o["position"] >= 0]
+        path.write_text(json.dumps(found))
+    choice = probe_study.choose(probe_study.read_plan(tmp_path))
+    assert choice["arms"]["kd"]["setting"] == "lr=2"
+    assert choice["arms"]["kd"]["dev_scores"] == pytest.approx({"lr=1": 0.0, "lr=2": 1.0, "lr=3": 0.5, "lr=4": 0.0})
+    (tmp_path / SELECTION).write_text(json.dumps(choice))
+    report = probe_study.write_report(probe_study.study_numbers(tmp_path), tmp_path / "report").read_text()
+    assert "## mdqa_dev" in report

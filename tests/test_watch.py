@@ -124,6 +124,25 @@ def test_watch_settings_are_checked_by_name():
         validate_watch(WatchConfig(sets=["mdqa"], data_dir="nowhere"))
     with pytest.raises(ValueError, match=r"watch.slots=\[0, 4, 12\]: kv prompts have 10 slots"):
         validate_watch(WatchConfig(sets=["kv"], slots=[0, 4, 12], strong={"kv": 0}))
+    with pytest.raises(ValueError, match=r"watch.loglik_questions=4 measures the log p of the Jacobian's "
+                                         r"watch.questions=8 and more: give 0 or >= 8"):
+        validate_watch(WatchConfig(loglik_questions=4))
+    with pytest.raises(ValueError, match=r"with watch.loglik=true"):
+        validate_watch(WatchConfig(loglik_questions=10, loglik=False))
+
+
+def test_a_change_is_told_only_by_prompts_measured_again():
+    """A run under way: question b's prompts were measured at step 0 alone (its log p not yet again), so the change
+    is question a's, not pulled to 0 by b."""
+    from analysis.evaluation.watch import position_signals
+
+    header = {"step": 0, "kind": "panel", "sets": ["mdqa"], "slots": [4, 9], "middle": 4, "strong": {"mdqa": 9}}
+    rows = [header] + [{"step": 0, "kind": "loglik", "set": "mdqa", "question": q, "slot": slot, "loglik": -3.0}
+                       for q in ("a", "b") for slot in (4, 9)]
+    rows += [{"step": 6, "kind": "loglik", "set": "mdqa", "question": "a", "slot": slot, "loglik": -1.0 if slot == 4
+              else -3.0} for slot in (4, 9)]
+    contrast = next(s for s in position_signals(rows) if s.key == "watch/mdqa/loglik_contrast")
+    assert contrast.change.value == pytest.approx(2.0) and contrast.change.n == 1 and contrast.steps == (0, 6)
 
 
 # ---------------------------------------------------------------------------------------------- the training loss
@@ -398,6 +417,13 @@ def test_log_p_is_measured_on_more_questions_than_the_jacobian(tmp_path):
     assert {r["question"] for r in kinds(2, "jacobian")}.isdisjoint({r["question"] for r in kinds(2, "loglik")})
     losses = lambda name: {r["step"]: r["train/loss"] for r in rows(tmp_path / name) if "train/loss" in r}  # noqa: E731
     assert losses("more") == losses("fewer")
+    fewer = [json.loads(line) for line in (tmp_path / "fewer" / "watch.jsonl").read_text().splitlines()]
+    jacobians = lambda journal: [{k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+                                 for r in journal if r["kind"] == "jacobian"]
+    assert jacobians(journal) == jacobians(fewer)  # the Jacobian's questions and numbers are those without the extras
+    # the pooled log p signals are logged where every question's log p was measured, never a mix of old and new
+    assert sorted({r["step"] for r in rows(tmp_path / "more") if "watch/mdqa/loglik_contrast" in r}) == [0, 2]
+    assert sorted({r["step"] for r in rows(tmp_path / "fewer") if "watch/mdqa/loglik_contrast" in r}) == [0, 1, 2]
     from analysis.evaluation.watch import position_signals
 
     contrast = next(s for s in position_signals(journal) if s.key == "watch/mdqa/loglik_contrast")
@@ -430,6 +456,11 @@ def test_the_watch_of_a_saved_checkpoint_is_what_its_run_logged(tmp_path):
     more = [json.loads(line) for line in (tmp_path / "more.jsonl").read_text().splitlines()]
     assert more[0]["loglik_questions"] == {"mdqa": 4, "kv": 4} and {r["kind"] for r in more[1:]} == {"loglik"}
     assert main([str(ckpt), "trainer.lr=1"]) == 2
+    assert main([str(ckpt), "watch.loglik_questions=999"]) == 2  # more questions than the file's dev part: named
+    from scripts.watch_checkpoint import default_out
+
+    assert default_out(ckpt, 2, False, []) == (tmp_path / "run" / "watch_checkpoints" / "step-2.jsonl").resolve()
+    assert default_out(ckpt, 2, False, ["watch.every=0"]).name.startswith("step-2-")
 
 
 def fake_panel(path, step: int, contrast: float, questions: int = 3) -> None:
@@ -451,6 +482,9 @@ def test_the_larger_panel_is_measured_after_each_run_and_ranked_like_the_watch(t
                      "panel:4:25", "panel:4:50", "train:5", "panel:5:50", "train:8", "panel:8:50", "train:9",
                      "panel:9:50"]
     assert wt.panel_jobs(tmp_path, 50, 25, training=False) == []  # nothing trained: nothing to measure yet
+    (tmp_path / "runs" / "2").mkdir(parents=True)
+    (tmp_path / "runs" / "2" / "finished.json").write_text("{}")
+    assert [j.name for j in wt.panel_jobs(tmp_path, 50, 25, training=False)] == ["panel:start:0", "panel:2:50"]
     command = wt.panel_jobs(tmp_path, 50, 25, training=True)[0].command
     assert "--start" in command and "watch.loglik_questions=81" in command
 

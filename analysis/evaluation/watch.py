@@ -289,6 +289,8 @@ def measure_item(model: torch.nn.Module, item: WatchItem, index: int, cfg: Watch
 
 def measure_logliks(model: torch.nn.Module, items: Sequence[WatchItem]) -> list[float]:
     """The gold answer's log p (the best alias, teacher-forced) of every item: one forward each, no Jacobian."""
+    if not items:
+        return []
     with eval_mode(model):
         return [best(sequence_logprobs(model, it.ids, it.targets)) for it in items]
 
@@ -436,6 +438,13 @@ class WatchPanel:
                 out[f"{PREFIX}/{s}/prior_share@{k}"] = float(prior[:, k].mean())
         return out
 
+    def logliks_complete(self, rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether `rows` (one step's) measured a log p that the pooled log p signals should show: any, without extra
+        questions; with them, only a step that measured all of them, so that a logged value never mixes the extras'
+        old log p with the rotation's new ones."""
+        measured = {f"{r['set']}/{r['question']}/{r['slot']}" for r in rows if math.isfinite(r.get("loglik", math.nan))}
+        return bool(measured) and all(it.key in measured for it in self.extra)
+
     def loglik_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for s in self.sets():
@@ -559,6 +568,15 @@ def _per_question(by_q: Mapping[str, Mapping[int, float]], middle: int, strong: 
     return out
 
 
+def _measured_again(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows of the prompts measured at two steps or more: a prompt measured once (a run still under way, before
+    its rotation or its next log p panel came back to it) has no change to tell."""
+    steps: dict[tuple[str, int], set[int]] = {}
+    for r in rows:
+        steps.setdefault((r["question"], r["slot"]), set()).add(r["step"])
+    return [r for r in rows if len(steps[(r["question"], r["slot"])]) > 1]
+
+
 def position_signals(rows: Sequence[Mapping[str, Any]]) -> list[Signal]:
     """The watched signals' start, end and change over a run, from its watch.jsonl rows (empty without them)."""
     header = next((r for r in rows if r.get("kind") == "panel"), None)
@@ -573,8 +591,8 @@ def position_signals(rows: Sequence[Mapping[str, Any]]) -> list[Signal]:
                         (f"loglik@{strong}", f"log p, gold at {strong} (nats)", strong)]),
             ("gold", [("gold_share_contrast", f"ln gold share of rho², {middle} − {strong}", "contrast_log")]),
         ):
-            mine = [r for r in rows if r.get("kind") in ("jacobian", "loglik") and r["set"] == s
-                    and math.isfinite(r.get(value, math.nan))]
+            mine = _measured_again([r for r in rows if r.get("kind") in ("jacobian", "loglik") and r["set"] == s
+                                    and math.isfinite(r.get(value, math.nan))])
             if not mine:
                 continue
             steps = (min(r["step"] for r in mine), max(r["step"] for r in mine))
@@ -584,7 +602,7 @@ def position_signals(rows: Sequence[Mapping[str, Any]]) -> list[Signal]:
                                 _per_question(last, middle, strong, how), steps)
                 if found is not None:
                     out.append(found)
-        jac = [r for r in rows if r.get("kind") == "jacobian" and r["set"] == s]
+        jac = _measured_again([r for r in rows if r.get("kind") == "jacobian" and r["set"] == s])
         if jac:
             docs = [{**r, "docs": float(sum(r["units"]))} for r in jac]
             first, last = _by_question(docs, "docs", True), _by_question(docs, "docs", False)
