@@ -35,7 +35,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -229,17 +229,39 @@ def reach(splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, Any] | No
     test = [float(np.mean(list(changes["mdqa_test"][n].values()))) for n in RUNS]
     questions = sorted(set.intersection(*(set(changes["mdqa_test"][n]) for n in RUNS)))
     table = np.array([[changes["mdqa_test"][n][q] for q in questions] for n in RUNS])  # runs x questions
-    rng, half = np.random.default_rng(seed), len(questions) // 2
-    halves = []
-    for _ in range(splits):
-        order = rng.permutation(len(questions))
-        halves.append(stats.spearman_rho(table[:, order[:half]].mean(1), table[:, order[half:]].mean(1)))
-    halves = np.array(halves)
     return {"dev": dev, "test": test, "dev_questions": len(changes["mdqa_dev"][RUNS[0]]),
             "test_questions": len(questions), **{f"dev_{k}": v for k, v in
                                                  stats.permutation_correlation(dev, test).as_dict().items()},
-            "split_half_median": float(np.median(halves)), "split_half_at_least_0.8": float((halves >= 0.8).mean()),
+            **split_halves(table, splits, seed)}
+
+
+def split_halves(table: np.ndarray, splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, Any]:
+    """A ranking's own noise: Spearman's rho between the row means (runs, or checkpoints) over two random halves of
+    the columns (questions), `splits` times: its median and how often it reaches 0.8."""
+    rng, half = np.random.default_rng(seed), table.shape[1] // 2
+    halves = []
+    for _ in range(splits):
+        order = rng.permutation(table.shape[1])
+        halves.append(stats.spearman_rho(table[:, order[:half]].mean(1), table[:, order[half:]].mean(1)))
+    halves = np.array(halves)
+    return {"split_half_median": float(np.median(halves)), "split_half_at_least_0.8": float((halves >= 0.8).mean()),
             "splits": splits}
+
+
+def within_reach(out: Path, n: int, steps: Sequence[int], splits: int = 2000) -> dict[str, Any] | None:
+    """The dev contrast of run n over its checkpoints against itself (`split_halves` of its questions): how well any
+    signal can follow it at best."""
+    found = [(s, eval_file(eval_dir(out, "dev", "base" if s == 0 else str(n), s), s)) for s in steps]
+    found = [(s, ProbeResult.load_json(f)) for s, f in found if f.is_file()]
+    if len(found) < 3:
+        return None
+    by_step = []
+    for _, r in found:
+        at4, at9 = r.scores_by_question(MIDDLE, LOGLIK), r.scores_by_question(STRONG, LOGLIK)
+        by_step.append({q: at4[q] - at9[q] for q in at4.keys() & at9.keys()})
+    questions = sorted(set.intersection(*(set(b) for b in by_step)))
+    table = np.array([[b[q] for q in questions] for b in by_step])  # checkpoints x questions
+    return {"run": n, "checkpoints": len(found), "questions": len(questions), **split_halves(table, splits)}
 
 
 def test_change(out: Path, n: int, own: bool, max_steps: int) -> stats.Interval | None:
@@ -326,6 +348,7 @@ class Tracking:
     across: list[dict[str, Any]]
     within: list[dict[str, Any]]
     reach: dict[str, Any] | None = None  # what any measurement on other questions can reach (`reach`)
+    within_reach: list[dict[str, Any]] = field(default_factory=list)  # the same within runs (`within_reach`)
 
 
 def experiment_points(folder: Path) -> dict[str, tuple[dict[str, float], float]]:
@@ -379,7 +402,8 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
             corr = stats.permutation_correlation([p[1] for p in pairs], [p[2] for p in pairs])
             within.append({"run": n, "signal": key, "steps": [p[0] for p in pairs],
                            "values": [p[1] for p in pairs], "dev": [p[2] for p in pairs], **corr.as_dict()})
-    return Tracking({n: m for n, m in matches.items()}, own, across, within, reach())
+    reaches = [found for n in WITHIN if (found := within_reach(out, n, steps)) is not None]
+    return Tracking({n: m for n, m in matches.items()}, own, across, within, reach(), reaches)
 
 
 def reach_lines(found: dict[str, Any] | None) -> list[str]:
@@ -397,7 +421,7 @@ def reach_lines(found: dict[str, Any] | None) -> list[str]:
 def write_report(out: Path, folder: Path, result: Tracking) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     numbers = {"losses": result.losses, "own_test": result.own_test, "across": result.across, "within": result.within,
-               "reach": result.reach}
+               "reach": result.reach, "within_reach": result.within_reach}
     atomic_write_text(folder / "tracking.json", json.dumps(numbers, indent=1, default=str))
     loss_rows = [[str(n), *(("—",) * 3 if m is None else (str(m["steps"]), f"{m['first_step']:.2e}",
                                                           f"{m['max']:.2e}"))] for n, m in result.losses.items()]
@@ -427,6 +451,10 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
              "dev contrast rises with training, any signal that trends ranks them as well as the step does; a signal "
              "tracks the contrast where it does better than the step.", "",
              *markdown_table(["run", "signal", "checkpoints", "rho", "p"], within_rows), "",
+             *(f"Run {r['run']}'s dev contrast against itself: two random halves of its {r['questions']} questions "
+               f"rank its {r['checkpoints']} checkpoints alike with a median rho of {r['split_half_median']:+.2f}, "
+               f"and at rho >= 0.8 in {r['split_half_at_least_0.8']:.0%} of {r['splits']} splits." for r in
+               result.within_reach), "",
              f"![tracking]({figure.name})", ""]
     report = folder / "report.md"
     atomic_write_text(report, "\n".join(lines))
