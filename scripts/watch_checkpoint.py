@@ -26,20 +26,19 @@ from typing import Any, Optional, Sequence
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from transformers import AutoTokenizer
 
 from analysis.command_line import CommandParser
 from analysis.during_training import check_watch, watch_nq_file
+from analysis.evaluation.checkpoints import CompareError, load_checkpoint_tokenizer, resolve_target
 from analysis.evaluation.watch import WatchSet, build_panel, panel_header
 from data_builders.build import built_with
 from data_builders.config import DataSource
 from data_builders.files import atomic_write_text
 from models.build import DType, differs_from_pretrained
-from models.training.checkpoint import base_weights, list_checkpoints, load_checkpoint_model
+from models.training.checkpoint import base_weights, load_checkpoint_model
 from models.training.engines import Precision
 from models.training.resume_guard import trained_with
 from models.training.run_dir import run_dir_of
-from models.training.state import TrainerState
 from models.wheel_models import local_pretrained
 
 EXAMPLE = "python -m scripts.watch_checkpoint outputs/reads_middle/run/checkpoints/step-150 watch.loglik_questions=81"
@@ -78,17 +77,6 @@ def run_config(ckpt: Path, overrides: Sequence[str]) -> Any:
     return cfg
 
 
-def checkpoint_step(ckpt: Path) -> int:
-    """The training step of the checkpoint: its trainer_state.json, else its folder's name (step-N)."""
-    if (ckpt / "trainer_state.json").is_file():
-        return int(TrainerState.read(ckpt).step)
-    name = ckpt.resolve().name
-    if name.startswith("step-") and name[5:].isdigit():
-        return int(name[5:])
-    raise WatchCheckpointError(f"{ckpt}: no trainer_state.json and not a step-N folder: which training step it holds "
-                               "is unknown")
-
-
 def load_run_model(cfg: Any, ckpt: Path, start: bool, device: str) -> torch.nn.Module:
     """The checkpoint's model as the run computed it: the adapters on their base, not merged, in the run's dtype and
     attention (`start`: the base alone, the function of a LoRA run at step 0)."""
@@ -123,23 +111,26 @@ def watch_checkpoint(ckpt: str | Path, overrides: Sequence[str] = (), start: boo
                      out: Optional[str | Path] = None, device: str = "cpu") -> Path:
     """Measure the watch's last-step panel on `ckpt` (module docstring); the rows go to `out` (default
     `default_out`). Returns that path."""
-    ckpt = Path(ckpt)
-    if ckpt.is_dir() and not (ckpt / "checkpoint_config.json").is_file() and list_checkpoints(ckpt):
-        ckpt = list_checkpoints(ckpt)[-1]  # a run directory: its newest checkpoint
-    if not ckpt.is_dir():
-        raise WatchCheckpointError(f"{ckpt}: no such checkpoint folder")
-    cfg = run_config(ckpt, overrides)
-    step = 0 if start else checkpoint_step(ckpt)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(ckpt)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        target = resolve_target(ckpt)  # a run directory: its newest checkpoint
+    except CompareError as err:
+        raise WatchCheckpointError(str(err)) from err
+    if target.hub_id is not None:
+        raise WatchCheckpointError(f"{ckpt}: no such checkpoint folder")
+    ckpt = Path(target.checkpoint)
+    cfg = run_config(ckpt, overrides)
+    if not start and target.step is None:
+        raise WatchCheckpointError(f"{ckpt}: no trainer_state.json and not a step-N folder: which training step it "
+                                   "holds is unknown")
+    step = 0 if start else target.step
+    try:
+        tokenizer = load_checkpoint_tokenizer(target)
         model = load_run_model(cfg, ckpt, start, device)
         built = built_with(cfg.data)
         split = built.nq_split if built.source == DataSource.nq else cfg.eval.mdqa.split
         panel = build_panel(cfg.watch, int(model.config.num_hidden_layers), tokenizer, cfg.eval.chat_template, split,
                             watch_nq_file(cfg.watch, cfg.data))
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except (CompareError, OSError, ValueError, KeyError, RuntimeError) as err:
         raise WatchCheckpointError(f"{ckpt}: {err}") from err
     started = time.perf_counter()
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == Precision.bf16):

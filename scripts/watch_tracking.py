@@ -43,7 +43,7 @@ import numpy as np
 
 from analysis import probe_study, stats
 from analysis.command_line import CommandParser
-from analysis.evaluation.result import LOGLIK, ProbeResult, contrast_change
+from analysis.evaluation.result import LOGLIK, ProbeResult, contrast_change, contrast_changes
 from analysis.evaluation.watch import position_signals, read_rows, watched_changes
 from analysis.report.figures import plot_tracking
 from analysis.report.metrics_log import read_metrics
@@ -203,13 +203,6 @@ def kept_test_file(n: int | str, part: str = "mdqa_test") -> Path:
         (GRID / "evals" / part / target / EVAL_DIR).glob("mdqa_step*.json"))
 
 
-def contrast_changes_by_question(base: ProbeResult, run: ProbeResult) -> dict[str, float]:
-    """Per question asked at both slots by both: the run's log p contrast (gold 4 − gold 9) minus the base's."""
-    tables = [r.scores_by_question(at, LOGLIK) for r in (run, base) for at in (MIDDLE, STRONG)]
-    shared = sorted(set.intersection(*(set(t) for t in tables)))
-    return {q: (tables[0][q] - tables[1][q]) - (tables[2][q] - tables[3][q]) for q in shared}
-
-
 def reach(splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, Any] | None:
     """What a measurement on other questions can reach against the test ranking of the six runs (from the kept
     grid's evaluations): Spearman's rho of the grid's own dev contrast change (100 dev questions, the runs' final
@@ -224,7 +217,8 @@ def reach(splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, Any] | No
     changes = {}
     for part, by_run in files.items():
         base = ProbeResult.load_json(by_run["base"])
-        changes[part] = {n: contrast_changes_by_question(base, ProbeResult.load_json(by_run[n])) for n in RUNS}
+        changes[part] = {n: contrast_changes(base, ProbeResult.load_json(by_run[n]), MIDDLE, STRONG, LOGLIK)
+                         for n in RUNS}
     dev = [float(np.mean(list(changes["mdqa_dev"][n].values()))) for n in RUNS]
     test = [float(np.mean(list(changes["mdqa_test"][n].values()))) for n in RUNS]
     questions = sorted(set.intersection(*(set(changes["mdqa_test"][n]) for n in RUNS)))

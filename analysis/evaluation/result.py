@@ -312,12 +312,19 @@ def contrast_change(
     question: mean over the questions both asked at both positions of (o_k − o_strong) − (p_k − p_strong), with its
     interval over questions. The debiasing effect of a fine-tune, free of any change that moves every position
     alike (an answer format)."""
+    changes = contrast_changes(plain, other, position, strong, score)
+    if not changes:
+        return stats.Interval(math.nan, math.nan, math.nan, 0, "no question asked at both positions by both")
+    return stats.mean_interval(np.array(list(changes.values())), None, n_boot, alpha, seed)
+
+
+def contrast_changes(plain: ProbeResult, other: ProbeResult, position: int, strong: int,
+                     score: stats.Score = stats.ACCURACY) -> dict[str, float]:
+    """`contrast_change` question by question: (o_k − o_strong) − (p_k − p_strong) for every question both asked at
+    both positions, in question order."""
     tables = [r.scores_by_question(at, score) for r in (other, plain) for at in (position, strong)]
     shared = sorted(set.intersection(*(set(t) for t in tables)))
-    if not shared:
-        return stats.Interval(math.nan, math.nan, math.nan, 0, "no question asked at both positions by both")
-    o_k, o_s, p_k, p_s = (np.array([t[q] for q in shared]) for t in tables)
-    return stats.mean_interval((o_k - o_s) - (p_k - p_s), None, n_boot, alpha, seed)
+    return {q: (tables[0][q] - tables[1][q]) - (tables[2][q] - tables[3][q]) for q in shared}
 
 
 def write_eval_json(run_dir: str | Path, step: int, name: str, result: ProbeResult,
