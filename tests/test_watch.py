@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from analysis.evaluation.result import ProbeResult
@@ -21,6 +22,7 @@ from analysis.evaluation.watch import (
     in2_items,
     mdqa_items,
     measure_item,
+    measure_logliks,
     slot_mass,
     validate_watch,
 )
@@ -35,7 +37,7 @@ UNITS = ((2, 6), (6, 10), (10, 14), (14, 18))  # four documents of four tokens a
 
 class OneSlotModel(nn.Module):
     """The last hidden state is a function of one span of the input alone: every other token has zero Jacobian.
-    It answers the calls `analysis.measure.jacobian` makes (a cached prefix, then the last token)."""
+    It answers the calls `analysis.measure.jacobian` makes (one pass, or a cached prefix and then the last token)."""
 
     def __init__(self, span: tuple[int, int], vocab: int = 50, d: int = 8):
         super().__init__()
@@ -65,6 +67,32 @@ def test_a_model_that_reads_one_slot_puts_all_its_mass_there(gold):
     assert mass.gold == pytest.approx(1.0, abs=1e-12)
     assert mass.units == pytest.approx([1.0 if k == gold else 0.0 for k in range(4)], abs=1e-12)
     assert mass.documents == pytest.approx(1.0)
+
+
+class CachedLastTokenRounds(transformers.LlamaForCausalLM):
+    """A tiny model whose forward of a last token over a cached prefix rounds differently from a forward of the whole
+    sequence, as bf16 kernels do on SmolLM2 (~0.1 in a logit over its 30 layers; tiny models round alike)."""
+
+    def forward(self, input_ids=None, inputs_embeds=None, cache=None, **kwargs):
+        out = super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
+        if inputs_embeds is not None and cache is not None:
+            out.logits = out.logits * 1.001  # a shift of every logit would leave log p as it is
+        return out
+
+
+def test_a_jacobian_rows_log_p_is_the_plain_forwards():
+    """A Jacobian row's log p comes from the forward its Jacobian uses; it must equal a log-p-alone row's (one plain
+    forward) bit for bit, or a run's log p would switch rounding between the steps that measure a Jacobian and those
+    that do not (under bf16 on SmolLM2, prefix + last token against one pass: ~0.08 nats an answer)."""
+    torch.manual_seed(0)
+    model = CachedLastTokenRounds(transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                           num_key_value_heads=1, intermediate_size=64, vocab_size=64))
+    units = tuple((2 + 12 * k, 14 + 12 * k) for k in range(4))
+    ids = torch.randint(0, 64, (2, 52), generator=torch.Generator().manual_seed(3)).tolist()
+    items = [WatchItem("mdqa", f"q{n}", slot, tuple(ids[n]), units, units[slot], ((5, 7, 9), (11,)))
+             for n in range(2) for slot in (0, 3)]
+    with_jacobian = [measure_item(model, it, i, WatchConfig(num_probes=2), layers=2)[1] for i, it in enumerate(items)]
+    assert with_jacobian == measure_logliks(model, items)
 
 
 def test_slot_mass_by_hand():

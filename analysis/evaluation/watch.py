@@ -54,6 +54,9 @@ from models.attention.attn_calibration import encode_with_segments
 
 PREFIX = "watch"
 WATCH_CACHE = "watch"  # <POSDEBIAS_CACHE>/watch: first panels, by function and panel (WatchPanel.measure_first)
+# the measurement's own version, in the first panel's cache key: cached rows of another computation are not read
+# back (2: the Jacobian's forward is one pass over the prompt, so its log p is the plain forward's under bf16 too)
+MEASUREMENT = 2
 
 
 class WatchSet(StrEnum):
@@ -364,13 +367,14 @@ class WatchPanel:
     def measure_first(self, model: torch.nn.Module, step: int, cache_dir: Optional[Path]) -> list[dict[str, Any]]:
         """What is due at the first step (`jacobian_due`, `loglik_due`), read back from `cache_dir` when the same
         function measured the same panel before: the runs of an experiment start from one model (LoRA's B is zero),
-        so their first panels are one. The key hashes the function and how it is computed
+        so their first panels are one. The key hashes `MEASUREMENT`, the function and how it is computed
         (`reuse.computation_key`: call it under the autocast the measurement uses), every item and the probes'
         settings. None: measure."""
         jacobian, logliks = self.jacobian_due(step, True, False), self.loglik_due(step, True, False)
         path = None
         if cache_dir is not None:
-            what = {"function": computation_key(model), "probes": [self.cfg.num_probes, self.cfg.seed, self.cfg.loglik],
+            what = {"measurement": MEASUREMENT, "function": computation_key(model),
+                    "probes": [self.cfg.num_probes, self.cfg.seed, self.cfg.loglik],
                     "items": [[it.key, it.ids, it.units, it.gold, it.targets] for it in map(self.items.__getitem__,
                                                                                             jacobian)],
                     "logliks": [[it.key, it.ids, it.targets] for it in logliks]}

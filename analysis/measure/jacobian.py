@@ -253,7 +253,9 @@ def hutchinson_with_output(
 ) -> tuple[np.ndarray, torch.Tensor, object]:
     """`hutchinson_squares` of the last hidden state (k, B, L), and what the same forward gives a continuation of
     the sequence: the last position's logits (B, V) and the KV cache of every position. Call it inside `eval_mode`
-    when the continuation is scored too."""
+    when the continuation is scored too. The forward is one pass over all positions, as a plain forward of the
+    sequence is, so that a continuation scored from it equals the plain forward's bit for bit under bf16 autocast
+    too (prefix + last token, `_last_position_forward`, rounds differently: ~0.08 nats an answer on SmolLM2)."""
     if num_probes < 1 or chunk < 1:
         raise ValueError(f"need num_probes >= 1 and chunk >= 1, got {num_probes} and {chunk}")
     if getattr(getattr(model, "config", None), "tie_last_hidden_states", None) is False:
@@ -261,7 +263,7 @@ def hutchinson_with_output(
     emb_layer = _input_embeddings(model)
     with eval_mode(model), torch.enable_grad():
         embeds = emb_layer(input_ids.to(emb_layer.weight.device)).detach().requires_grad_(True)  # (B, L, D)
-        out = _last_position_forward(model, embeds, logits_to_keep=1, output_hidden_states=True)
+        out = model(inputs_embeds=embeds, use_cache=True, logits_to_keep=1, output_hidden_states=True)
         y = out.hidden_states[-1][:, -1]  # (B, d)
         squares = _probe_squares(y, embeds, num_probes, chunk, generator).detach().cpu().numpy()
     return squares, out.logits[:, -1].detach(), out.cache
