@@ -160,7 +160,7 @@ def test_kv_pairs_out_of_range_is_refused():
 def test_every_arm_of_the_experiment_composes_and_validates(compose_cfg, nq_file, arm):  # noqa: F811
     cfg = as_train_config(compose_cfg("+exp=lift_middle", f"debias={arm}", f"data.path={nq_file}"))
     validate(cfg, DistInfo())
-    assert cfg.data.near_duplicates.passage_jaccard == 0.5 and cfg.data.num_train == 4000
+    assert cfg.data.near_duplicates.passage_jaccard == 0.5 and cfg.data.num_train == 2200
     assert cfg.trainer.precision == "bf16" and cfg.trainer.max_steps == 150
     longer = as_train_config(compose_cfg("+exp=lift_middle", f"debias={arm}", f"data.path={nq_file}",
                                          "trainer.max_steps=450"))

@@ -238,6 +238,34 @@ def test_answers_are_cached_by_the_starting_function_with_the_adapters_off(tmp_p
     assert key() != stored
 
 
+def test_a_repeated_teacher_prompt_is_asked_once(tmp_path):
+    """A build with more samples than questions repeats a question's teacher prompt: each distinct prompt (or
+    (prompt, target) pair) is answered once, in the chunks and under the cache key it has without the repeats, and
+    every sample gets its answer."""
+    model = _lora(_tiny_model())
+    asked = []
+
+    def answer(part):
+        asked.append([list(p) for p in part])
+        return [[p[1] + 10] for p in part]
+
+    distinct = [[1, k] for k in range(3)]
+    assert cached_answers(answer, model, {}, tmp_path / "a", chunk=2)(distinct) == [[10], [11], [12]]
+    repeated = [[1, 0], [1, 1], [1, 0], [1, 2], [1, 1]]
+    assert cached_answers(answer, model, {}, tmp_path / "b", chunk=2)(repeated) == [[10], [11], [10], [12], [11]]
+    assert asked[2:] == asked[:2] == [[[1, 0], [1, 1]], [[1, 2]]]
+    stored = lambda name: sorted(p.name for p in (tmp_path / name).rglob("*.json"))  # noqa: E731
+    assert stored("a") == stored("b")
+    scored = []
+
+    def score(part):
+        scored.append(len(part))
+        return [float(target[0]) for _, target in part]
+
+    pairs = [([1, 2], [3]), ([1, 2], [4]), ([1, 2], [3])]
+    assert cached_answers(score, model, {}, tmp_path / "c")(pairs) == [3.0, 4.0, 3.0] and scored == [2]
+
+
 def test_a_run_killed_while_answering_keeps_the_chunks_it_stored(tmp_path):
     """Answered 2 prompts at a time: a run killed in its second chunk stored the first, and the next run asks only
     the prompts not stored, returning every answer in prompt order."""

@@ -87,14 +87,32 @@ def answers_key(function: str, prompts: Sequence[Sequence[int]], settings: dict[
     return digest.hexdigest()[:32]
 
 
+def _frozen(prompt: Any) -> Any:
+    """A prompt (token ids, or a (prompt, target) pair of them) as nested tuples: a dict key."""
+    return tuple(map(_frozen, prompt)) if isinstance(prompt, (list, tuple)) else prompt
+
+
 def cached_answers(answer: AnswerFn, model: PreTrainedModel, settings: dict[str, Any], cache_dir: Path,
                    chunk: int = CHUNK) -> AnswerFn:
-    """`answer` (`model`'s, under `settings`), asked `chunk` prompts at a time in order; each chunk's answers are
+    """`answer` (`model`'s, under `settings`), asked each distinct prompt once (a build with more samples than
+    questions repeats a question's teacher prompt), `chunk` of them at a time in order; each chunk's answers are
     stored under `cache_dir/distill_responses/<key>.json` (`answers_key` of its prompts) as soon as they exist and
-    read from there when present."""
+    read from there when present. Answers come back in the order of `prompts`, a repeated prompt's repeated."""
     settings = {**settings, "chunk": chunk}  # a chunk's batches, hence its float rounding, depend on its size
 
     def reused(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        index: dict[Any, int] = {}  # a distinct prompt -> where it first comes
+        firsts = []
+        for prompt in prompts:
+            if index.setdefault(_frozen(prompt), len(firsts)) == len(firsts):
+                firsts.append(prompt)
+        if len(firsts) < len(prompts):
+            log.info("pos2distill: %d of %d teacher prompts repeat an earlier one and are asked once",
+                     len(prompts) - len(firsts), len(prompts))
+        answers = distinct(firsts)
+        return [answers[index[_frozen(prompt)]] for prompt in prompts]
+
+    def distinct(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         function = computation_key(model, adapters=False)
         out: list[list[int]] = []
         read = 0
