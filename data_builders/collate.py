@@ -41,10 +41,11 @@ def _padded(sequences: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
 
 
 def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False, teacher: bool = False,
-            pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+            pad_to_multiple_of: int = 1, mixed: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad `input_ids` (with `pad_id`) and `labels` (with -100) to the longest row, rounded up to a multiple
     of `pad_to_multiple_of`; with `teacher` the rows' `teacher_input_ids` and `teacher_labels` too, to their own
-    longest."""
+    longest. `mixed`: the last rows are debias.needle_mix's, not the task's; with `depths` the batch then says which
+    (`mixed`, (S,) bool), so that what is read per gold slot of the task (the watch's training loss) skips them."""
     input_ids, labels, attention_mask = _padded([r["input_ids"] for r in rows],
                                                 [r.get("labels", r["input_ids"]) for r in rows], pad_id,
                                                 pad_to_multiple_of)
@@ -53,6 +54,8 @@ def collate(rows: Sequence[dict[str, Any]], pad_id: int, depths: bool = False, t
     if depths:  # one sample per row
         batch["sample_ids"] = torch.where(attention_mask.bool(), torch.arange(len(rows))[:, None], -1)
         batch["depths"] = torch.tensor([r["depth"] for r in rows], dtype=torch.float64)
+        if mixed:
+            batch["mixed"] = torch.arange(len(rows)) >= len(rows) - mixed
     if teacher:
         ids, lab, mask = _padded([r["teacher_input_ids"] for r in rows], [r["teacher_labels"] for r in rows], pad_id,
                                  pad_to_multiple_of)
@@ -226,7 +229,7 @@ class BatchStream:
                 if self.mix_rows:
                     k = self.mix_rows
                     rows = rows[: B - k] + [self.mix[(drawn * k + j) % len(self.mix)] for j in range(k)]
-                yield collate(rows, self.pad_id, self.depths, self.teacher, self.pad_to_multiple_of)
+                yield collate(rows, self.pad_id, self.depths, self.teacher, self.pad_to_multiple_of, self.mix_rows)
                 continue
             row = iter(rows)
             yield collate_packed([[next(row) for _ in unit] for unit in units], self.pack_len, self.pad_id,

@@ -189,6 +189,25 @@ def test_the_slot_loss_is_each_samples_mean_nll_by_gold_slot_over_the_window():
     assert "watch/train/nll@4" not in loss.end_step()  # the first step left the window
 
 
+def test_rows_of_a_needle_mix_stay_out_of_the_slot_loss():
+    """debias=kv_mix puts kv rows into every micro-batch (the last ones), with the kv gold pair's depth: the
+    training loss read per gold slot of the task must not count them."""
+    from data_builders.collate import collate
+
+    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "depth": 0.0},
+            {"input_ids": [1, 2, 3], "labels": [-100, -100, 3], "depth": 4 / 9},
+            {"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7], "depth": 4 / 9}]
+    batch = collate(rows, 0, depths=True, mixed=1)
+    assert batch["mixed"].tolist() == [False, False, True] and "mixed" not in collate(rows, 0, depths=True)
+    loss = SlotLoss(n_slots=10, window=1, middle=4, strong=9)
+    targets = batch["labels"][:, 1:]  # (B, L-1): position t predicts token t + 1
+    nll = torch.tensor([[1.0, 3.0, 0.0], [0.0, 5.0, 0.0], [0.0, 9.0, 9.0]])
+    loss.tap(batch)(nll, targets)
+    metrics = loss.end_step()
+    assert metrics["watch/train/nll@0"] == pytest.approx(2.0)
+    assert metrics["watch/train/nll@4"] == pytest.approx(5.0)  # the task's row alone, not the kv row's 9.0
+
+
 def test_labelled_nll_hands_its_tap_the_per_token_nll_and_computes_the_same_loss():
     torch.manual_seed(0)
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -35,9 +35,11 @@ class SlotLoss:
         self.steps: deque[np.ndarray] = deque(maxlen=window)  # per step: (2, n_slots) sum of sample means, count
         self._step = np.zeros((2, n_slots))
 
-    def observe(self, depths: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor) -> None:
-        """A micro-batch's samples: their gold depths (S,), summed answer NLL (S,) and answer-token counts (S,)."""
-        keep = counts > 0
+    def observe(self, depths: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor,
+                mixed: Optional[torch.Tensor] = None) -> None:
+        """A micro-batch's samples: their gold depths (S,), summed answer NLL (S,) and answer-token counts (S,);
+        `mixed` (S,) bool: rows of debias.needle_mix, which are not the task's and are left out."""
+        keep = counts > 0 if mixed is None else (counts > 0) & ~mixed.to(counts.device)
         slots = slot_of(depths.to(sums.device)[keep], self.n_slots)
         means = (sums[keep].double() / counts[keep].double())
         self._step[0] += torch.zeros(self.n_slots, dtype=torch.float64).index_add(0, slots.cpu(), means.cpu()).numpy()
@@ -48,7 +50,7 @@ class SlotLoss:
         def record(nll: torch.Tensor, targets: torch.Tensor) -> None:
             depths = batch["depths"]
             sums, counts = sample_sums(nll, targets, batch["sample_ids"].to(nll.device), depths.numel())
-            self.observe(depths, sums, counts)
+            self.observe(depths, sums, counts, batch.get("mixed"))
         return record
 
     def end_step(self) -> dict[str, float]:
