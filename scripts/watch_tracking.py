@@ -37,7 +37,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -80,6 +80,8 @@ PANEL_QUESTIONS = 81
 PANEL = ["watch.sets=[mdqa]", f"watch.slots=[{MIDDLE},{STRONG}]", "watch.every=0",
          f"watch.loglik_questions={PANEL_QUESTIONS}"]
 PANEL_SIGNAL = f"{PANEL_QUESTIONS}-question panel: "  # the prefix of its signals in the report
+# the same panel on the watch's own questions alone (its first ones): what a run logs with log p every N steps
+WATCH_QUESTIONS_SIGNAL = "the watch's questions, measured at the checkpoint: "
 
 
 def grid_runs() -> dict[int, list[str]]:
@@ -295,8 +297,17 @@ def panel_rows(out: Path, target: str, step: int) -> list[dict[str, Any]]:
     return read_rows(path) if path.is_file() else []
 
 
+def watch_questions(rows: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The mdqa questions of a panel file (its header, then its rows) that the watch itself asks: the panel's first
+    `questions` ones (`build_panel` puts the Jacobian's questions before the log-p-only ones)."""
+    header = rows[0] if rows and rows[0].get("kind") == "panel" else {}
+    first = list(dict.fromkeys(r["question"] for r in rows if r.get("kind") == "loglik" and r["set"] == "mdqa"))
+    return set(first[:header.get("questions", {}).get("mdqa", 0)])
+
+
 def panel_changes(out: Path, n: int, max_steps: int) -> dict[str, float]:
-    """Run n's end-minus-start change of the larger panel's signals (empty before both are measured)."""
+    """Run n's end-minus-start change of the larger panel's signals, and of the same on the watch's own questions
+    (empty before both are measured)."""
     start, end = panel_rows(out, "start", 0), panel_rows(out, str(n), max_steps)
     if not (start and end):
         return {}
@@ -304,24 +315,34 @@ def panel_changes(out: Path, n: int, max_steps: int) -> dict[str, float]:
     if asked[0] != asked[1]:
         raise ValueError(f"{panel_file(out, str(n), max_steps)} asks other prompts than "
                          f"{panel_file(out, 'start', 0)}: measure both with the same panel (PANEL)")
-    return {PANEL_SIGNAL + s.key: s.change.value for s in position_signals(start + end[1:])}
+    rows = start + end[1:]
+    own = watch_questions(start)
+    return ({PANEL_SIGNAL + s.key: s.change.value for s in position_signals(rows)}
+            | {WATCH_QUESTIONS_SIGNAL + s.key: s.change.value
+               for s in position_signals([r for r in rows if "question" not in r or r["question"] in own])
+               if own and "loglik" in s.key})
 
 
 def panel_values(out: Path, n: int, step: int) -> dict[str, float]:
     """The larger panel's signals on run n's checkpoint at `step` (the starting model's at 0): the log p at each
-    slot and the contrast, means over questions."""
-    rows = [r for r in (panel_rows(out, "start", 0) if step == 0 else panel_rows(out, str(n), step))
-            if r.get("kind") == "loglik"]
+    slot and the contrast, means over questions; the same on the watch's own questions beside them."""
+    rows = panel_rows(out, "start", 0) if step == 0 else panel_rows(out, str(n), step)
     by_q: dict[str, dict[int, float]] = {}
     for r in rows:
-        by_q.setdefault(r["question"], {})[r["slot"]] = r["loglik"]
-    both = [v for v in by_q.values() if MIDDLE in v and STRONG in v]
+        if r.get("kind") == "loglik":
+            by_q.setdefault(r["question"], {})[r["slot"]] = r["loglik"]
+    both = {q: v for q, v in by_q.items() if MIDDLE in v and STRONG in v}
     if not both:
         return {}
-    key = PANEL_SIGNAL + "watch/mdqa/"
-    return {f"{key}loglik_contrast": float(np.mean([v[MIDDLE] - v[STRONG] for v in both])),
-            f"{key}loglik@{MIDDLE}": float(np.mean([v[MIDDLE] for v in both])),
-            f"{key}loglik@{STRONG}": float(np.mean([v[STRONG] for v in both]))}
+
+    def signals(prefix: str, questions: Sequence[str]) -> dict[str, float]:
+        key = f"{prefix}watch/mdqa/"
+        return {f"{key}loglik_contrast": float(np.mean([both[q][MIDDLE] - both[q][STRONG] for q in questions])),
+                f"{key}loglik@{MIDDLE}": float(np.mean([both[q][MIDDLE] for q in questions])),
+                f"{key}loglik@{STRONG}": float(np.mean([both[q][STRONG] for q in questions]))}
+
+    own = [q for q in watch_questions(rows) if q in both]
+    return signals(PANEL_SIGNAL, list(both)) | (signals(WATCH_QUESTIONS_SIGNAL, own) if own else {})
 
 
 def series(out: Path, n: int, key: str) -> dict[int, float]:
@@ -388,7 +409,7 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
         for key in keys:
             if key in GENERIC:
                 continue
-            if key.startswith(PANEL_SIGNAL):  # measured on each checkpoint: its own step, never an earlier one
+            if key.startswith((PANEL_SIGNAL, WATCH_QUESTIONS_SIGNAL)):  # measured on each checkpoint: its own step
                 pairs = [(s, panel[s][key], dev[s]) for s in dev if key in panel[s]]
             else:
                 logged = series(out, n, key)

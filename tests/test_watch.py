@@ -562,6 +562,10 @@ def test_the_larger_panel_is_measured_after_each_run_and_ranked_like_the_watch(t
     within = {(r["run"], r["signal"]): r for r in result.within}
     assert within[(3, key)]["rho"] == pytest.approx(1.0) and within[(3, key)]["steps"] == list(range(0, 151, 25))
     assert within[(3, wt.CLOCK)]["rho"] < 1.0  # step 75 dips: the panel follows the dev contrast, not the clock
+    # the panel's first question is the watch's own (its header's questions): its contrast alone, at each checkpoint
+    own = wt.WATCH_QUESTIONS_SIGNAL + "watch/mdqa/loglik_contrast"
+    assert within[(3, own)]["values"] == pytest.approx([-2.0, -1.9, -1.8, -2.5, -1.75, -1.72, -1.7])
+    assert {r["signal"]: r for r in result.across}[own]["changes"] == pytest.approx([0.3 * k for k in range(6)])
     # every fake dev question moves alike: the dev contrast against itself ranks the checkpoints perfectly
     reaches = [(r["run"], r["checkpoints"], r["split_half_median"]) for r in result.within_reach]
     assert reaches == [(3, 7, 1.0), (4, 7, 1.0)]
