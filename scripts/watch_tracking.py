@@ -82,6 +82,7 @@ PANEL = ["watch.sets=[mdqa]", f"watch.slots=[{MIDDLE},{STRONG}]", "watch.every=0
 PANEL_SIGNAL = f"{PANEL_QUESTIONS}-question panel: "  # the prefix of its signals in the report
 # the same panel on the watch's own questions alone (its first ones): what a run logs with log p every N steps
 WATCH_QUESTIONS_SIGNAL = "the watch's questions, measured at the checkpoint: "
+MEASURED = ("jacobian", "loglik")  # the rows of a panel file that hold a prompt's log p (a Jacobian row's too)
 
 
 def grid_runs() -> dict[int, list[str]]:
@@ -301,7 +302,7 @@ def watch_questions(rows: Sequence[Mapping[str, Any]]) -> set[str]:
     """The mdqa questions of a panel file (its header, then its rows) that the watch itself asks: the panel's first
     `questions` ones (`build_panel` puts the Jacobian's questions before the log-p-only ones)."""
     header = rows[0] if rows and rows[0].get("kind") == "panel" else {}
-    first = list(dict.fromkeys(r["question"] for r in rows if r.get("kind") == "loglik" and r["set"] == "mdqa"))
+    first = list(dict.fromkeys(r["question"] for r in rows if r.get("kind") in MEASURED and r["set"] == "mdqa"))
     return set(first[:header.get("questions", {}).get("mdqa", 0)])
 
 
@@ -329,7 +330,7 @@ def panel_values(out: Path, n: int, step: int) -> dict[str, float]:
     rows = panel_rows(out, "start", 0) if step == 0 else panel_rows(out, str(n), step)
     by_q: dict[str, dict[int, float]] = {}
     for r in rows:
-        if r.get("kind") == "loglik":
+        if r.get("kind") in MEASURED and math.isfinite(r.get("loglik", math.nan)):
             by_q.setdefault(r["question"], {})[r["slot"]] = r["loglik"]
     both = {q: v for q, v in by_q.items() if MIDDLE in v and STRONG in v}
     if not both:

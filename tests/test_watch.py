@@ -573,6 +573,24 @@ def test_the_larger_panel_is_measured_after_each_run_and_ranked_like_the_watch(t
     assert "Run 3's dev contrast against itself: two random halves of its 5 questions rank its 7 checkpoints" in report
 
 
+def test_the_watchs_own_questions_are_the_panels_first_whichever_rows_hold_them(tmp_path):
+    """A panel measured with watch.every > 0 writes the watch's own questions as Jacobian rows (their log p beside the
+    Jacobian) and the extra ones as log p rows: the watch's questions are still the first `questions` of the file."""
+    from scripts import watch_tracking as wt
+
+    header = {"step": 150, "kind": "panel", "sets": ["mdqa"], "questions": {"mdqa": 1}, "loglik_questions": {"mdqa": 2}}
+    rows = [{"step": 150, "kind": kind, "set": "mdqa", "question": q, "slot": slot, "loglik": value}
+            for kind, q, values in (("jacobian", "own", (-4.0, -1.0)), ("loglik", "extra", (-2.0, -1.0)))
+            for slot, value in zip((4, 9), values)]
+    path = wt.panel_file(tmp_path, "3", 150)
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in [header, *rows]))
+    assert wt.watch_questions([header, *rows]) == {"own"}
+    values = wt.panel_values(tmp_path, 3, 150)
+    assert values[wt.WATCH_QUESTIONS_SIGNAL + "watch/mdqa/loglik_contrast"] == pytest.approx(-3.0)
+    assert values[wt.PANEL_SIGNAL + "watch/mdqa/loglik_contrast"] == pytest.approx(-2.0)  # both questions
+
+
 def test_the_report_says_what_a_measurement_on_other_questions_can_reach(tmp_path, monkeypatch):
     """The kept grid's dev evaluation against its test evaluation, and the test against itself by random halves: here
     every question orders the runs alike, so both rank them perfectly; one noisy question set breaks the halves."""
