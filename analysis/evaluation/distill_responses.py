@@ -101,16 +101,17 @@ def cached_answers(answer: AnswerFn, model: PreTrainedModel, settings: dict[str,
     settings = {**settings, "chunk": chunk}  # a chunk's batches, hence its float rounding, depend on its size
 
     def reused(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        keys = [_frozen(prompt) for prompt in prompts]
         index: dict[Any, int] = {}  # a distinct prompt -> where it first comes
         firsts = []
-        for prompt in prompts:
-            if index.setdefault(_frozen(prompt), len(firsts)) == len(firsts):
+        for key, prompt in zip(keys, prompts):
+            if index.setdefault(key, len(firsts)) == len(firsts):
                 firsts.append(prompt)
         if len(firsts) < len(prompts):
             log.info("pos2distill: %d of %d teacher prompts repeat an earlier one and are asked once",
                      len(prompts) - len(firsts), len(prompts))
         answers = distinct(firsts)
-        return [answers[index[_frozen(prompt)]] for prompt in prompts]
+        return [answers[index[key]] for key in keys]
 
     def distinct(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         function = computation_key(model, adapters=False)
