@@ -72,6 +72,7 @@ TRAIN_SIGNAL = "watch/train/nll_contrast"
 # the training step itself, beside the signals within a run: a dev contrast that rises with training ranks the
 # checkpoints like any signal that trends, so a signal tracks the contrast only where it ranks them better than this
 CLOCK = "the step (no signal)"
+MIN_CHECKPOINTS = 3  # a within-run rho over fewer checkpoints is not defined
 # The larger log p panel (`panel` phase): the watch's log p of the gold answer at gold 4 and 9 on every dev question
 # of the training file's split that the dev evaluation does not ask (81: the watch's 12 and 69 more), measured on
 # each run's checkpoints by scripts.watch_checkpoint, which gives the numbers the run logs with these settings
@@ -365,6 +366,8 @@ class Tracking:
     within: list[dict[str, Any]]
     reach: dict[str, Any] | None = None  # what any measurement on other questions can reach (`reach`)
     within_reach: list[dict[str, Any]] = field(default_factory=list)  # the same within runs (`within_reach`)
+    training: dict[int, int] = field(default_factory=dict)  # runs still training -> their last logged step
+    max_steps: int = 0  # a run's length
 
 
 def experiment_points(folder: Path) -> dict[str, tuple[dict[str, float], float]]:
@@ -386,8 +389,11 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
     matches = {n: loss_match(out, n) for n in RUNS}
     own = [n for n in RUNS if test == "own" or (test == "auto" and not (matches[n] or {}).get("same", False))]
     points: dict[Any, tuple[dict[str, float], float]] = {}
+    # a run counts once it has finished: the changes of a run still training are not its end-minus-start
+    training = {n: max(series(out, n, "train/loss"), default=0) for n in RUNS
+                if not RunDir(run_dir(out, n)).finished.is_file()}
     for n in RUNS:
-        if (change := test_change(out, n, n in own, max_steps)) is not None:
+        if n not in training and (change := test_change(out, n, n in own, max_steps)) is not None:
             points[n] = (signal_changes(run_dir(out, n)) | panel_changes(out, n, max_steps), change.value)
     for folder in also:
         points |= experiment_points(folder)
@@ -419,7 +425,7 @@ def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Pa
             within.append({"run": n, "signal": key, "steps": [p[0] for p in pairs],
                            "values": [p[1] for p in pairs], "dev": [p[2] for p in pairs], **corr.as_dict()})
     reaches = [found for n in WITHIN if (found := within_reach(out, n, steps)) is not None]
-    return Tracking({n: m for n, m in matches.items()}, own, across, within, reach(), reaches)
+    return Tracking({n: m for n, m in matches.items()}, own, across, within, reach(), reaches, training, max_steps)
 
 
 def reach_lines(found: dict[str, Any] | None) -> list[str]:
@@ -434,6 +440,13 @@ def reach_lines(found: dict[str, Any] | None) -> list[str]:
             f"0.8 in {found['split_half_at_least_0.8']:.0%} of {found['splits']} splits.", ""]
 
 
+def rho_cells(row: Mapping[str, Any]) -> list[str]:
+    """rho and p as table cells; "—" where rho is not defined (a constant signal, or too few points)."""
+    if not math.isfinite(row["rho"]):
+        return ["—", "—"]
+    return [f"{row['rho']:+.2f}", f"{row['p_value']:.3f}"]
+
+
 def write_report(out: Path, folder: Path, result: Tracking) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     numbers = {"losses": result.losses, "own_test": result.own_test, "across": result.across, "within": result.within,
@@ -443,12 +456,16 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
                                                           f"{m['max']:.2e}"))] for n, m in result.losses.items()]
     across = sorted(result.across, key=lambda r: -abs(r["rho"]) if math.isfinite(r["rho"]) else 0)
     also = list(dict.fromkeys(n for r in result.across for n in r["runs"] if isinstance(n, str)))
-    across_rows = [[f"`{r['signal']}`", str(len(r["runs"])), f"{r['rho']:+.2f}", f"{r['p_value']:.3f}",
-                    " ".join(f"{c:+.3f}" for c in r["changes"])] for r in across]
-    within_rows = [[str(r["run"]), f"`{r['signal']}`", str(len(r["steps"])), f"{r['rho']:+.2f}", f"{r['p_value']:.3f}"]
-                   for r in sorted(result.within, key=lambda r: (r["run"], -abs(r["rho"]) if math.isfinite(r["rho"])
-                                                                 else 0))]
-    figure = plot_tracking(result.across, result.within, folder / "tracking.png")
+    across_rows = [[f"`{r['signal']}`", str(len(r["runs"])), *rho_cells(r), " ".join(f"{c:+.3f}" for c in r["changes"])]
+                   for r in across]
+    ranked = [r for r in result.within if len(r["steps"]) >= MIN_CHECKPOINTS]
+    within_rows = [[str(r["run"]), f"`{r['signal']}`", str(len(r["steps"])), *rho_cells(r)]
+                   for r in sorted(ranked, key=lambda r: (r["run"], -abs(r["rho"]) if math.isfinite(r["rho"]) else 0))]
+    unranked = [f"run {r['run']}: `{r['signal']}` ({len(r['steps'])})" for r in result.within
+                if len(r["steps"]) < MIN_CHECKPOINTS]
+    training = [f"run {n} ({f'step {step} of {result.max_steps}' if step else 'not started'})"
+                for n, step in result.training.items()]
+    figure = plot_tracking(result.across, ranked, folder / "tracking.png", clock=CLOCK)
     test = "their own test evaluations" if result.own_test else "the kept test evaluations"
     lines = ["# Does the watch track the test curve?", "",
              f"Runs {', '.join(map(str, RUNS))} of issue 39's grid trained again with the watch on (`python -m "
@@ -459,7 +476,8 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
              "## The retrained runs against the kept ones (train/loss by step)", "",
              *markdown_table(["run", "steps compared", "first step |Δ|", "largest |Δ|"], loss_rows), "",
              "## Across runs: the signal's change (end − start) against the test change", "",
-             "Spearman's rho over the runs and its exact permutation p (two-sided).", "",
+             "Spearman's rho over the runs and its exact permutation p (two-sided), over the finished runs"
+             + (f"; still training, not counted: {', '.join(training)}" if training else "") + ".", "",
              *markdown_table(["signal", "runs", "rho", "p", "each run's change"], across_rows), "",
              *reach_lines(result.reach),
              "## Within runs: the signal over the checkpoints against the dev contrast", "",
@@ -467,6 +485,8 @@ def write_report(out: Path, folder: Path, result: Tracking) -> Path:
              "dev contrast rises with training, any signal that trends ranks them as well as the step does; a signal "
              "tracks the contrast where it does better than the step.", "",
              *markdown_table(["run", "signal", "checkpoints", "rho", "p"], within_rows), "",
+             *([f"Measured at fewer than {MIN_CHECKPOINTS} checkpoints so far, no rho: {'; '.join(unranked)}.", ""]
+               if unranked else []),
              *(f"Run {r['run']}'s dev contrast against itself: two random halves of its {r['questions']} questions "
                f"rank its {r['checkpoints']} checkpoints alike with a median rho of {r['split_half_median']:+.2f}, "
                f"and at rho >= 0.8 in {r['split_half_at_least_0.8']:.0%} of {r['splits']} splits." for r in

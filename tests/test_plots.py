@@ -33,6 +33,7 @@ from analysis.report.figures import (
     predicted_profiles_figure,
     prior_figure,
     profile_vs_prior_figure,
+    tracking_figure,
     valley_accuracy_scatter_figure,
 )
 
@@ -390,3 +391,26 @@ def test_prior_figure_raw_and_anchored_at_the_last_position():
     np.testing.assert_array_equal(raw.lines[0].get_ydata(), p)
     np.testing.assert_array_equal(anchored.lines[0].get_ydata(), p / p[-1])
     assert raw.get_yscale() == anchored.get_yscale() == "log"
+
+
+def test_tracking_figure_wraps_the_signals_best_first_and_draws_few_followers_per_run():
+    """19 signals in rows of 4, the best-ranked first (an undefined rho last); a run's panel: the dev contrast, the
+    step (dashed) and the `followers` best signals, not every signal."""
+    across = [{"signal": f"s{k}", "runs": [2, 3, 4], "changes": [0.0, 1.0, float(k)], "test_changes": [0.1, 0.2, 0.3],
+               "rho": k / 20, "p_value": 0.5} for k in range(18)]
+    across.append({"signal": "flat", "runs": [2, 3, 4], "changes": [1.0] * 3, "test_changes": [0.1, 0.2, 0.3],
+                   "rho": float("nan"), "p_value": float("nan")})
+    steps = [0, 25, 50]
+    within = [{"run": 3, "signal": "clock", "steps": steps, "values": steps, "dev": [0.0, 1.0, 0.5], "rho": 0.5}]
+    within += [{"run": 3, "signal": f"w{k}", "steps": steps, "values": [0.0, k, 1.0], "dev": [0.0, 1.0, 0.5],
+                "rho": k / 10} for k in range(6)]
+    fig = tracking_figure(across, within, followers=2, columns=4, clock="clock")
+    upper, lower = fig.subfigs
+    titles = [ax.get_title().split("\n")[0] for ax in upper.axes]
+    assert len(upper.axes) == 19 and titles[:2] == ["s17", "s16"] and titles[-1] == "flat"
+    assert {ax.get_subplotspec().get_geometry()[:2] for ax in upper.axes} == {(5, 4)}
+    (run,) = lower.axes
+    labels = [line.get_label() for line in run.get_lines()]
+    assert labels == ["dev contrast", "clock (+0.50)", "w5 (+0.50)", "w4 (+0.40)"]
+    assert run.get_lines()[1].get_linestyle() == "--"
+    assert fig.get_size_inches()[0] == pytest.approx(3.4 * 4)

@@ -314,6 +314,7 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
         metrics = [{"step": s, "train/loss": 1.0, "valley/vanilla/middle_mass": 0.3 + 0.01 * ((rank * 7) % 3) * s,
                     "watch/mdqa/loglik_contrast": 0.002 * rank * s} for s in range(0, 151, 25)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+        (run_dir / "finished.json").write_text('{"step": 150}')
     for n in wt.WITHIN:
         for step in range(0, 151, 25):
             target = "base" if step == 0 else str(n)
@@ -357,6 +358,14 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
     assert more["watch/mdqa/loglik_contrast"]["p_value"] == pytest.approx(2 / 40320)
     report = wt.write_report(out, tmp_path / "report", with_other).read_text()
     assert "add points (`--also`): lift_middle/0, lift_middle/1." in report
+
+    # a run still training is left out of the across-run test (its changes are not end-minus-start) and named
+    (out / "runs" / "9" / "finished.json").unlink()
+    partial = wt.tracking(out, "kept", 150, 25)
+    assert {r["signal"]: r for r in partial.across}["watch/mdqa/loglik_contrast"]["runs"] == [2, 3, 4, 5, 8]
+    assert partial.training == {9: 150}
+    assert "still training, not counted: run 9 (step 150 of 150)." in wt.write_report(
+        out, tmp_path / "report", partial).read_text()
 
 
 def test_the_within_runs_are_evaluated_on_dev_right_after_they_train(tmp_path):
@@ -543,6 +552,8 @@ def test_the_larger_panel_is_measured_after_each_run_and_ranked_like_the_watch(t
         fake_eval(grid / "evals" / "mdqa_test" / f"run-{n}" / "eval" / "mdqa_step150.json",
                   {q: (-3.0 + 0.1 * rank, -1.0) for q in questions})
         fake_panel(wt.panel_file(out, str(n), 150), 150, -2.0 + 0.3 * rank)
+        (out / "runs" / str(n)).mkdir(parents=True)
+        (out / "runs" / str(n) / "finished.json").write_text('{"step": 150}')
     for rank, n in enumerate(wt.RUNS):
         if n not in wt.WITHIN:
             continue
@@ -571,6 +582,13 @@ def test_the_larger_panel_is_measured_after_each_run_and_ranked_like_the_watch(t
     assert reaches == [(3, 7, 1.0), (4, 7, 1.0)]
     report = wt.write_report(out, tmp_path / "report", result).read_text()
     assert "Run 3's dev contrast against itself: two random halves of its 5 questions rank its 7 checkpoints" in report
+
+    # run 4's panel measured at its ends alone: no rho over 2 checkpoints, said as such rather than a row of nan
+    for step in range(25, 150, 25):
+        wt.panel_file(out, "4", step).unlink()
+    report = wt.write_report(out, tmp_path / "report", wt.tracking(out, "kept", 150, 25)).read_text()
+    assert f"| 4 | `{key}` |" not in report and "nan" not in report
+    assert f"no rho: run 4: `{key}` (2)" in report
 
 
 def test_the_watchs_own_questions_are_the_panels_first_whichever_rows_hold_them(tmp_path):

@@ -10,7 +10,9 @@ returns its path; the ``*_figure`` function of the same name builds that Figure 
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -620,42 +622,66 @@ def plot_arm_curves(estimates: Mapping[str, Any], out_png: str | os.PathLike, ti
     return _save(arm_curves_figure(estimates, title, score), out_png)
 
 
-def tracking_figure(across: Sequence[Mapping[str, Any]], within: Sequence[Mapping[str, Any]]) -> Figure:
-    """Does a watched signal track the test curve (scripts.watch_tracking)? Top row: each signal's change over a run
-    against the run's test contrast change, one point a run, rho in the title. Bottom row: within each run, each
-    signal over the checkpoints against the dev contrast, every curve rescaled to [0, 1]."""
-    across = [a for a in across if a["changes"]]
-    runs = sorted({w["run"] for w in within})
-    cols = max(len(across), len(runs), 1)
-    fig = Figure(figsize=(3.2 * cols, 6.4), layout="constrained")
-    axes = fig.subplots(2, cols, squeeze=False)
-    for ax, a in zip(axes[0], across):
+def tracking_figure(across: Sequence[Mapping[str, Any]], within: Sequence[Mapping[str, Any]],
+                    followers: int = 4, columns: int = 4, clock: str | None = None) -> Figure:
+    """Does a watched signal track the test curve (scripts.watch_tracking)? Upper panels, `columns` a row, the
+    signals that rank the runs best first (by |rho|; `across`'s order breaks ties): each signal's change over a run
+    against the run's test contrast change, one point a run, rho in the title. Lower panels, one a run: the dev
+    contrast over the checkpoints (black) and the `followers` signals that follow it best, each rescaled to [0, 1];
+    `clock` names the row of the step itself, drawn dashed as the line to beat."""
+    def strength(row: Mapping[str, Any]) -> float:
+        return abs(row["rho"]) if math.isfinite(row["rho"]) else -1.0
+
+    across = sorted((a for a in across if a["changes"]), key=strength, reverse=True)
+    runs = sorted({w["run"] for w in within if w["steps"]})
+    rows_across = -(-len(across) // columns) if across else 0
+    fig = Figure(figsize=(3.4 * columns, 3.0 * (rows_across + (1 if runs else 0)) + 0.4), layout="constrained")
+    upper, lower = fig.subfigures(2, 1, height_ratios=[max(rows_across, 1e-3), 1 if runs else 1e-3])
+    for k, a in enumerate(across):
+        ax = upper.add_subplot(rows_across, columns, k + 1)
         ax.scatter(a["changes"], a["test_changes"], color="C0")
         for x, y, n in zip(a["changes"], a["test_changes"], a["runs"]):
             ax.annotate(str(n), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_title(f"{a['signal']}\nrho {a['rho']:+.2f}, p {a['p_value']:.3f}", fontsize=7)
+        ax.set_title(f"{_wrapped(a['signal'])}\nrho {a['rho']:+.2f}, p {a['p_value']:.3f}", fontsize=7)
         ax.set_xlabel("change over the run", fontsize=7)
         ax.set_ylabel("test contrast change (nats)", fontsize=7)
+        ax.tick_params(labelsize=6)
 
     def scaled(values: Sequence[float]) -> np.ndarray:
         v = np.asarray(values, dtype=float)
         return (v - v.min()) / (np.ptp(v) or 1.0)
 
-    for ax, n in zip(axes[1], runs):
-        curves = [w for w in within if w["run"] == n and w["steps"]]
-        if curves:
-            ax.plot(curves[0]["steps"], scaled(curves[0]["dev"]), color="black", linewidth=2.5, label="dev contrast")
-        for k, w in enumerate(curves):
-            ax.plot(w["steps"], scaled(w["values"]), color=f"C{k % 10}", label=f"{w['signal']} ({w['rho']:+.2f})")
-        ax.set_title(f"run {n}: within the run (rescaled)", fontsize=8)
+    for k, n in enumerate(runs):
+        ax = lower.add_subplot(1, max(len(runs), 2), k + 1)
+        curves = [w for w in within if w["run"] == n and len(w["steps"]) >= 2]
+        ax.plot(curves[0]["steps"], scaled(curves[0]["dev"]), color="black", linewidth=2.5, label="dev contrast")
+        for w in curves:
+            if w["signal"] == clock:
+                ax.plot(w["steps"], scaled(w["values"]), color="grey", linestyle="--",
+                        label=f"{_wrapped(w['signal'], 60)} ({w['rho']:+.2f})")
+        best = sorted((w for w in curves if w["signal"] != clock), key=strength, reverse=True)[:followers]
+        for c, w in enumerate(best):
+            ax.plot(w["steps"], scaled(w["values"]), color=f"C{c % 10}",
+                    label=f"{_wrapped(w['signal'], 60)} ({w['rho']:+.2f})")
+        ax.set_title(f"run {n}: the dev contrast and the signals that follow it best (rescaled)", fontsize=8)
         ax.set_xlabel("step", fontsize=7)
-        ax.legend(fontsize=5)
-    for ax in [*axes[0][len(across):], *axes[1][len(runs):]]:
-        ax.set_visible(False)
+        ax.tick_params(labelsize=6)
+        ax.legend(fontsize=6)
     return fig
 
 
+def _wrapped(text: str, width: int = 38) -> str:
+    """A long signal name over several lines, broken at its spaces and slashes."""
+    lines, line = [], ""
+    for piece in re.split(r"(?<=[ /])", text):
+        if line and len(line) + len(piece) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += piece
+    return "\n".join([*lines, line.rstrip()])
+
+
 def plot_tracking(across: Sequence[Mapping[str, Any]], within: Sequence[Mapping[str, Any]],
-                  out_png: str | os.PathLike) -> Path:
+                  out_png: str | os.PathLike, clock: str | None = None) -> Path:
     """`tracking_figure` as a PNG."""
-    return _save(tracking_figure(across, within), out_png)
+    return _save(tracking_figure(across, within, clock=clock), out_png)
