@@ -77,6 +77,8 @@ class Scheduler:
     def _run(self, jobs: Sequence[Job], running: dict[str, tuple[subprocess.Popen, Job]]) -> None:
         waiting = [j for j in jobs if not j.done]
         finished = {j.name for j in jobs if j.done}
+        if jobs:  # an experiment that runs over many sessions: where this one starts
+            print(f"[{self.name}] {len(finished)} of {len(jobs)} jobs done already, {len(waiting)} to run", flush=True)
         checkpointed = time.monotonic()
         while waiting or running:
             ended_now = False
@@ -86,7 +88,7 @@ class Scheduler:
                     ended_now = True
                     if proc.returncode == 0:
                         finished.add(name)
-                        print(f"[{self.name}] done: {name}", flush=True)
+                        print(f"[{self.name}] done: {name} ({len(finished)} of {len(jobs)} done)", flush=True)
                     else:
                         self.failed[name] = f"exit {proc.returncode}, log {job.log}"
                         print(f"[{self.name}] FAILED: {name} (exit {proc.returncode}; {job.log})", flush=True)

@@ -453,7 +453,7 @@ def _job(tmp_path, name, code, after=(), wait_for=None):
                             wait_for=wait_for)
 
 
-def test_the_scheduler_waits_for_what_a_job_needs_and_fails_its_dependants(tmp_path):
+def test_the_scheduler_waits_for_what_a_job_needs_and_fails_its_dependants(tmp_path, capsys):
     marker = tmp_path / "answers.json"
     order = tmp_path / "order.txt"
     log = f"open({str(order)!r}, 'a').write('{{}}\\n')"
@@ -469,6 +469,9 @@ def test_the_scheduler_waits_for_what_a_job_needs_and_fails_its_dependants(tmp_p
     assert order.read_text().split() == ["leader", "follower"] and len(ended) >= 2  # kept as jobs end
     assert scheduler.failed["broken"].startswith("exit 3")
     assert "broken failed" in scheduler.failed["after_broken"]
+    printed = capsys.readouterr().out  # where a long experiment stands, for a session that continues it
+    assert "[jobs] 0 of 4 jobs done already, 4 to run" in printed
+    assert "[jobs] done: leader (1 of 4 done)" in printed and "[jobs] done: follower (2 of 4 done)" in printed
 
 
 def test_a_stopped_scheduler_stops_its_jobs(tmp_path):
