@@ -328,6 +328,9 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
     assert found["watch/mdqa/loglik_contrast"]["p_value"] == pytest.approx(2 / 720) and found[
         "watch/mdqa/loglik_contrast"]["exact"]
     assert abs(found["valley/vanilla/middle_mass"]["rho"]) < 0.9
+    assert found["watch/mdqa/loglik_contrast"]["seed_orders"] == (3, 3)  # each setting's seeds ordered as the test
+    # middle mass changes as (0, 1, 2, 0, 1, 2) over runs 2..9 while the test rises with the run: 4-5 the other way
+    assert found["valley/vanilla/middle_mass"]["seed_orders"] == (2, 3)
     within = {(r["run"], r["signal"]): r for r in result.within}
     assert within[(4, "watch/mdqa/loglik_contrast")]["rho"] == pytest.approx(1.0)
     assert within[(4, "watch/mdqa/loglik_contrast")]["steps"] == list(range(0, 151, 25))
@@ -625,10 +628,16 @@ def test_the_report_says_what_a_measurement_on_other_questions_can_reach(tmp_pat
     found = wt.reach(splits=50)
     assert found["dev_rho"] == pytest.approx(1.0) and found["dev_p_value"] == pytest.approx(2 / 720)
     assert found["test"] == pytest.approx([0.1 * k for k in range(6)]) and found["split_half_median"] == pytest.approx(1)
+    assert found["seed_order_kept"] == {"2-3": 1.0, "4-5": 1.0, "8-9": 1.0}
     rng = np.random.default_rng(0)
     for n in wt.RUNS:  # test changes that are noise around one value: the halves disagree
         fake_eval(tmp_path / "evals" / "mdqa_test" / f"run-{n}" / "eval" / "mdqa_step150.json",
                   {q: (-3.0 + float(rng.normal()), -1.0) for q in questions})
     noisy = wt.reach(splits=200)
     assert noisy["split_half_at_least_0.8"] < 0.5
+    # run 3 above run 2 on half of the questions, below on the other half: no half orders them alike with the other
+    for n, sign in ((2, 1.0), (3, -1.0)):
+        fake_eval(tmp_path / "evals" / "mdqa_test" / f"run-{n}" / "eval" / "mdqa_step150.json",
+                  {q: (-3.0 + sign * (1 if k % 2 else -1), -1.0) for k, q in enumerate(questions)})
+    assert wt.reach(splits=50)["seed_order_kept"]["2-3"] == 0.0
     assert "two random halves of its 8 questions" in "\n".join(wt.reach_lines(noisy))
