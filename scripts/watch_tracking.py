@@ -233,21 +233,7 @@ def reach(splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, Any] | No
     return {"dev": dev, "test": test, "dev_questions": len(changes["mdqa_dev"][RUNS[0]]),
             "test_questions": len(questions), **{f"dev_{k}": v for k, v in
                                                  stats.permutation_correlation(dev, test).as_dict().items()},
-            **split_halves(table, splits, seed), "seed_order_kept": seed_order_kept(table, splits, seed)}
-
-
-def seed_order_kept(table: np.ndarray, splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, float]:
-    """How well the test orders the two seeds of a setting: for each of SEED_PAIRS, the share of `splits` random
-    halvings of the questions (the columns of `table`, rows in RUNS' order) on which both halves order the pair
-    alike. Near 0.5, the test cannot say which seed moved more, and no signal can be judged on that pair."""
-    rng, half = np.random.default_rng(seed), table.shape[1] // 2
-    rows = {n: k for k, n in enumerate(RUNS)}
-    kept = np.zeros(len(SEED_PAIRS))
-    for _ in range(splits):
-        order = rng.permutation(table.shape[1])
-        first, second = table[:, order[:half]].mean(1), table[:, order[half:]].mean(1)
-        kept += [same_order(first[rows[a]] - first[rows[b]], second[rows[a]] - second[rows[b]]) for a, b in SEED_PAIRS]
-    return {f"{a}-{b}": float(k / splits) for (a, b), k in zip(SEED_PAIRS, kept)}
+            **split_halves(table, splits, seed, SEED_PAIRS)}
 
 
 def seed_orders(runs: Sequence[Any], x: Sequence[float], y: Sequence[float]) -> tuple[int, int]:
@@ -262,17 +248,27 @@ def same_order(a: float, b: float) -> bool:
     return bool(a * b > 0)
 
 
-def split_halves(table: np.ndarray, splits: int = 2000, seed: int = stats.RNG_SEED) -> dict[str, Any]:
+def split_halves(table: np.ndarray, splits: int = 2000, seed: int = stats.RNG_SEED,
+                 pairs: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
     """A ranking's own noise: Spearman's rho between the row means (runs, or checkpoints) over two random halves of
-    the columns (questions), `splits` times: its median and how often it reaches 0.8."""
+    the columns (questions), `splits` times: its median and how often it reaches 0.8. With `pairs` (runs of RUNS,
+    the rows in its order), also the share of the splits on which both halves order each pair alike
+    (`seed_order_kept`): near 0.5, the questions cannot say which of the two moved more, and no signal can be judged
+    on that pair."""
     rng, half = np.random.default_rng(seed), table.shape[1] // 2
-    halves = []
+    rows = {n: k for k, n in enumerate(RUNS)}
+    halves, kept = [], np.zeros(len(pairs))
     for _ in range(splits):
         order = rng.permutation(table.shape[1])
-        halves.append(stats.spearman_rho(table[:, order[:half]].mean(1), table[:, order[half:]].mean(1)))
+        first, second = table[:, order[:half]].mean(1), table[:, order[half:]].mean(1)
+        halves.append(stats.spearman_rho(first, second))
+        kept += [same_order(first[rows[a]] - first[rows[b]], second[rows[a]] - second[rows[b]]) for a, b in pairs]
     halves = np.array(halves)
-    return {"split_half_median": float(np.median(halves)), "split_half_at_least_0.8": float((halves >= 0.8).mean()),
-            "splits": splits}
+    found = {"split_half_median": float(np.median(halves)), "split_half_at_least_0.8": float((halves >= 0.8).mean()),
+             "splits": splits}
+    if pairs:
+        found["seed_order_kept"] = {f"{a}-{b}": float(k / splits) for (a, b), k in zip(pairs, kept)}
+    return found
 
 
 def within_reach(out: Path, n: int, steps: Sequence[int], splits: int = 2000) -> dict[str, Any] | None:

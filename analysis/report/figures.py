@@ -633,7 +633,7 @@ def tracking_figure(across: Sequence[Mapping[str, Any]], within: Sequence[Mappin
         return abs(row["rho"]) if math.isfinite(row["rho"]) else -1.0
 
     across = sorted((a for a in across if a["changes"]), key=strength, reverse=True)
-    runs = sorted({w["run"] for w in within if w["steps"]})
+    runs = sorted({w["run"] for w in within if len(w["steps"]) >= 2})  # a curve needs two checkpoints
     rows_across = -(-len(across) // columns) if across else 0
     fig = Figure(figsize=(3.4 * columns, 3.0 * (rows_across + (1 if runs else 0)) + 0.4), layout="constrained")
     upper, lower = fig.subfigures(2, 1, height_ratios=[max(rows_across, 1e-3), 1 if runs else 1e-3])
