@@ -9,6 +9,9 @@ sequences end in the same target tokens, so their next-token distributions compa
 its `prompt_len`, `context_tokens` (`data_builders.build.train_documents` reads the training text from them),
 `depth`, `gold_slot` and `id`.
 
+With `debias.distill.targets=gold` the targets are instead each sample's own target (its labelled tokens before eos, a
+whole-word alias of the gold: `gold_targets`), every sample kept that fits: no answer is generated.
+
 With a teacher slot chosen per sample (debias=pos2distill_best: `choose_teachers` picks, among a build's
 `teacher_candidate_ids`, the prompt where the starting model gives the sample's own target the highest log p), the
 split also keeps each sample's `teacher_slot`.
@@ -169,5 +172,21 @@ def answer_training_samples(train: Any, answer: AnswerFn, tokenizer: Any, contex
                         "answers": list(gold), "tokens": len(ids), "correct": correct, "kept": dropped is None,
                         "dropped": dropped})
         counts["correct"] += correct
+        counts["kept" if dropped is None else f"dropped_{dropped}"] += 1
+    return DistillResponses(targets, samples, counts)
+
+
+def gold_targets(train: Any, tokenizer: Any, context_len: int) -> DistillResponses:
+    """Each sample's own target as its distillation target (`debias.distill.targets=gold`), kept when the longer of
+    its student and teacher prompts, the target and eos fit `context_len`; `train` as for `answer_training_samples`."""
+    targets: list[Optional[list[int]]] = []
+    samples = []
+    counts = {"samples": len(train), "kept": 0, f"dropped_{TOO_LONG}": 0}
+    for ids, prompt_len, teacher, sample_id, slot in zip(sample_targets(train), train["prompt_len"],
+                                                         train["teacher_prompt_ids"], train["id"], train["gold_slot"]):
+        dropped = TOO_LONG if max(prompt_len, len(teacher)) + len(ids) + 1 > context_len else None
+        targets.append(None if dropped else ids)
+        samples.append({"id": sample_id, "gold_slot": slot, "target": tokenizer.decode(ids, skip_special_tokens=True),
+                        "tokens": len(ids), "kept": dropped is None, "dropped": dropped})
         counts["kept" if dropped is None else f"dropped_{dropped}"] += 1
     return DistillResponses(targets, samples, counts)

@@ -20,7 +20,7 @@ from data_builders.tokenizer import train_bpe_tokenizer
 from models.training.distill import adaptive_weights, position_kd_loss
 from models.training.distributed import DistInfo
 from scripts import reads_middle
-from tests.test_pos2distill import SMOKE, nq_file  # noqa: F401 (the fixture)
+from tests.test_pos2distill import nq_file  # noqa: F401 (the fixture)
 from tests.test_train import MDQA3
 from train import as_train_config, run, validate
 
@@ -113,8 +113,10 @@ def test_teacher_candidates_are_refused_outside_the_mdqa_layout():
         validate_data(DataConfig(in2=In2Config(teacher_candidates=[0, -1])))
 
 
-def test_a_tiny_run_chooses_its_teachers_and_distils(compose_cfg, nq_file, tmp_path):  # noqa: F811
-    run(compose_cfg("+exp=in2_smol_distill", "debias=pos2distill_best", f"data.path={nq_file}", *SMOKE,
+def test_a_tiny_run_chooses_its_teachers_and_distils_along_each_gold(compose_cfg, nq_file, tmp_path):  # noqa: F811
+    # the preset's gold targets: every sample a target though the random tiny model answers nothing right, and no
+    # answer generated (debias.distill.keep_wrong is refused with them)
+    run(compose_cfg("+exp=in2_smol_distill", "debias=pos2distill_best", f"data.path={nq_file}", *MDQA3,
                     "trainer.max_steps=2", "trainer.save_every=0"), tmp_path)
     choice = json.loads((tmp_path / "teacher_choice.json").read_text())
     assert choice["candidates"] == [0, 2]  # -1 is the last of 3 documents
@@ -122,6 +124,9 @@ def test_a_tiny_run_chooses_its_teachers_and_distils(compose_cfg, nq_file, tmp_p
     for sample in choice["samples"]:
         best = max(range(2), key=lambda j: sample["logprobs"][j])
         assert sample["teacher_slot"] == choice["candidates"][best] and all(np.isfinite(sample["logprobs"]))
+    targets = json.loads((tmp_path / "distill_responses.json").read_text())
+    assert targets["counts"] == {"samples": 64, "kept": 64, "dropped_longer_than_context_len": 0}
+    assert all("answer" not in s and s["target"] for s in targets["samples"])
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in trained] == [1, 2]

@@ -23,7 +23,7 @@ from analysis.evaluation.generate import greedy_generate, greedy_generate_ids
 from analysis.evaluation.reuse import computation_key
 from data_builders.collate import collate
 from data_builders.config import DataConfig, DataSource, In2Config
-from data_builders.distill_data import answer_training_samples, distill_split
+from data_builders.distill_data import answer_training_samples, distill_split, gold_targets
 from data_builders.mdqa import write_jsonl_gz
 from data_builders.probes import synthetic_filler
 from data_builders.tokenizer import train_bpe_tokenizer
@@ -212,6 +212,21 @@ def test_the_responses_keep_only_correct_answers_and_count_the_others():
     assert split[1]["teacher_labels"] == [-100] * len(teacher) + [7, 8, 9, 4, EOS]
 
 
+def test_gold_targets_are_each_samples_own_target_and_every_one_that_fits_is_kept():
+    train = _train_split()
+    responses = gold_targets(train, _Words(), context_len=7)
+    assert responses.targets == [[4], [4], None, [4], [4]]  # sample 2: its 6-token prompt + Paris + eos > 7
+    assert responses.counts == {"samples": 5, "kept": 4, "dropped_longer_than_context_len": 1}
+    assert [s["target"] for s in responses.samples] == ["Paris"] * 5
+    assert [s["dropped"] for s in responses.samples] == [None, None, "longer_than_context_len", None, None]
+    longer_teacher = train.map(lambda row: {"teacher_prompt_ids": [1] * 6})  # the teacher's prompt counts too
+    assert gold_targets(longer_teacher, _Words(), context_len=7).targets == [None] * 5
+    split = distill_split(train, responses.targets, EOS)
+    assert split["id"] == ["train-0", "train-1", "train-3", "train-4"]
+    for row in split:  # the student reads its own sequence again, the teacher along the same target
+        assert row["labels"][row["prompt_len"]:] == [4, EOS] and row["teacher_input_ids"][-2:] == [4, EOS]
+
+
 def test_answers_are_cached_by_the_starting_function_with_the_adapters_off(tmp_path):
     model = _lora(_tiny_model())
     settings = {"max_new_tokens": 4}
@@ -329,6 +344,9 @@ SMOKE = SMOKE_SIZES["in2_smol_distill"]  # the tiny model, 3 documents, its wron
     (["debias.distill.preserve=-1"], r"debias.distill.preserve=-1.0 must be"),
     (["debias.distill.guard=-0.5"], r"debias.distill.guard=-0.5 must be"),
     (["debias.distill.max_new_tokens=0"], r"debias.distill.max_new_tokens=0 must be"),
+    (["debias.distill.targets=teacher"], r"debias.distill.targets='teacher' must be one of answers, gold"),
+    (["debias.distill.targets=gold", "debias.distill.keep_wrong=true"],
+     r"debias.distill.keep_wrong=true with debias.distill.targets=gold"),
     (["data.packing=true"], r"data.packing=true"),
     (["debias.needle_mix.share=0.25"], r"debias.needle_mix.share=0.25"),
     (["debias.bins=5", "debias.eta=0.1"], r"debias.bins=5, debias.eta=0.1 set with debias.objective=pos2distill: "

@@ -4,13 +4,15 @@
 Data: mdqa-layout samples (`data.in2.layout=mdqa`) with a teacher prompt each, the same documents with the gold moved
 to `data.in2.teacher_slot` (the strong slot). Targets (`prepare`, before the first step): the starting model's own
 greedy answer to each teacher prompt, kept when correct (data_builders.distill_data), then eos; every answer, kept or
-not, in `<run>/distill_responses.json`. Per micro-batch: the teacher's logits on the teacher prompt + target with the
-LoRA adapters off (the base function: no second copy of the weights), without gradient; the student's on the
-sample's own prompt + target with them on; both at the positions that predict a target token, aligned token by token;
-loss = `position_kd_loss` (T^2 sum_i w_i KL_i, the reference's adaptive weights over the gold slots of the
-micro-batch, the strong slot's samples weighing `debias.distill.preserve`) + `debias.distill.guard` x `guard_kl`
-(KL(base || policy) on the teacher sequences: one more forward and backward pass; 0 = off). It needs peft=lora,
-unpacked batches and one rank a sequence; debias.needle_mix's rows (no teacher prompt) do not combine with it.
+not, in `<run>/distill_responses.json`. With `debias.distill.targets=gold`, each sample's own target (its gold alias)
+then eos instead: every sample a target, no answer generated. Per micro-batch: the teacher's logits on the teacher
+prompt + target with the LoRA adapters off (the base function: no second copy of the weights), without gradient; the
+student's on the sample's own prompt + target with them on; both at the positions that predict a target token,
+aligned token by token; loss = `position_kd_loss` (T^2 sum_i w_i KL_i, the reference's adaptive weights over the gold
+slots of the micro-batch, the strong slot's samples weighing `debias.distill.preserve`) + `debias.distill.guard` x
+`guard_kl` (KL(base || policy) on the teacher sequences: one more forward and backward pass; 0 = off). It needs
+peft=lora, unpacked batches and one rank a sequence; debias.needle_mix's rows (no teacher prompt) do not combine with
+it.
 """
 from __future__ import annotations
 
@@ -25,7 +27,12 @@ from typing import Any, Iterator, Optional
 import torch
 
 from data_builders.config import DataFormat, In2Layout
-from data_builders.distill_data import answer_training_samples, check_teacher_columns, distill_split
+from data_builders.distill_data import (
+    answer_training_samples,
+    check_teacher_columns,
+    distill_split,
+    gold_targets,
+)
 from data_builders.files import atomic_write_text
 from models.build import Attention, at_least_fp32
 from models.peft_setup import PeftMethod, adapters_disabled
@@ -89,6 +96,9 @@ def tap_target_nll(tap: Tap, logits: torch.Tensor, mask: torch.Tensor, labels: t
         tap(full, targets)
 
 
+DISTILL_TARGETS = ("answers", "gold")  # debias.distill.targets (models.training.debias.Pos2DistillConfig)
+
+
 def check_distill_settings(start: StartUp, what: str) -> None:
     """The checks every pos2distill objective shares (`what` names the objective in the errors): LoRA on standard
     attention, mdqa-layout data, the loss's settings, unpacked batches without mixed rows."""
@@ -110,6 +120,11 @@ def check_distill_settings(start: StartUp, what: str) -> None:
         raise ValueError(f"debias.distill.guard={cfg.distill.guard} must be a finite number >= 0 (0 = off)")
     if cfg.distill.max_new_tokens < 1:
         raise ValueError(f"debias.distill.max_new_tokens={cfg.distill.max_new_tokens} must be >= 1")
+    if cfg.distill.targets not in DISTILL_TARGETS:
+        raise ValueError(f"debias.distill.targets={cfg.distill.targets!r} must be one of {', '.join(DISTILL_TARGETS)}")
+    if cfg.distill.targets == "gold" and cfg.distill.keep_wrong:
+        raise ValueError("debias.distill.keep_wrong=true with debias.distill.targets=gold: gold targets generate no "
+                         "answer to keep or drop; leave keep_wrong false")
     if data.packing:
         raise ValueError(f"{what} with data.packing=true: its student and teacher sequences are batched padded, "
                          "row by row; set data.packing=false")
@@ -147,24 +162,34 @@ class Pos2Distill(TrainingObjective):
                              f"teacher slot, data.in2.teacher_slot={built.in2.teacher_slot} (slot {slot}), or null")
 
     def prepare(self, prep: Preparation) -> Optional[Any]:
-        """The training split on the starting model's correct answers at the strong slot (module docstring)."""
+        """The training split on the starting model's correct answers at the strong slot, or on each sample's own
+        target (`debias.distill.targets=gold`; module docstring)."""
         c, built = self.ctx.cfg.distill, self.ctx.built
         check_teacher_columns(prep.train)
-        responses = answer_training_samples(prep.train, prep.answers(c.max_new_tokens), prep.tokenizer,
-                                            built.context_len, c.keep_wrong)
+        gold = c.targets == "gold"
+        responses = (gold_targets(prep.train, prep.tokenizer, built.context_len) if gold else
+                     answer_training_samples(prep.train, prep.answers(c.max_new_tokens), prep.tokenizer,
+                                             built.context_len, c.keep_wrong))
         responses = prep.share(responses)  # every rank keeps the main process's answers
         n, where = responses.counts, RunDir(prep.run_dir).distill_responses
         if prep.is_main:
             atomic_write_text(where, json.dumps(responses.to_json(), indent=1))
-            log.info("%s: with the gold at %s the starting model answered %d of %d training questions "
-                     "correctly; %d kept as targets, dropped %d wrong and %d longer than data.context_len=%d (%s)",
-                     self.name, self.teacher_slots(), n["correct"], n["samples"], n["kept"], n["dropped_wrong"],
-                     n["dropped_longer_than_context_len"], built.context_len, where)
+            if gold:
+                log.info("%s: the teacher (the gold at %s) read along each sample's own target; %d of %d kept, "
+                         "dropped %d longer than data.context_len=%d (%s)", self.name, self.teacher_slots(),
+                         n["kept"], n["samples"], n["dropped_longer_than_context_len"], built.context_len, where)
+            else:
+                log.info("%s: with the gold at %s the starting model answered %d of %d training questions "
+                         "correctly; %d kept as targets, dropped %d wrong and %d longer than data.context_len=%d (%s)",
+                         self.name, self.teacher_slots(), n["correct"], n["samples"], n["kept"], n["dropped_wrong"],
+                         n["dropped_longer_than_context_len"], built.context_len, where)
         if n["kept"] < prep.micro_batch_size * prep.data_parallel:
-            raise ValueError(f"debias.objective=pos2distill kept {n['kept']} of {n['samples']} training samples (the "
-                             f"starting model's correct answers at the strong slot), fewer than one global micro-batch "
-                             f"of {prep.micro_batch_size} x {prep.data_parallel}: raise data.num_train (or "
-                             f"debias.distill.keep_wrong=true to keep wrong answers too); {where} has the answers")
+            what = ("samples that fit data.context_len" if gold else
+                    "the starting model's correct answers at the strong slot")
+            advice = "" if gold else " (or debias.distill.keep_wrong=true to keep wrong answers too)"
+            raise ValueError(f"debias.objective={self.name} kept {n['kept']} of {n['samples']} training samples "
+                             f"({what}), fewer than one global micro-batch of {prep.micro_batch_size} x "
+                             f"{prep.data_parallel}: raise data.num_train{advice}; {where} has the targets")
         return distill_split(prep.train, responses.targets, prep.tokenizer.eos_token_id)
 
     def teacher_slots(self) -> str:

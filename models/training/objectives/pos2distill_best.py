@@ -5,14 +5,17 @@ Data: mdqa-layout samples built with `data.in2.teacher_candidates` (each holds i
 candidate slot). Before the first step (`prepare`) the starting model scores each sample's own target (a whole-word
 alias of the gold, the answer the data trains) at every candidate: the candidate where its log p is highest becomes
 the sample's teacher slot (`data_builders.distill_data.choose_teachers`; the choice per sample and every log p in
-`<run>/teacher_choice.json`, the log p cached like the answers). Then as pos2distill: the starting model answers
-each chosen teacher prompt greedily, the correct answers become the targets, and the student (the sample's own
-prompt, adapters on) learns the teacher's distribution over them by Pos2Distill's adaptive position KL, whose
-per-slot weights follow the student's current KL at each slot. A sample whose gold already sits at its teacher
-slot is a preserve sample (weight `debias.distill.preserve`), whichever slot that is.
+`<run>/teacher_choice.json`, the log p cached like the answers). Then as pos2distill: the targets are the starting
+model's correct greedy answers at each chosen teacher prompt, or with `debias.distill.targets=gold` (this arm's
+preset) each sample's own target, the one its teacher slot was chosen by; the student (the sample's own prompt,
+adapters on) learns the teacher's distribution along them by Pos2Distill's adaptive position KL, whose per-slot
+weights follow the student's current KL at each slot. A sample whose gold already sits at its teacher slot is a
+preserve sample (weight `debias.distill.preserve`), whichever slot that is.
 
-Compared with pos2distill's fixed last slot, a question the model reads best at the start is taught from the start:
-more questions have a correct teacher answer, so more distinct targets from the same build.
+Compared with pos2distill's fixed last slot, a question the model reads best at the start is taught from the start.
+Gold targets give every question a target: the starting model answers ~1 in 3 training questions right at its
+strong slot (issue 39: 33% with the gold last), so answers kept when correct would leave ~700 distinct targets of
+the ~2,200 questions, and no greedy answer is generated (~3.5 h of the teacher pass on a 2-core CPU).
 """
 from __future__ import annotations
 
