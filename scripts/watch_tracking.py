@@ -412,11 +412,12 @@ def experiment_points(folder: Path) -> dict[str, tuple[dict[str, float], float]]
 
 def tracking(out: Path, test: str, max_steps: int, every: int, also: Sequence[Path] = ()) -> Tracking:
     matches = {n: loss_match(out, n) for n in RUNS}
-    own = [n for n in RUNS if test == "own" or (test == "auto" and not (matches[n] or {}).get("same", False))]
     points: dict[Any, tuple[dict[str, float], float]] = {}
     # a run counts once it has finished: the changes of a run still training are not its end-minus-start
     training = {n: max(series(out, n, "train/loss"), default=0) for n in RUNS
                 if not RunDir(run_dir(out, n)).finished.is_file()}
+    own = [n for n in RUNS if n not in training
+           and (test == "own" or (test == "auto" and not (matches[n] or {}).get("same", False)))]
     for n in RUNS:
         if n not in training and (change := test_change(out, n, n in own, max_steps)) is not None:
             points[n] = (signal_changes(run_dir(out, n)) | panel_changes(out, n, max_steps), change.value)

@@ -369,6 +369,8 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
     assert partial.training == {9: 150}
     assert "still training, not counted: run 9 (step 150 of 150)." in wt.write_report(
         out, tmp_path / "report", partial).read_text()
+    # nor named among the runs whose own test evaluations give their change
+    assert wt.tracking(out, "own", 150, 25).own_test == [2, 3, 4, 5, 8]
 
 
 def test_the_within_runs_are_evaluated_on_dev_right_after_they_train(tmp_path):
