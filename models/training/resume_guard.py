@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from models.training.checkpoint import resolve_checkpoint
-from models.training.run_dir import CHECKPOINT_CONFIG, HYDRA_DIR, RUN_CONFIG, run_dir_of
+from models.training.run_dir import HYDRA_DIR, trained_with
 from models.training.state import TrainerState
 
 # Dotted keys (or a section, with a trailing dot) a resumed run may set anew: how long it runs, how often it saves,
@@ -64,18 +63,6 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any], defaults: Mapp
     default = _flat(_plain(dict(defaults or {})))
     return [(key, before.get(key, default.get(key)), after[key]) for key in sorted(after)
             if before.get(key, default.get(key)) != after[key] and not may_change(key)]
-
-
-def trained_with(ckpt: Path) -> Optional[dict[str, Any]]:
-    """The config the checkpoint was trained with: its own copy, else its run directory's (a checkpoint from before
-    the copy), else None (a folder outside a run)."""
-    own = ckpt / CHECKPOINT_CONFIG
-    if own.is_file():
-        return json.loads(own.read_text(encoding="utf-8"))
-    run_dir = run_dir_of(ckpt)
-    if run_dir is not None and (run_dir / RUN_CONFIG).is_file():
-        return yaml.safe_load((run_dir / RUN_CONFIG).read_text(encoding="utf-8"))
-    return None
 
 
 def check_hydra_resume(config: DictConfig, defaults: Mapping[str, Any] | None = None) -> None:

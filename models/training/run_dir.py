@@ -23,9 +23,13 @@
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
+
+import yaml
 
 HYDRA_DIR = ".hydra"
 RUN_CONFIG = Path(HYDRA_DIR) / "config.yaml"
@@ -183,4 +187,16 @@ def run_dir_of(checkpoint: str | Path) -> Path | None:
     checkpoint = Path(checkpoint).resolve()
     if STEP_DIR.match(checkpoint.name) and checkpoint.parent.name == CHECKPOINTS_DIR:
         return checkpoint.parents[1]
+    return None
+
+
+def trained_with(ckpt: Path) -> Optional[dict[str, Any]]:
+    """The config the checkpoint was trained with: its own copy, else its run directory's (a checkpoint from before
+    the copy), else None (a folder outside a run)."""
+    own = ckpt / CHECKPOINT_CONFIG
+    if own.is_file():
+        return json.loads(own.read_text(encoding="utf-8"))
+    run_dir = run_dir_of(ckpt)
+    if run_dir is not None and (run_dir / RUN_CONFIG).is_file():
+        return yaml.safe_load((run_dir / RUN_CONFIG).read_text(encoding="utf-8"))
     return None
