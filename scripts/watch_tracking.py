@@ -50,7 +50,7 @@ from analysis.report.metrics_log import read_metrics
 from analysis.report.tables import markdown_table
 from data_builders.files import atomic_write_text
 from models.training.checkpoint import list_checkpoints
-from models.training.run_dir import EVAL_DIR, METRICS, SUMMARY, TRAIN_LOG, WATCH, RunDir
+from models.training.run_dir import EVAL_DIR, FINISHED, METRICS, SUMMARY, TRAIN_LOG, WATCH, RunDir
 from scripts.jobs import CACHE, ROOT, Job, Keep, Scheduler, exit_code, experiment_cache, stoppable
 
 GRID = ROOT / "docs" / "reads_middle_grid" / "kept"  # issue 39's kept grid: its plan, runs and evaluations
@@ -67,7 +67,9 @@ EVAL = ["probes=[mdqa]", "mdqa.n_docs=10", f"mdqa.positions=[{MIDDLE},{STRONG}]"
 PARTS = {"dev": ["mdqa.questions=dev", "examples=100"], "test": ["mdqa.questions=test", "examples=200"]}
 PLAN = "plan.json"
 KEPT = (PLAN, "evals/*/*/*/eval/*.json", f"{CACHE}/evaluations/answered/*.jsonl", f"{CACHE}/distill_responses/*.json",
-        "panels/*/*.jsonl", *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, WATCH)))
+        "panels/*/*.jsonl", *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, WATCH, FINISHED)))
+# (a run's finished.json is kept with its logs: a folder filled from the keep on a fresh machine then counts the run
+# as finished and does not train it again, and the report ranks it)
 LOSS_MATCH = 1e-3  # the largest step loss difference under which a retrained run is the kept run
 # the watched signals tested, and the generic valley beside them (metrics.jsonl's first and last measured values)
 GENERIC = ("valley/vanilla/peak_to_trough_log10", "valley/vanilla/middle_mass")

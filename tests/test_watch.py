@@ -373,6 +373,27 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
     assert wt.tracking(out, "own", 150, 25).own_test == [2, 3, 4, 5, 8]
 
 
+def test_a_folder_filled_from_the_keep_counts_its_finished_runs(tmp_path):
+    """A fresh machine's folder, restored from --keep, knows which runs finished: it trains only the others, and
+    the report ranks the finished ones (a run without finished.json reads as still training)."""
+    from scripts import watch_tracking as wt
+    from scripts.jobs import Keep
+
+    out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
+    for n, finished in ((2, True), (3, False)):
+        run_dir = out / "runs" / str(n)
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 150, "train/loss": 1.0}) + "\n")
+        if finished:
+            (run_dir / "finished.json").write_text('{"step": 150}')
+    (out / wt.PLAN).write_text("{}")
+    Keep(kept, out, wt.KEPT, wt.PLAN).save()
+    (fresh / wt.PLAN).parent.mkdir(parents=True)
+    Keep(kept, fresh, wt.KEPT, wt.PLAN).restore()
+    done = {j.name: j.done for j in wt.train_jobs(fresh, {2: [], 3: []}, [])}
+    assert done == {"train:2": True, "train:3": False}  # run 3 had not finished: nothing of it was kept
+
+
 def test_the_within_runs_are_evaluated_on_dev_right_after_they_train(tmp_path):
     from scripts import watch_tracking as wt
 
