@@ -3,8 +3,8 @@
 `Scheduler` runs `Job`s (training runs, evaluations: commands of their own, each logging to its file) up to
 `parallel` at once, each once the jobs it waits for succeeded; a failed job fails its dependants without running
 them; SIGTERM or Ctrl-C stops the jobs under way cleanly. `Keep` mirrors the small and costly part of an experiment
-folder (its plan, evaluations, answer records, finished runs' logs) into a folder that a repository can hold, and
-fills a fresh experiment folder from it. `scripts.reads_middle` and `scripts.watch_tracking` run on them.
+folder (its plan, evaluations, answer records, finished runs' logs and LoRA adapters) into a folder that a repository
+can hold, and fills a fresh experiment folder from it. `scripts.reads_middle` and `scripts.watch_tracking` run on them.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 from data_builders.files import atomic_file
 from data_builders.tokenizer import default_cache_dir
+from models.training.checkpoint import ADAPTER_CONFIG, list_checkpoints
 from models.training.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,9 +150,17 @@ class Keep:
     out: Path
     patterns: Sequence[str]
     plan: str
+    # also each finished run's (`runs/<n>/`) final checkpoint when it holds LoRA adapters (~7 MB of weights): all
+    # of it that loads the model, not the optimizer's, scheduler's and random states (*.pt), so that its evaluations
+    # run on a fresh machine without training it again; a run with whole weights keeps none (hundreds of MB)
+    final_adapters: bool = False
 
     def files(self, root: Path) -> list[Path]:
-        return sorted({p.relative_to(root) for pattern in self.patterns for p in root.glob(pattern) if p.is_file()})
+        found = {p for pattern in self.patterns for p in root.glob(pattern) if p.is_file()}
+        if self.final_adapters:
+            found |= {p for ckpt in map(final_adapter_checkpoint, root.glob("runs/*")) if ckpt is not None
+                      for p in ckpt.iterdir() if p.is_file() and p.suffix != ".pt"}
+        return sorted(p.relative_to(root) for p in found)
 
     def restore(self) -> list[Path]:
         """Copy into `out` every kept file it lacks; the paths copied. ValueError when the two hold other plans."""
@@ -169,13 +178,21 @@ class Keep:
         again replaces its earlier record). The paths copied."""
         changed = []
         for rel in self.files(self.out):
-            if rel.parts[0] == "runs" and not RunDir(self.out / rel.parent).finished.is_file():
+            if rel.parts[0] == "runs" and not RunDir(self.out / rel.parts[0] / rel.parts[1]).finished.is_file():
                 continue
             kept, mine = self.folder / rel, (self.out / rel).read_bytes()
             if not kept.is_file() or not kept.read_bytes().startswith(mine):
                 _copy(self.out / rel, kept)
                 changed.append(rel)
         return changed
+
+
+def final_adapter_checkpoint(run_dir: Path) -> Path | None:
+    """A finished run's newest checkpoint when it holds LoRA adapters, else None."""
+    if not RunDir(run_dir).finished.is_file():
+        return None
+    newest = next(reversed(list_checkpoints(run_dir)), None)
+    return newest if newest is not None and (newest / ADAPTER_CONFIG).is_file() else None
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -38,11 +38,12 @@ The jobs use the experiment's own cache, `<out>/cache` (`POSDEBIAS_CACHE`; its `
 what they compute there (teacher answers, answer records, built data) is the experiment's. `--keep DIR` makes the
 experiment outlive its machine: whatever of it is small and costly (the plan and the choice, every evaluation's
 results, every answer record, so that an evaluation under way continues, the teacher answers, and each finished
-run's summary, metrics, log and teacher answers) is copied into DIR whenever a job ends, every 5 minutes while one
-runs, and when the command is stopped (SIGTERM, Ctrl-C; not a SIGKILL); a fresh `<out>` is filled from DIR before
-anything starts. With DIR in a repository and committed, a new machine continues the experiment where the last one
-stopped. Checkpoints are not kept, so a chosen run whose test evaluations are missing is trained again (its record
-in DIR then becomes the new run's).
+run's summary, metrics, log, teacher answers, `finished.json` and final LoRA adapters, ~7 MB) is copied into DIR
+whenever a job ends, every 5 minutes while one runs, and when the command is stopped (SIGTERM, Ctrl-C; not a
+SIGKILL); a fresh `<out>` is filled from DIR before anything starts. With DIR in a repository and committed, a new
+machine continues the experiment where the last one stopped: a finished run's evaluations run on its kept adapters.
+A run still training when its machine went is trained again from its start (its checkpoints are not kept), as is a
+finished run with whole weights (not kept: hundreds of MB) whose evaluations are missing.
 
 The choice is per arm: an arm whose every setting has its dev evaluations goes on to its other seeds and its test
 evaluations while another arm waits for a run. A setting that misses a run (it failed or was not evaluated on dev:
@@ -65,8 +66,17 @@ from analysis import probe_study
 from analysis.command_line import CommandParser
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
 from data_builders.files import atomic_write_text
+from models.training.checkpoint import list_checkpoints
 from models.training.objectives import objective_class
-from models.training.run_dir import DISTILL_RESPONSES, METRICS, SUMMARY, TEACHER_CHOICE, TRAIN_LOG, RunDir
+from models.training.run_dir import (
+    DISTILL_RESPONSES,
+    FINISHED,
+    METRICS,
+    SUMMARY,
+    TEACHER_CHOICE,
+    TRAIN_LOG,
+    RunDir,
+)
 from scripts.jobs import CACHE, ROOT, Job, Keep, Scheduler, exit_code, experiment_cache, stoppable
 from train import compose_config
 
@@ -96,12 +106,12 @@ DEV = "mdqa_dev"
 # what --keep copies: paths under <out>, as globs (a run's files once it finished)
 KEPT = (PLAN, SELECTION, "evals/*/*/eval/*.json", f"{CACHE}/distill_responses/*.json",
         f"{CACHE}/evaluations/answered/*.jsonl",
-        *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, DISTILL_RESPONSES, TEACHER_CHOICE)))
+        *(f"runs/*/{name}" for name in (SUMMARY, METRICS, TRAIN_LOG, DISTILL_RESPONSES, TEACHER_CHOICE, FINISHED)))
 
 
 def kept_in(folder: Path, out: Path) -> Keep:
     """`--keep folder`: the experiment `out`'s plan, choice, evaluations, answer records and finished runs' files."""
-    return Keep(folder, out, KEPT, PLAN)
+    return Keep(folder, out, KEPT, PLAN, final_adapters=True)
 
 
 def sweep_grid(exp: str, sweep: Sequence[str]) -> dict[str, list[str]]:
@@ -188,14 +198,19 @@ def run_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], pha
     return jobs
 
 
+def weights_here(plan: probe_study.Plan, r: probe_study.PlannedRun) -> bool:
+    """Run r finished and its weights are here to evaluate (a folder filled from a keep holds a finished run's final
+    LoRA adapters, not whole weights)."""
+    return RunDir(plan.run_dir(r.n)).finished.is_file() and bool(list_checkpoints(plan.run_dir(r.n)))
+
+
 def train_jobs(plan: probe_study.Plan, runs: Sequence[probe_study.PlannedRun], exp: str, train_args: Sequence[str],
                per_arm: dict[str, list[str]] | None = None,
                needed: Callable[[probe_study.PlannedRun], bool] | None = None) -> list[Job]:
     """Each run's training, done when it finished or when `needed` says that no evaluation waits for it; the first
     run to train of the arms that distil answers the teacher prompts, the others wait for its answers."""
     jobs = []
-    done = {r.n: RunDir(plan.run_dir(r.n)).finished.is_file() or (needed is not None and not needed(r))
-            for r in runs}
+    done = {r.n: weights_here(plan, r) or (needed is not None and not needed(r)) for r in runs}
     teachers = [r for r in runs if not done[r.n] and distills(exp, r.arm, train_args)]
     leader = teachers[0] if teachers else None
     for r in runs:
@@ -218,7 +233,7 @@ def test_jobs(plan: probe_study.Plan, chosen: Sequence[probe_study.PlannedRun], 
     first: their evaluations are kept by the keep, their weights are not, so a machine lost midway costs only the
     training of the runs that were not here anyway."""
     tests = [name for name in plan.evaluations if name != DEV]
-    chosen = sorted(chosen, key=lambda r: (not RunDir(plan.run_dir(r.n)).finished.is_file(), r.seed, r.n))
+    chosen = sorted(chosen, key=lambda r: (not weights_here(plan, r), r.seed, r.n))
     trains = {job.name: job for job in train_jobs(
         plan, chosen, exp, train_args, per_arm,
         lambda r: not all(evaluated(plan, name, run_target(r.n)) for name in tests))} if "train" in phases else {}

@@ -167,7 +167,9 @@ def panel_jobs(out: Path, max_steps: int, every: int, training: bool) -> list[Jo
     def job(target: str, ckpt: Path, step: int, after: str, *start: str) -> None:
         path = panel_file(out, target, step)
         command = [sys.executable, "-m", "scripts.watch_checkpoint", str(ckpt), *PANEL, *start, "--out", str(path)]
-        if training or path.is_file() or RunDir(run_dir(out, int(after.split(":")[1]))).finished.is_file():
+        finished = RunDir(run_dir(out, int(after.split(":")[1]))).finished.is_file()
+        # a finished run's checkpoint is there unless its folder came from the keep, which holds its final one only
+        if path.is_file() or (ckpt.is_dir() if finished else training):
             jobs.append(Job(f"panel:{target}:{step}", command, out / "logs" / f"panel_{target}_{step}.log", (after,),
                             path.is_file()))
 
@@ -560,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {out / PLAN} holds another plan than this command's: use another folder", file=sys.stderr)
         return 2
     atomic_write_text(out / PLAN, json.dumps(plan, indent=1))
-    keep = None if args.keep is None else Keep(args.keep.resolve(), out, KEPT, PLAN)
+    keep = None if args.keep is None else Keep(args.keep.resolve(), out, KEPT, PLAN, final_adapters=True)
     if keep is not None:
         restored = keep.restore()
         if restored:

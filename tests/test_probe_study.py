@@ -20,6 +20,7 @@ from analysis import probe_study, stats
 from analysis.evaluation.result import LOGLIK, ProbeResult
 from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_target
 from data_builders.mdqa import write_jsonl_gz
+from models.training.checkpoint import list_checkpoints
 from models.training.run_dir import RunDir
 from scripts import reads_middle
 from scripts.investigations.synthetic_oracle import oracle_records
@@ -507,15 +508,22 @@ def _write(path: Path, text: str = "x") -> Path:
 
 def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_path):
     out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
+    final = "runs/0/checkpoints/step-150/"  # run 0 finished with LoRA adapters: its final ones are kept
     small = ["plan.json", "selection.json", "evals/mdqa_dev/run-0/eval/mdqa_step150.json",
              "cache/distill_responses/ab.json", "cache/evaluations/answered/cd.jsonl",
-             "runs/0/summary.md", "runs/0/metrics.jsonl", "runs/0/train.log", "runs/0/distill_responses.json"]
-    for rel in small + ["runs/0/finished.json", "runs/0/checkpoints/step-150/adapter_model.safetensors",
+             "runs/0/summary.md", "runs/0/metrics.jsonl", "runs/0/train.log", "runs/0/distill_responses.json",
+             "runs/0/finished.json", *(final + name for name in ("adapter_config.json", "adapter_model.safetensors",
+                                                                 "tokenizer.json", "trainer_state.json")),
+             "runs/2/finished.json"]  # run 2 finished with whole weights: too large to keep
+    for rel in small + [final + "optimizer.pt", final + "rng-rank0.pt", "runs/0/checkpoints/step-125/adapter_config.json",
                         "runs/1/summary.md", "runs/1/metrics.jsonl",  # run 1 is under way
+                        "runs/1/checkpoints/step-25/adapter_config.json",
+                        "runs/2/checkpoints/step-150/model.safetensors",
                         "cache/models/smollm2/model.safetensors", "cache/distill_responses/.ab.json.x.tmp"]:
         _write(out / rel, rel)
     keep = reads_middle.kept_in(kept, out)
-    assert sorted(map(str, keep.save())) == sorted(small)
+    saved = sorted(map(str, keep.save()))
+    assert saved == sorted(small)
     assert keep.save() == []  # nothing changed
     _write(out / "cache/evaluations/answered/cd.jsonl", "more answers")
     assert list(map(str, keep.save())) == ["cache/evaluations/answered/cd.jsonl"]
@@ -525,7 +533,7 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
     restored = reads_middle.kept_in(kept, fresh).restore()
     assert sorted(map(str, restored)) == sorted(small)
     assert (fresh / "cache/evaluations/answered/cd.jsonl").read_text() == "more answers"
-    assert not (fresh / "runs/0/finished.json").exists()  # no checkpoint comes back: the run is not there
+    assert [p.name for p in list_checkpoints(fresh / "runs/0")] == ["step-150"]  # its evaluations can run here
     _write(fresh / "evals/mdqa_dev/run-0/eval/mdqa_step150.json", "kept here")
     assert reads_middle.kept_in(kept, fresh).restore() == []  # what a folder holds is never replaced
     _write(fresh / "plan.json", "another experiment")
@@ -556,6 +564,9 @@ def test_a_restored_experiment_trains_only_the_runs_an_evaluation_still_needs(tm
     save_evaluation(tmp_path, "mdqa_test", run_target(chosen[0].n), 0.5)
     _write(tmp_path / "evals" / "kv" / run_target(chosen[0].n) / "eval" / "kv_step150.json")
     _write(RunDir(plan.run_dir(chosen[2].n)).finished)
+    _write(RunDir(plan.run_dir(chosen[2].n)).checkpoint(150) / "adapter_model.safetensors")
+    # finished, but its weights are not here (whole weights, not kept): trained again like a run never trained
+    _write(RunDir(plan.run_dir(chosen[1].n)).finished)
     tests = reads_middle.test_jobs(plan, chosen, {"train", "test"}, "reads_middle", [], {}, "d", [])
     first, trains, here = (r.n for r in chosen)
     assert [(j.name, j.done, j.after) for j in tests] == [
@@ -654,8 +665,10 @@ def test_a_tiny_experiment_runs_end_to_end_and_continues_where_it_stopped(tmp_pa
     assert sum("answers reused" in t for t in teacher_logs) == 2  # one run answers the teacher prompts, two read them
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "start:" not in again.stdout
-    # a fresh machine: the kept folder alone (no run, no checkpoint) holds everything, so nothing is trained again
+    # a fresh machine: the kept folder alone holds everything (the finished runs' logs and final adapters), so
+    # nothing is trained again
     assert list((tmp_path / "kept" / "cache" / "distill_responses").glob("*.json"))
+    assert len(list((tmp_path / "kept" / "runs").glob("*/checkpoints/step-2/adapter_model.safetensors"))) == 6
     command[3] = str(tmp_path / "fresh")
     fresh = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert fresh.returncode == 0 and "start:" not in fresh.stdout, fresh.stdout[-2000:] + fresh.stderr[-2000:]

@@ -374,24 +374,34 @@ def test_the_tracking_report_ranks_a_signal_that_follows_the_test_change(tmp_pat
 
 
 def test_a_folder_filled_from_the_keep_counts_its_finished_runs(tmp_path):
-    """A fresh machine's folder, restored from --keep, knows which runs finished: it trains only the others, and
-    the report ranks the finished ones (a run without finished.json reads as still training)."""
+    """A fresh machine's folder, restored from --keep, knows which runs finished: it trains only the others, the
+    report ranks the finished ones (a run without finished.json reads as still training), and a finished run's
+    larger panel is measured on its kept final adapters, or left out when its weights were not kept."""
     from scripts import watch_tracking as wt
     from scripts.jobs import Keep
 
     out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
-    for n, finished in ((2, True), (3, False)):
+    for n, finished in ((2, True), (3, False), (5, True)):
         run_dir = out / "runs" / str(n)
         run_dir.mkdir(parents=True)
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 150, "train/loss": 1.0}) + "\n")
         if finished:
             (run_dir / "finished.json").write_text('{"step": 150}')
+    final = out / "runs" / "2" / "checkpoints" / "step-150"
+    final.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt"):
+        (final / name).write_text(name)
     (out / wt.PLAN).write_text("{}")
-    Keep(kept, out, wt.KEPT, wt.PLAN).save()
+    Keep(kept, out, wt.KEPT, wt.PLAN, final_adapters=True).save()
     (fresh / wt.PLAN).parent.mkdir(parents=True)
-    Keep(kept, fresh, wt.KEPT, wt.PLAN).restore()
-    done = {j.name: j.done for j in wt.train_jobs(fresh, {2: [], 3: []}, [])}
-    assert done == {"train:2": True, "train:3": False}  # run 3 had not finished: nothing of it was kept
+    Keep(kept, fresh, wt.KEPT, wt.PLAN, final_adapters=True).restore()
+    done = {j.name: j.done for j in wt.train_jobs(fresh, {2: [], 3: [], 5: []}, [])}
+    assert done == {"train:2": True, "train:3": False, "train:5": True}  # run 3 had not finished: nothing kept
+    assert sorted(p.name for p in (fresh / "runs" / "2" / "checkpoints" / "step-150").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]  # loads the model; resumes nothing
+    panels = {j.name for j in wt.panel_jobs(fresh, 150, 25, training=True)}
+    assert "panel:2:150" in panels and "panel:3:25" in panels  # kept weights; run 3 trains here
+    assert not any(name.startswith("panel:5:") for name in panels)  # finished elsewhere, its weights not kept
 
 
 def test_the_within_runs_are_evaluated_on_dev_right_after_they_train(tmp_path):
@@ -564,7 +574,7 @@ def test_the_larger_panel_is_measured_after_each_run_and_ranked_like_the_watch(t
                      "panel:4:25", "panel:4:50", "train:5", "panel:5:50", "train:8", "panel:8:50", "train:9",
                      "panel:9:50"]
     assert wt.panel_jobs(tmp_path, 50, 25, training=False) == []  # nothing trained: nothing to measure yet
-    (tmp_path / "runs" / "2").mkdir(parents=True)
+    (tmp_path / "runs" / "2" / "checkpoints" / "step-50").mkdir(parents=True)  # run 2 finished here
     (tmp_path / "runs" / "2" / "finished.json").write_text("{}")
     assert [j.name for j in wt.panel_jobs(tmp_path, 50, 25, training=False)] == ["panel:start:0", "panel:2:50"]
     command = wt.panel_jobs(tmp_path, 50, 25, training=True)[0].command
