@@ -144,22 +144,25 @@ def experiment_cache(out: Path) -> Path:
 @dataclass
 class Keep:
     """The part of an experiment folder that outlives its machine (`patterns`, globs under it), mirrored in
-    `folder`; `plan`: the file that says which experiment a folder holds."""
+    `folder`; `plan`: the file that says which experiment a folder holds.
+
+    With `weights`, also the runs' (`runs/<n>/`) weights: a finished run's final checkpoint when it holds LoRA
+    adapters (~7 MB), all of it that loads the model and not the optimizer's, scheduler's and random states (*.pt),
+    so that its evaluations run on a fresh machine without training it again (whole weights, hundreds of MB, are not
+    kept); and a run still training, its newest checkpoint whole (~25 MB with the optimizer's state) with every file
+    of its folder a resume reads, so that a fresh machine resumes it where the last one saved. The keep holds one
+    checkpoint a run: the older ones are removed from it as a newer one is kept."""
 
     folder: Path
     out: Path
     patterns: Sequence[str]
     plan: str
-    # also each finished run's (`runs/<n>/`) final checkpoint when it holds LoRA adapters (~7 MB of weights): all
-    # of it that loads the model, not the optimizer's, scheduler's and random states (*.pt), so that its evaluations
-    # run on a fresh machine without training it again; a run with whole weights keeps none (hundreds of MB)
-    final_adapters: bool = False
+    weights: bool = False
 
     def files(self, root: Path) -> list[Path]:
         found = {p for pattern in self.patterns for p in root.glob(pattern) if p.is_file()}
-        if self.final_adapters:
-            found |= {p for ckpt in map(final_adapter_checkpoint, root.glob("runs/*")) if ckpt is not None
-                      for p in ckpt.iterdir() if p.is_file() and p.suffix != ".pt"}
+        for run_dir in sorted(root.glob("runs/*")) if self.weights else ():
+            found |= set(run_weight_files(run_dir))
         return sorted(p.relative_to(root) for p in found)
 
     def restore(self) -> list[Path]:
@@ -174,25 +177,66 @@ class Keep:
 
     def save(self) -> list[Path]:
         """Copy into `folder` every kept file of `out` that it lacks or holds otherwise, never one that is the start
-        of what is kept (an answer record behind the kept one); a run's files once the run finished (a run trained
-        again replaces its earlier record). The paths copied."""
+        of what is kept (an answer record behind the kept one); a run's logs once the run finished (a run trained
+        again replaces its earlier record), its weights as said above. The paths copied."""
         changed = []
+        # a run still training: its files go with its newest checkpoint, or not at all (nothing to resume from)
+        in_flight = {p.relative_to(self.out) for run_dir in self.out.glob("runs/*") if self.weights
+                     and not RunDir(run_dir).finished.is_file() for p in run_weight_files(run_dir)}
         for rel in self.files(self.out):
-            if rel.parts[0] == "runs" and not RunDir(self.out / rel.parts[0] / rel.parts[1]).finished.is_file():
+            if rel.parts[0] == "runs" and rel not in in_flight and not RunDir(
+                    self.out / "runs" / rel.parts[1]).finished.is_file():
                 continue
-            kept, mine = self.folder / rel, (self.out / rel).read_bytes()
+            try:
+                kept, mine = self.folder / rel, (self.out / rel).read_bytes()
+            except FileNotFoundError:  # a checkpoint the run pruned since it was listed: the newer one is kept
+                continue
             if not kept.is_file() or not kept.read_bytes().startswith(mine):
                 _copy(self.out / rel, kept)
                 changed.append(rel)
+        if self.weights:
+            self._prune()
         return changed
 
+    def _prune(self) -> None:
+        """Remove from the keep what a run's newer state replaced: its older checkpoints, a finished run's optimizer,
+        scheduler and random states (and every checkpoint of one with whole weights), and the finished mark of a run
+        trained again."""
+        for run_dir in self.out.glob("runs/*"):
+            mine, finished = run_weight_files(run_dir), RunDir(run_dir).finished.is_file()
+            if not mine and not finished:  # no checkpoint yet: what is kept is still its newest state
+                continue
+            kept_run = self.folder / run_dir.relative_to(self.out)
+            kept_ckpt = self.folder / mine[0].parent.relative_to(self.out) if mine else None
+            for ckpt in list_checkpoints(kept_run):
+                if ckpt != kept_ckpt:
+                    shutil.rmtree(ckpt)
+            if finished and kept_ckpt is not None:
+                for state in kept_ckpt.glob(f"*{RESUME_STATE_SUFFIX}"):
+                    state.unlink()
+            elif not finished:  # trained again: the kept run has not finished either
+                RunDir(kept_run).finished.unlink(missing_ok=True)
 
-def final_adapter_checkpoint(run_dir: Path) -> Path | None:
-    """A finished run's newest checkpoint when it holds LoRA adapters, else None."""
-    if not RunDir(run_dir).finished.is_file():
-        return None
+
+RESUME_STATE_SUFFIX = ".pt"  # a checkpoint's optimizer, scheduler and random states: a resume reads them, a load not
+LEFT_OUT_OF_RUNS = ("wandb", ".lock")  # never kept: wandb's own files (a resumed run starts them anew), the run's lock
+
+
+def run_weight_files(run_dir: Path) -> list[Path]:
+    """What `Keep(weights=True)` keeps of a run beyond its logs, its checkpoint's files first: a finished run's final
+    LoRA adapters, or a run still training its newest checkpoint with its folder's files; [] for a run with
+    whole weights or no checkpoint."""
     newest = next(reversed(list_checkpoints(run_dir)), None)
-    return newest if newest is not None and (newest / ADAPTER_CONFIG).is_file() else None
+    if newest is None:
+        return []
+    if RunDir(run_dir).finished.is_file():
+        if not (newest / ADAPTER_CONFIG).is_file():
+            return []
+        return sorted(p for p in newest.iterdir() if p.is_file() and p.suffix != RESUME_STATE_SUFFIX)
+    checkpoints = RunDir(run_dir).checkpoints
+    rest = [p for p in run_dir.rglob("*") if p.is_file() and not p.is_relative_to(checkpoints)
+            and p.relative_to(run_dir).parts[0] not in LEFT_OUT_OF_RUNS]
+    return sorted(p for p in newest.rglob("*") if p.is_file()) + sorted(rest)
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -111,7 +111,7 @@ KEPT = (PLAN, SELECTION, "evals/*/*/eval/*.json", f"{CACHE}/distill_responses/*.
 
 def kept_in(folder: Path, out: Path) -> Keep:
     """`--keep folder`: the experiment `out`'s plan, choice, evaluations, answer records and finished runs' files."""
-    return Keep(folder, out, KEPT, PLAN, final_adapters=True)
+    return Keep(folder, out, KEPT, PLAN, weights=True)
 
 
 def sweep_grid(exp: str, sweep: Sequence[str]) -> dict[str, list[str]]:

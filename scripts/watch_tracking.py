@@ -562,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {out / PLAN} holds another plan than this command's: use another folder", file=sys.stderr)
         return 2
     atomic_write_text(out / PLAN, json.dumps(plan, indent=1))
-    keep = None if args.keep is None else Keep(args.keep.resolve(), out, KEPT, PLAN, final_adapters=True)
+    keep = None if args.keep is None else Keep(args.keep.resolve(), out, KEPT, PLAN, weights=True)
     if keep is not None:
         restored = keep.restore()
         if restored:

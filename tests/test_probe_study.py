@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -514,11 +515,14 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
              "runs/0/summary.md", "runs/0/metrics.jsonl", "runs/0/train.log", "runs/0/distill_responses.json",
              "runs/0/finished.json", *(final + name for name in ("adapter_config.json", "adapter_model.safetensors",
                                                                  "tokenizer.json", "trainer_state.json")),
-             "runs/2/finished.json"]  # run 2 finished with whole weights: too large to keep
+             "runs/2/finished.json",  # run 2 finished with whole weights: too large to keep
+             # run 1 is under way: its newest checkpoint whole and its folder's files, to resume it elsewhere
+             "runs/1/checkpoints/step-50/adapter_model.safetensors", "runs/1/checkpoints/step-50/optimizer.pt",
+             "runs/1/metrics.jsonl", "runs/1/.hydra/config.yaml", "runs/1/jacobian.npz"]
     for rel in small + [final + "optimizer.pt", final + "rng-rank0.pt", "runs/0/checkpoints/step-125/adapter_config.json",
-                        "runs/1/summary.md", "runs/1/metrics.jsonl",  # run 1 is under way
-                        "runs/1/checkpoints/step-25/adapter_config.json",
+                        "runs/1/checkpoints/step-25/optimizer.pt", "runs/1/.lock", "runs/1/wandb/run.wandb",
                         "runs/2/checkpoints/step-150/model.safetensors",
+                        "runs/3/metrics.jsonl",  # run 3 has no checkpoint yet: nothing to resume from
                         "cache/models/smollm2/model.safetensors", "cache/distill_responses/.ab.json.x.tmp"]:
         _write(out / rel, rel)
     keep = reads_middle.kept_in(kept, out)
@@ -534,11 +538,21 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
     assert sorted(map(str, restored)) == sorted(small)
     assert (fresh / "cache/evaluations/answered/cd.jsonl").read_text() == "more answers"
     assert [p.name for p in list_checkpoints(fresh / "runs/0")] == ["step-150"]  # its evaluations can run here
+    assert [p.name for p in list_checkpoints(fresh / "runs/1")] == ["step-50"]  # it resumes here
     _write(fresh / "evals/mdqa_dev/run-0/eval/mdqa_step150.json", "kept here")
     assert reads_middle.kept_in(kept, fresh).restore() == []  # what a folder holds is never replaced
     _write(fresh / "plan.json", "another experiment")
     with pytest.raises(ValueError, match="the plans of two experiments"):
         reads_middle.kept_in(kept, fresh).restore()
+    # run 1 goes on and finishes: the keep holds its final adapters alone, not its states nor its older checkpoint
+    shutil.rmtree(out / "runs/1/checkpoints/step-25")
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt"):
+        _write(out / "runs/1/checkpoints/step-150" / name)
+    _write(out / "runs/1/finished.json")
+    keep.save()
+    assert sorted(p.name for p in (kept / "runs/1/checkpoints").iterdir()) == ["step-150"]
+    assert sorted(p.name for p in (kept / "runs/1/checkpoints/step-150").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
 
 
 def test_a_restored_experiment_trains_only_the_runs_an_evaluation_still_needs(tmp_path):

@@ -26,6 +26,7 @@ from analysis.evaluation.watch import (
     slot_mass,
     validate_watch,
 )
+from models.training.checkpoint import list_checkpoints
 from models.training.loss import labelled_nll
 from models.training.objectives.base import sample_sums
 from models.training.slot_loss import SlotLoss, slot_of
@@ -284,6 +285,36 @@ def test_a_resumed_run_watches_as_an_uninterrupted_one(compose_cfg, tmp_path):
         (r["step"], r["kind"]) for r in map(json.loads, (tmp_path / "whole" / "watch.jsonl").read_text().splitlines())]
 
 
+def test_a_run_kept_in_flight_resumes_on_a_fresh_machine_as_if_never_stopped(compose_cfg, tmp_path):
+    """A run killed after its step-2 checkpoint, kept (`Keep(weights=True)`) and restored into another folder, as on
+    a fresh machine, resumes there to the losses and watch rows of an uninterrupted run; once it finished, the keep
+    holds its logs and no checkpoint (whole weights are not kept)."""
+    from scripts.jobs import Keep
+
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4"), tmp_path / "whole")
+    out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4", "trainer.save_every=2"), out / "runs" / "0")
+    (out / "runs" / "0" / "finished.json").unlink()  # as if killed after its step-2 checkpoint
+    shutil.rmtree(out / "runs" / "0" / "checkpoints" / "step-4")
+    for folder in (out, fresh):
+        folder.mkdir(exist_ok=True)
+        (folder / "plan.json").write_text("{}")
+    patterns = ["runs/*/metrics.jsonl", "runs/*/finished.json"]
+    Keep(kept, out, patterns, "plan.json", weights=True).save()
+    assert not (kept / "runs" / "0" / "wandb").exists() and (kept / "runs" / "0" / "checkpoints" / "step-2").is_dir()
+    Keep(kept, fresh, patterns, "plan.json", weights=True).restore()
+    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4", "trainer.save_every=2", "trainer.resume_from=latest"),
+        fresh / "runs" / "0")
+    whole, resumed = rows(tmp_path / "whole"), rows(fresh / "runs" / "0")
+    losses = lambda rs: {r["step"]: r["train/loss"] for r in rs if "train/loss" in r}  # noqa: E731
+    watched = lambda rs: {(r["step"], k): v for r in rs for k, v in r.items()  # noqa: E731
+                          if k.startswith("watch/") and k != "watch/wall_s"}
+    assert losses(resumed) == losses(whole) and watched(resumed) == watched(whole)
+    Keep(kept, fresh, patterns, "plan.json", weights=True).save()
+    assert (kept / "runs" / "0" / "finished.json").is_file()
+    assert list_checkpoints(kept / "runs" / "0") == []
+
+
 def fake_eval(path, questions: dict[str, tuple[float, float]]) -> None:
     """An mdqa log-likelihood evaluation: each question's log p at gold 4 and gold 9."""
     outcomes = [{"id": f"{q}@{p}", "query": q, "position": p, "label": str(p), "prediction": "", "answers": ["a"],
@@ -392,9 +423,9 @@ def test_a_folder_filled_from_the_keep_counts_its_finished_runs(tmp_path):
     for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt"):
         (final / name).write_text(name)
     (out / wt.PLAN).write_text("{}")
-    Keep(kept, out, wt.KEPT, wt.PLAN, final_adapters=True).save()
+    Keep(kept, out, wt.KEPT, wt.PLAN, weights=True).save()
     (fresh / wt.PLAN).parent.mkdir(parents=True)
-    Keep(kept, fresh, wt.KEPT, wt.PLAN, final_adapters=True).restore()
+    Keep(kept, fresh, wt.KEPT, wt.PLAN, weights=True).restore()
     done = {j.name: j.done for j in wt.train_jobs(fresh, {2: [], 3: [], 5: []}, [])}
     assert done == {"train:2": True, "train:3": False, "train:5": True}  # run 3 had not finished: nothing kept
     assert sorted(p.name for p in (fresh / "runs" / "2" / "checkpoints" / "step-150").iterdir()) == [
