@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 from data_builders.files import atomic_file
 from data_builders.tokenizer import default_cache_dir
 from models.training.checkpoint import ADAPTER_CONFIG, list_checkpoints
-from models.training.run_dir import RunDir
+from models.training.run_dir import TRAINER_STATE, RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = "cache"  # <out>/cache: the jobs' POSDEBIAS_CACHE
@@ -180,41 +180,48 @@ class Keep:
         of what is kept (an answer record behind the kept one); a run's logs once the run finished (a run trained
         again replaces its earlier record), its weights as said above. The paths copied."""
         changed = []
+        listed = self.files(self.out)
         # a run still training: its files go with its newest checkpoint, or not at all (nothing to resume from)
         in_flight = {p.relative_to(self.out) for run_dir in self.out.glob("runs/*") if self.weights
                      and not RunDir(run_dir).finished.is_file() for p in run_weight_files(run_dir)}
-        for rel in self.files(self.out):
+        for rel in listed:
             if rel.parts[0] == "runs" and rel not in in_flight and not RunDir(
                     self.out / "runs" / rel.parts[1]).finished.is_file():
                 continue
             try:
                 kept, mine = self.folder / rel, (self.out / rel).read_bytes()
-            except FileNotFoundError:  # a checkpoint the run pruned since it was listed: the newer one is kept
+            except FileNotFoundError:  # a checkpoint the run pruned since it was listed: the next save keeps its newer
                 continue
             if not kept.is_file() or not kept.read_bytes().startswith(mine):
                 _copy(self.out / rel, kept)
                 changed.append(rel)
         if self.weights:
-            self._prune()
+            self._prune(listed)
         return changed
 
-    def _prune(self) -> None:
-        """Remove from the keep what a run's newer state replaced: its older checkpoints, a finished run's optimizer,
-        scheduler and random states (and every checkpoint of one with whole weights), and the finished mark of a run
-        trained again."""
+    def _prune(self, listed: Sequence[Path]) -> None:
+        """Remove from the keep what a run's newer state replaced, once that state is kept whole (its
+        trainer_state.json, written last): the run's other checkpoints, and a finished run's optimizer, scheduler and
+        random states; a finished run's kept states when it has no weights to keep; the finished mark of a run
+        trained again. A final adapter is never removed but by a newer one."""
+        checkpoint_of = {rel.parts[1]: self.folder / Path(*rel.parts[:4]) for rel in listed
+                         if rel.parts[0] == "runs" and len(rel.parts) > 4 and rel.parts[2] == "checkpoints"}
         for run_dir in self.out.glob("runs/*"):
-            mine, finished = run_weight_files(run_dir), RunDir(run_dir).finished.is_file()
-            if not mine and not finished:  # no checkpoint yet: what is kept is still its newest state
+            kept_run, finished = self.folder / run_dir.relative_to(self.out), RunDir(run_dir).finished.is_file()
+            newest = checkpoint_of.get(run_dir.name)
+            if newest is None or not (newest / TRAINER_STATE).is_file():
+                if finished:  # whole weights, not kept: a resume state of it is of no use any more
+                    for ckpt in list_checkpoints(kept_run):
+                        if any(ckpt.glob(f"*{RESUME_STATE_SUFFIX}")):
+                            shutil.rmtree(ckpt)
                 continue
-            kept_run = self.folder / run_dir.relative_to(self.out)
-            kept_ckpt = self.folder / mine[0].parent.relative_to(self.out) if mine else None
             for ckpt in list_checkpoints(kept_run):
-                if ckpt != kept_ckpt:
+                if ckpt != newest:
                     shutil.rmtree(ckpt)
-            if finished and kept_ckpt is not None:
-                for state in kept_ckpt.glob(f"*{RESUME_STATE_SUFFIX}"):
+            if finished:
+                for state in newest.glob(f"*{RESUME_STATE_SUFFIX}"):
                     state.unlink()
-            elif not finished:  # trained again: the kept run has not finished either
+            else:  # trained again: the kept run has not finished either
                 RunDir(kept_run).finished.unlink(missing_ok=True)
 
 

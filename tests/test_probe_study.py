@@ -517,7 +517,8 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
                                                                  "tokenizer.json", "trainer_state.json")),
              "runs/2/finished.json",  # run 2 finished with whole weights: too large to keep
              # run 1 is under way: its newest checkpoint whole and its folder's files, to resume it elsewhere
-             "runs/1/checkpoints/step-50/adapter_model.safetensors", "runs/1/checkpoints/step-50/optimizer.pt",
+             *(f"runs/1/checkpoints/step-50/{name}" for name in ("adapter_model.safetensors", "optimizer.pt",
+                                                                 "trainer_state.json")),
              "runs/1/metrics.jsonl", "runs/1/.hydra/config.yaml", "runs/1/jacobian.npz"]
     for rel in small + [final + "optimizer.pt", final + "rng-rank0.pt", "runs/0/checkpoints/step-125/adapter_config.json",
                         "runs/1/checkpoints/step-25/optimizer.pt", "runs/1/.lock", "runs/1/wandb/run.wandb",
@@ -546,13 +547,38 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
         reads_middle.kept_in(kept, fresh).restore()
     # run 1 goes on and finishes: the keep holds its final adapters alone, not its states nor its older checkpoint
     shutil.rmtree(out / "runs/1/checkpoints/step-25")
-    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt"):
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
         _write(out / "runs/1/checkpoints/step-150" / name)
     _write(out / "runs/1/finished.json")
     keep.save()
     assert sorted(p.name for p in (kept / "runs/1/checkpoints").iterdir()) == ["step-150"]
     assert sorted(p.name for p in (kept / "runs/1/checkpoints/step-150").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
+
+
+def test_the_keep_replaces_a_runs_checkpoint_only_by_a_newer_one_kept_whole(tmp_path):
+    out, kept = tmp_path / "out", tmp_path / "kept"
+    names = lambda folder: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    _write(out / "plan.json")
+    for name in ("adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
+        _write(out / "runs/0/checkpoints/step-25" / name)
+    keep = reads_middle.kept_in(kept, out)
+    keep.save()
+    # step 50 is there but not whole yet (its trainer_state.json is written last): the kept step 25 stays
+    for name in ("adapter_model.safetensors", "optimizer.pt"):
+        _write(out / "runs/0/checkpoints/step-50" / name)
+    keep.save()
+    assert names(kept / "runs/0/checkpoints") == ["step-25", "step-50"]
+    _write(out / "runs/0/checkpoints/step-50/trainer_state.json")
+    keep.save()
+    assert names(kept / "runs/0/checkpoints") == ["step-50"]
+    # a finished run whose folder here holds no weights leaves its kept final adapters alone
+    for name in ("adapter_config.json", "adapter_model.safetensors", "trainer_state.json"):
+        _write(kept / "runs/1/checkpoints/step-150" / name)
+    _write(out / "runs/1/finished.json")
+    keep.save()
+    assert names(kept / "runs/1/checkpoints/step-150") == [
+        "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
 
 
 def test_a_restored_experiment_trains_only_the_runs_an_evaluation_still_needs(tmp_path):

@@ -420,7 +420,7 @@ def test_a_folder_filled_from_the_keep_counts_its_finished_runs(tmp_path):
             (run_dir / "finished.json").write_text('{"step": 150}')
     final = out / "runs" / "2" / "checkpoints" / "step-150"
     final.mkdir(parents=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt"):
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
         (final / name).write_text(name)
     (out / wt.PLAN).write_text("{}")
     Keep(kept, out, wt.KEPT, wt.PLAN, weights=True).save()
@@ -429,7 +429,7 @@ def test_a_folder_filled_from_the_keep_counts_its_finished_runs(tmp_path):
     done = {j.name: j.done for j in wt.train_jobs(fresh, {2: [], 3: [], 5: []}, [])}
     assert done == {"train:2": True, "train:3": False, "train:5": True}  # run 3 had not finished: nothing kept
     assert sorted(p.name for p in (fresh / "runs" / "2" / "checkpoints" / "step-150").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors"]  # loads the model; resumes nothing
+        "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]  # loads the model; resumes nothing
     panels = {j.name for j in wt.panel_jobs(fresh, 150, 25, training=True)}
     assert "panel:2:150" in panels and "panel:3:25" in panels  # kept weights; run 3 trains here
     assert not any(name.startswith("panel:5:") for name in panels)  # finished elsewhere, its weights not kept
