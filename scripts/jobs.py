@@ -22,7 +22,8 @@ from typing import Callable, Iterator, Sequence
 from data_builders.files import atomic_file
 from data_builders.tokenizer import default_cache_dir
 from models.training.checkpoint import ADAPTER_CONFIG, list_checkpoints
-from models.training.run_dir import TRAINER_STATE, RunDir
+from models.training.run_dir import BASE_MODEL, TRAINER_STATE, RunDir
+from models.training.state import TrainerState
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = "cache"  # <out>/cache: the jobs' POSDEBIAS_CACHE
@@ -146,12 +147,13 @@ class Keep:
     """The part of an experiment folder that outlives its machine (`patterns`, globs under it), mirrored in
     `folder`; `plan`: the file that says which experiment a folder holds.
 
-    With `weights`, also the runs' (`runs/<n>/`) weights: a finished run's final checkpoint when it holds LoRA
-    adapters (~7 MB), all of it that loads the model and not the optimizer's, scheduler's and random states (*.pt),
-    so that its evaluations run on a fresh machine without training it again (whole weights, hundreds of MB, are not
-    kept); and a run still training, its newest checkpoint whole (~25 MB with the optimizer's state) with every file
-    of its folder a resume reads, so that a fresh machine resumes it where the last one saved. The keep holds one
-    checkpoint a run: the older ones are removed from it as a newer one is kept."""
+    With `weights`, also the weights of the LoRA runs (`runs/<n>/`; whole weights, hundreds of MB, and a run with a
+    saved base, `base_model/`, are not kept): a finished run's final checkpoint without the optimizer's, scheduler's
+    and random states (*.pt), ~7 MB, so that its evaluations run on a fresh machine without training it again; and a
+    run still training whole: its newest checkpoint (~25 MB with the optimizer's state) and every file of its folder
+    a resume reads, so that a fresh machine resumes it where the last one saved. A checkpoint counts as kept once
+    every file its trainer_state.json lists is there at its size (trainer_state.json is copied last); a run's other
+    checkpoints, and what a finished run no longer needs, then leave the keep."""
 
     folder: Path
     out: Path
@@ -160,10 +162,12 @@ class Keep:
     weights: bool = False
 
     def files(self, root: Path) -> list[Path]:
-        found = {p for pattern in self.patterns for p in root.glob(pattern) if p.is_file()}
-        for run_dir in sorted(root.glob("runs/*")) if self.weights else ():
-            found |= set(run_weight_files(run_dir))
-        return sorted(p.relative_to(root) for p in found)
+        """What is kept of `root` (the experiment folder or the keep), relative to it: the patterns' files, then each
+        run's weights (a checkpoint's trainer_state.json after its other files)."""
+        found = sorted({p.relative_to(root) for pattern in self.patterns for p in root.glob(pattern) if p.is_file()})
+        weights = [p.relative_to(root) for run_dir in sorted(root.glob("runs/*")) if self.weights
+                   for p in run_weight_files(run_dir)]
+        return [rel for rel in found if rel not in set(weights)] + weights
 
     def restore(self) -> list[Path]:
         """Copy into `out` every kept file it lacks; the paths copied. ValueError when the two hold other plans."""
@@ -179,71 +183,81 @@ class Keep:
         """Copy into `folder` every kept file of `out` that it lacks or holds otherwise, never one that is the start
         of what is kept (an answer record behind the kept one); a run's logs once the run finished (a run trained
         again replaces its earlier record), its weights as said above. The paths copied."""
-        changed = []
-        listed = self.files(self.out)
-        # a run still training: its files go with its newest checkpoint, or not at all (nothing to resume from)
+        finished = {run_dir.name: RunDir(run_dir).finished.is_file() for run_dir in self.out.glob("runs/*")}
         in_flight = {p.relative_to(self.out) for run_dir in self.out.glob("runs/*") if self.weights
-                     and not RunDir(run_dir).finished.is_file() for p in run_weight_files(run_dir)}
-        for rel in listed:
-            if rel.parts[0] == "runs" and rel not in in_flight and not RunDir(
-                    self.out / "runs" / rel.parts[1]).finished.is_file():
+                     and not finished[run_dir.name] for p in run_weight_files(run_dir)}
+        changed, short = [], set()  # short: checkpoints a file of which went missing while they were copied
+        for rel in self.files(self.out):
+            if rel.parts[0] == "runs" and rel not in in_flight and not finished.get(rel.parts[1], False):
                 continue
+            if rel.name == TRAINER_STATE and rel.parent in short:
+                continue  # not whole here: the kept one before it stays the run's
             try:
                 kept, mine = self.folder / rel, (self.out / rel).read_bytes()
             except FileNotFoundError:  # a checkpoint the run pruned since it was listed: the next save keeps its newer
+                short.add(rel.parent)
                 continue
             if not kept.is_file() or not kept.read_bytes().startswith(mine):
                 _copy(self.out / rel, kept)
                 changed.append(rel)
         if self.weights:
-            self._prune(listed)
+            self._prune(finished)
         return changed
 
-    def _prune(self, listed: Sequence[Path]) -> None:
-        """Remove from the keep what a run's newer state replaced, once that state is kept whole (its
-        trainer_state.json, written last): the run's other checkpoints, and a finished run's optimizer, scheduler and
-        random states; a finished run's kept states when it has no weights to keep; the finished mark of a run
-        trained again. A final adapter is never removed but by a newer one."""
-        checkpoint_of = {rel.parts[1]: self.folder / Path(*rel.parts[:4]) for rel in listed
-                         if rel.parts[0] == "runs" and len(rel.parts) > 4 and rel.parts[2] == "checkpoints"}
-        for run_dir in self.out.glob("runs/*"):
-            kept_run, finished = self.folder / run_dir.relative_to(self.out), RunDir(run_dir).finished.is_file()
-            newest = checkpoint_of.get(run_dir.name)
-            if newest is None or not (newest / TRAINER_STATE).is_file():
-                if finished:  # whole weights, not kept: a resume state of it is of no use any more
-                    for ckpt in list_checkpoints(kept_run):
-                        if any(ckpt.glob(f"*{RESUME_STATE_SUFFIX}")):
-                            shutil.rmtree(ckpt)
-                continue
-            for ckpt in list_checkpoints(kept_run):
-                if ckpt != newest:
-                    shutil.rmtree(ckpt)
-            if finished:
-                for state in newest.glob(f"*{RESUME_STATE_SUFFIX}"):
-                    state.unlink()
-            else:  # trained again: the kept run has not finished either
-                RunDir(kept_run).finished.unlink(missing_ok=True)
+    def _prune(self, finished: dict[str, bool]) -> None:
+        """Once a run's checkpoint is kept whole: remove the run's other kept checkpoints, and of a finished run its
+        states and whatever else the keep would not restore; a run trained again loses its kept finished mark.
+        `finished`: each run's, as the save found it (a run that finishes during a save keeps its states until the
+        next one)."""
+        wanted = set(self.files(self.folder))
+        for name, done in finished.items():
+            kept_run = self.folder / "runs" / name
+            mine = [p.parent for p in run_weight_files(self.out / "runs" / name) if p.name == TRAINER_STATE]
+            kept_ckpt = self.folder / mine[0].relative_to(self.out) if mine else None
+            if kept_ckpt is not None and whole(kept_ckpt, states=not done):
+                for ckpt in list_checkpoints(kept_run):
+                    if ckpt != kept_ckpt:
+                        shutil.rmtree(ckpt)
+                if not done:  # trained again: the kept run has not finished either
+                    RunDir(kept_run).finished.unlink(missing_ok=True)
+            if done and RunDir(kept_run).finished.is_file():
+                for path in sorted(kept_run.rglob("*"), reverse=True):  # files before their folders
+                    if path.is_file() and path.relative_to(self.folder) not in wanted:
+                        path.unlink()
+                    elif path.is_dir() and not any(path.iterdir()):
+                        path.rmdir()
 
 
 RESUME_STATE_SUFFIX = ".pt"  # a checkpoint's optimizer, scheduler and random states: a resume reads them, a load not
-LEFT_OUT_OF_RUNS = ("wandb", ".lock")  # never kept: wandb's own files (a resumed run starts them anew), the run's lock
+LEFT_OUT_OF_RUNS = ("wandb", ".lock", BASE_MODEL)  # wandb's own files (a resumed run starts them anew), the run's lock
+
+
+def whole(ckpt: Path, states: bool) -> bool:
+    """Every file the checkpoint's trainer_state.json lists is there at its size (`states`: the *.pt ones too)."""
+    try:
+        files = TrainerState.read(ckpt).files or {}
+    except (OSError, ValueError, KeyError):
+        return False
+    return all((ckpt / name).is_file() and (ckpt / name).stat().st_size == size for name, size in files.items()
+               if states or not name.endswith(RESUME_STATE_SUFFIX))
 
 
 def run_weight_files(run_dir: Path) -> list[Path]:
-    """What `Keep(weights=True)` keeps of a run beyond its logs, its checkpoint's files first: a finished run's final
-    LoRA adapters, or a run still training its newest checkpoint with its folder's files; [] for a run with
-    whole weights or no checkpoint."""
-    newest = next(reversed(list_checkpoints(run_dir)), None)
-    if newest is None:
+    """What `Keep(weights=True)` keeps of a LoRA run beyond its logs: a finished run's newest whole checkpoint
+    without its states, or a run still training its newest whole checkpoint with its folder's files; the
+    checkpoint's trainer_state.json after its other files. [] for a run with whole weights, a saved base or no
+    whole checkpoint."""
+    paths = RunDir(run_dir)
+    done = paths.finished.is_file()
+    ckpt = next((c for c in reversed(list_checkpoints(run_dir)) if whole(c, states=not done)), None)
+    if ckpt is None or not (ckpt / ADAPTER_CONFIG).is_file() or paths.base_model.exists():
         return []
-    if RunDir(run_dir).finished.is_file():
-        if not (newest / ADAPTER_CONFIG).is_file():
-            return []
-        return sorted(p for p in newest.iterdir() if p.is_file() and p.suffix != RESUME_STATE_SUFFIX)
-    checkpoints = RunDir(run_dir).checkpoints
-    rest = [p for p in run_dir.rglob("*") if p.is_file() and not p.is_relative_to(checkpoints)
-            and p.relative_to(run_dir).parts[0] not in LEFT_OUT_OF_RUNS]
-    return sorted(p for p in newest.rglob("*") if p.is_file()) + sorted(rest)
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != TRAINER_STATE
+                   and (not done or p.suffix != RESUME_STATE_SUFFIX)) + [ckpt / TRAINER_STATE]
+    if done:
+        return files
+    return files + sorted(p for p in run_dir.rglob("*") if p.is_file() and not p.is_relative_to(paths.checkpoints)
+                          and p.relative_to(run_dir).parts[0] not in LEFT_OUT_OF_RUNS)
 
 
 def _copy(src: Path, dst: Path) -> None:

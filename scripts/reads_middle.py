@@ -41,9 +41,10 @@ results, every answer record, so that an evaluation under way continues, the tea
 run's summary, metrics, log, teacher answers, `finished.json` and final LoRA adapters, ~7 MB) is copied into DIR
 whenever a job ends, every 5 minutes while one runs, and when the command is stopped (SIGTERM, Ctrl-C; not a
 SIGKILL); a fresh `<out>` is filled from DIR before anything starts. With DIR in a repository and committed, a new
-machine continues the experiment where the last one stopped: a finished run's evaluations run on its kept adapters.
-A run still training when its machine went is trained again from its start (its checkpoints are not kept), as is a
-finished run with whole weights (not kept: hundreds of MB) whose evaluations are missing.
+machine continues the experiment where the last one stopped: a finished run's evaluations run on its kept adapters,
+and a run still training is kept whole at its newest checkpoint (~25 MB with the optimizer's state) and resumes from
+it (`scripts.jobs.Keep`). A run with whole weights or a saved base (not kept: hundreds of MB) is trained again from
+its start when its machine went, or when its evaluations are missing.
 
 The choice is per arm: an arm whose every setting has its dev evaluations goes on to its other seeds and its test
 evaluations while another arm waits for a run. A setting that misses a run (it failed or was not evaluated on dev:
@@ -229,9 +230,8 @@ def test_jobs(plan: probe_study.Plan, chosen: Sequence[probe_study.PlannedRun], 
               train_args: Sequence[str], per_arm: dict[str, list[str]], data_dir: str,
               eval_args: Sequence[str]) -> list[Job]:
     """The chosen runs' evaluations other than dev, each run (with phase `train`) trained first when one of them is
-    missing and the run is not there (a kept experiment on a fresh machine). The runs whose weights are here come
-    first: their evaluations are kept by the keep, their weights are not, so a machine lost midway costs only the
-    training of the runs that were not here anyway."""
+    missing and its weights are not here (whole weights, which the keep does not hold). The runs whose weights are
+    here come first, so a machine lost midway costs only the training of the runs that were not here anyway."""
     tests = [name for name in plan.evaluations if name != DEV]
     chosen = sorted(chosen, key=lambda r: (not weights_here(plan, r), r.seed, r.n))
     trains = {job.name: job for job in train_jobs(

@@ -23,6 +23,7 @@ from analysis.probe_study import BASE, PLAN, SELECTION, ProbeStudyError, run_tar
 from data_builders.mdqa import write_jsonl_gz
 from models.training.checkpoint import list_checkpoints
 from models.training.run_dir import RunDir
+from models.training.state import TrainerState
 from scripts import reads_middle
 from scripts.investigations.synthetic_oracle import oracle_records
 
@@ -507,25 +508,37 @@ def _write(path: Path, text: str = "x") -> Path:
     return path
 
 
+def _checkpoint(folder: Path, *names: str) -> Path:
+    """A whole fake checkpoint: `names` and a trainer_state.json that lists their sizes, as train.py writes it."""
+    for name in names:
+        _write(folder / name, name)
+    TrainerState(int(folder.name.split("-")[1]), 0, files={n: len(n) for n in names}).write(folder)
+    return folder
+
+
 def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_path):
     out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
     final = "runs/0/checkpoints/step-150/"  # run 0 finished with LoRA adapters: its final ones are kept
+    adapters = ("adapter_config.json", "adapter_model.safetensors")
     small = ["plan.json", "selection.json", "evals/mdqa_dev/run-0/eval/mdqa_step150.json",
              "cache/distill_responses/ab.json", "cache/evaluations/answered/cd.jsonl",
              "runs/0/summary.md", "runs/0/metrics.jsonl", "runs/0/train.log", "runs/0/distill_responses.json",
-             "runs/0/finished.json", *(final + name for name in ("adapter_config.json", "adapter_model.safetensors",
-                                                                 "tokenizer.json", "trainer_state.json")),
+             "runs/0/finished.json", *(final + name for name in (*adapters, "tokenizer.json", "trainer_state.json")),
              "runs/2/finished.json",  # run 2 finished with whole weights: too large to keep
              # run 1 is under way: its newest checkpoint whole and its folder's files, to resume it elsewhere
-             *(f"runs/1/checkpoints/step-50/{name}" for name in ("adapter_model.safetensors", "optimizer.pt",
-                                                                 "trainer_state.json")),
+             *(f"runs/1/checkpoints/step-50/{name}" for name in (*adapters, "optimizer.pt", "trainer_state.json")),
              "runs/1/metrics.jsonl", "runs/1/.hydra/config.yaml", "runs/1/jacobian.npz"]
-    for rel in small + [final + "optimizer.pt", final + "rng-rank0.pt", "runs/0/checkpoints/step-125/adapter_config.json",
-                        "runs/1/checkpoints/step-25/optimizer.pt", "runs/1/.lock", "runs/1/wandb/run.wandb",
-                        "runs/2/checkpoints/step-150/model.safetensors",
+    _checkpoint(out / final, *adapters, "tokenizer.json", "optimizer.pt", "rng-rank0.pt")
+    _checkpoint(out / "runs/0/checkpoints/step-125", *adapters)
+    _checkpoint(out / "runs/1/checkpoints/step-25", *adapters, "optimizer.pt")
+    _checkpoint(out / "runs/1/checkpoints/step-50", *adapters, "optimizer.pt")
+    _checkpoint(out / "runs/2/checkpoints/step-150", "model.safetensors")
+    _checkpoint(out / "runs/4/checkpoints/step-25", *adapters, "optimizer.pt")  # run 4 trains on a saved base
+    for rel in small + ["runs/1/.lock", "runs/1/wandb/run.wandb", "runs/4/base_model/model.safetensors",
                         "runs/3/metrics.jsonl",  # run 3 has no checkpoint yet: nothing to resume from
                         "cache/models/smollm2/model.safetensors", "cache/distill_responses/.ab.json.x.tmp"]:
-        _write(out / rel, rel)
+        if not (out / rel).exists():
+            _write(out / rel, rel)
     keep = reads_middle.kept_in(kept, out)
     saved = sorted(map(str, keep.save()))
     assert saved == sorted(small)
@@ -545,40 +558,57 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
     _write(fresh / "plan.json", "another experiment")
     with pytest.raises(ValueError, match="the plans of two experiments"):
         reads_middle.kept_in(kept, fresh).restore()
-    # run 1 goes on and finishes: the keep holds its final adapters alone, not its states nor its older checkpoint
+    # run 1 goes on and finishes: the keep holds its logs and final adapters alone, not its states, its older
+    # checkpoint nor the files only a resume reads
     shutil.rmtree(out / "runs/1/checkpoints/step-25")
-    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
-        _write(out / "runs/1/checkpoints/step-150" / name)
+    _checkpoint(out / "runs/1/checkpoints/step-150", *adapters, "optimizer.pt")
     _write(out / "runs/1/finished.json")
     keep.save()
-    assert sorted(p.name for p in (kept / "runs/1/checkpoints").iterdir()) == ["step-150"]
-    assert sorted(p.name for p in (kept / "runs/1/checkpoints/step-150").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
+    assert sorted(str(p.relative_to(kept / "runs/1")) for p in (kept / "runs/1").rglob("*") if p.is_file()) == [
+        "checkpoints/step-150/adapter_config.json", "checkpoints/step-150/adapter_model.safetensors",
+        "checkpoints/step-150/trainer_state.json", "finished.json", "metrics.jsonl"]
 
 
 def test_the_keep_replaces_a_runs_checkpoint_only_by_a_newer_one_kept_whole(tmp_path):
     out, kept = tmp_path / "out", tmp_path / "kept"
     names = lambda folder: sorted(p.name for p in folder.iterdir())  # noqa: E731
     _write(out / "plan.json")
-    for name in ("adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
-        _write(out / "runs/0/checkpoints/step-25" / name)
+    adapters = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt")
+    _checkpoint(out / "runs/0/checkpoints/step-25", *adapters)
     keep = reads_middle.kept_in(kept, out)
     keep.save()
-    # step 50 is there but not whole yet (its trainer_state.json is written last): the kept step 25 stays
-    for name in ("adapter_model.safetensors", "optimizer.pt"):
-        _write(out / "runs/0/checkpoints/step-50" / name)
-    keep.save()
+    # a newer checkpoint kept only in part (a file went missing while it was copied, or the save was cut short):
+    # the kept step 25 stays, and it is what a fresh folder gets back
+    _checkpoint(out / "runs/0/checkpoints/step-50", *adapters)
+    for name in adapters[:2]:
+        _write(kept / "runs/0/checkpoints/step-50" / name, name)
     assert names(kept / "runs/0/checkpoints") == ["step-25", "step-50"]
-    _write(out / "runs/0/checkpoints/step-50/trainer_state.json")
+    restored = reads_middle.kept_in(kept, tmp_path / "fresh").restore()
+    assert {str(p.parent) for p in restored if p.parts[:3] == ("runs", "0", "checkpoints")} == {
+        "runs/0/checkpoints/step-25"}
     keep.save()
-    assert names(kept / "runs/0/checkpoints") == ["step-50"]
+    assert names(kept / "runs/0/checkpoints") == ["step-50"]  # whole now: the older one leaves
+    assert names(kept / "runs/0/checkpoints/step-50") == [*adapters, "trainer_state.json"]
+    # a file that goes missing while the checkpoint is copied: its trainer_state.json is not kept, nor the newer one
+    _checkpoint(out / "runs/0/checkpoints/step-75", *adapters)
+    read_bytes = Path.read_bytes
+
+    def pruned_midway(path: Path) -> bytes:
+        if path.name == "optimizer.pt" and path.parent.name == "step-75":
+            raise FileNotFoundError(path)
+        return read_bytes(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "read_bytes", pruned_midway)
+        keep.save()
+    assert names(kept / "runs/0/checkpoints") == ["step-50", "step-75"]
+    assert not (kept / "runs/0/checkpoints/step-75/trainer_state.json").exists()
     # a finished run whose folder here holds no weights leaves its kept final adapters alone
-    for name in ("adapter_config.json", "adapter_model.safetensors", "trainer_state.json"):
-        _write(kept / "runs/1/checkpoints/step-150" / name)
+    _checkpoint(kept / "runs/1/checkpoints/step-150", *adapters[:2])
+    _write(kept / "runs/1/finished.json")
     _write(out / "runs/1/finished.json")
     keep.save()
-    assert names(kept / "runs/1/checkpoints/step-150") == [
-        "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
+    assert names(kept / "runs/1/checkpoints/step-150") == [*adapters[:2], "trainer_state.json"]
 
 
 def test_a_restored_experiment_trains_only_the_runs_an_evaluation_still_needs(tmp_path):

@@ -30,6 +30,7 @@ from models.training.checkpoint import list_checkpoints
 from models.training.loss import labelled_nll
 from models.training.objectives.base import sample_sums
 from models.training.slot_loss import SlotLoss, slot_of
+from models.training.state import TrainerState
 from tests.conftest import TINY
 from train import run
 
@@ -286,14 +287,18 @@ def test_a_resumed_run_watches_as_an_uninterrupted_one(compose_cfg, tmp_path):
 
 
 def test_a_run_kept_in_flight_resumes_on_a_fresh_machine_as_if_never_stopped(compose_cfg, tmp_path):
-    """A run killed after its step-2 checkpoint, kept (`Keep(weights=True)`) and restored into another folder, as on
-    a fresh machine, resumes there to the losses and watch rows of an uninterrupted run; once it finished, the keep
-    holds its logs and no checkpoint (whole weights are not kept)."""
+    """A LoRA run killed after its step-2 checkpoint, kept (`Keep(weights=True)`) and restored into another folder, as
+    on a fresh machine, resumes there to the losses and watch rows of an uninterrupted run; once it finished, the
+    keep holds its logs and final adapters without the optimizer's state."""
     from scripts.jobs import Keep
 
-    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4"), tmp_path / "whole")
+    run(compose_cfg(*TINY, "trainer.max_steps=1", "trainer.save_every=0", "jacobian=off"), tmp_path / "base")
+    base = tmp_path / "base" / "checkpoints" / "step-1"
+    lora = [*(o for o in TINY if not o.startswith("model.")), *WATCH, "model=trained_tiny", f"model.pretrained={base}",
+            "peft=lora", "peft.r=4", "trainer.max_steps=4"]
+    run(compose_cfg(*lora), tmp_path / "whole")
     out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
-    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4", "trainer.save_every=2"), out / "runs" / "0")
+    run(compose_cfg(*lora, "trainer.save_every=2"), out / "runs" / "0")
     (out / "runs" / "0" / "finished.json").unlink()  # as if killed after its step-2 checkpoint
     shutil.rmtree(out / "runs" / "0" / "checkpoints" / "step-4")
     for folder in (out, fresh):
@@ -301,18 +306,20 @@ def test_a_run_kept_in_flight_resumes_on_a_fresh_machine_as_if_never_stopped(com
         (folder / "plan.json").write_text("{}")
     patterns = ["runs/*/metrics.jsonl", "runs/*/finished.json"]
     Keep(kept, out, patterns, "plan.json", weights=True).save()
-    assert not (kept / "runs" / "0" / "wandb").exists() and (kept / "runs" / "0" / "checkpoints" / "step-2").is_dir()
+    ckpt = kept / "runs" / "0" / "checkpoints" / "step-2"
+    assert (ckpt / "optimizer.pt").is_file() and not (kept / "runs" / "0" / "wandb").exists()
     Keep(kept, fresh, patterns, "plan.json", weights=True).restore()
-    run(compose_cfg(*TINY, *WATCH, "trainer.max_steps=4", "trainer.save_every=2", "trainer.resume_from=latest"),
-        fresh / "runs" / "0")
+    run(compose_cfg(*lora, "trainer.save_every=2", "trainer.resume_from=latest"), fresh / "runs" / "0")
     whole, resumed = rows(tmp_path / "whole"), rows(fresh / "runs" / "0")
     losses = lambda rs: {r["step"]: r["train/loss"] for r in rs if "train/loss" in r}  # noqa: E731
     watched = lambda rs: {(r["step"], k): v for r in rs for k, v in r.items()  # noqa: E731
                           if k.startswith("watch/") and k != "watch/wall_s"}
     assert losses(resumed) == losses(whole) and watched(resumed) == watched(whole)
     Keep(kept, fresh, patterns, "plan.json", weights=True).save()
-    assert (kept / "runs" / "0" / "finished.json").is_file()
-    assert list_checkpoints(kept / "runs" / "0") == []
+    assert [c.name for c in list_checkpoints(kept / "runs" / "0")] == ["step-4"]
+    final = sorted(p.name for p in (kept / "runs" / "0" / "checkpoints" / "step-4").iterdir())
+    assert "adapter_model.safetensors" in final and not [name for name in final if name.endswith(".pt")]
+    assert sorted(p.name for p in (kept / "runs" / "0").iterdir()) == ["checkpoints", "finished.json", "metrics.jsonl"]
 
 
 def fake_eval(path, questions: dict[str, tuple[float, float]]) -> None:
@@ -420,8 +427,10 @@ def test_a_folder_filled_from_the_keep_counts_its_finished_runs(tmp_path):
             (run_dir / "finished.json").write_text('{"step": 150}')
     final = out / "runs" / "2" / "checkpoints" / "step-150"
     final.mkdir(parents=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
+    names = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt")
+    for name in names:
         (final / name).write_text(name)
+    TrainerState(150, 0, files={name: len(name) for name in names}).write(final)
     (out / wt.PLAN).write_text("{}")
     Keep(kept, out, wt.KEPT, wt.PLAN, weights=True).save()
     (fresh / wt.PLAN).parent.mkdir(parents=True)
