@@ -290,6 +290,7 @@ def test_a_run_kept_in_flight_resumes_on_a_fresh_machine_as_if_never_stopped(com
     """A LoRA run killed after its step-2 checkpoint, kept (`Keep(weights=True)`) and restored into another folder, as
     on a fresh machine, resumes there to the losses and watch rows of an uninterrupted run; once it finished, the
     keep holds its logs and final adapters without the optimizer's state."""
+    from analysis.report.metrics_log import stored_run_id
     from scripts.jobs import Keep
 
     run(compose_cfg(*TINY, "trainer.max_steps=1", "trainer.save_every=0", "jacobian=off"), tmp_path / "base")
@@ -298,7 +299,8 @@ def test_a_run_kept_in_flight_resumes_on_a_fresh_machine_as_if_never_stopped(com
             "peft=lora", "peft.r=4", "trainer.max_steps=4"]
     run(compose_cfg(*lora), tmp_path / "whole")
     out, kept, fresh = tmp_path / "out", tmp_path / "kept", tmp_path / "fresh"
-    run(compose_cfg(*lora, "trainer.save_every=2"), out / "runs" / "0")
+    # wandb offline, as the SmolLM2 recipes log: the kept run's wandb files stay behind, its run id goes with it
+    run(compose_cfg(*lora, "trainer.save_every=2", "logger.mode=offline"), out / "runs" / "0")
     (out / "runs" / "0" / "finished.json").unlink()  # as if killed after its step-2 checkpoint
     shutil.rmtree(out / "runs" / "0" / "checkpoints" / "step-4")
     for folder in (out, fresh):
@@ -309,12 +311,14 @@ def test_a_run_kept_in_flight_resumes_on_a_fresh_machine_as_if_never_stopped(com
     ckpt = kept / "runs" / "0" / "checkpoints" / "step-2"
     assert (ckpt / "optimizer.pt").is_file() and not (kept / "runs" / "0" / "wandb").exists()
     Keep(kept, fresh, patterns, "plan.json", weights=True).restore()
-    run(compose_cfg(*lora, "trainer.save_every=2", "trainer.resume_from=latest"), fresh / "runs" / "0")
+    run(compose_cfg(*lora, "trainer.save_every=2", "logger.mode=offline", "trainer.resume_from=latest"),
+        fresh / "runs" / "0")
     whole, resumed = rows(tmp_path / "whole"), rows(fresh / "runs" / "0")
     losses = lambda rs: {r["step"]: r["train/loss"] for r in rs if "train/loss" in r}  # noqa: E731
     watched = lambda rs: {(r["step"], k): v for r in rs for k, v in r.items()  # noqa: E731
                           if k.startswith("watch/") and k != "watch/wall_s"}
     assert losses(resumed) == losses(whole) and watched(resumed) == watched(whole)
+    assert stored_run_id(fresh / "runs" / "0") == stored_run_id(out / "runs" / "0")  # the same wandb run goes on
     Keep(kept, fresh, patterns, "plan.json", weights=True).save()
     assert [c.name for c in list_checkpoints(kept / "runs" / "0")] == ["step-4"]
     final = sorted(p.name for p in (kept / "runs" / "0" / "checkpoints" / "step-4").iterdir())
