@@ -21,9 +21,8 @@ from typing import Callable, Iterator, Sequence
 
 from data_builders.files import atomic_file
 from data_builders.tokenizer import default_cache_dir
-from models.training.checkpoint import ADAPTER_CONFIG, list_checkpoints
+from models.training.checkpoint import ADAPTER_CONFIG, checkpoint_damage, list_checkpoints
 from models.training.run_dir import BASE_MODEL, TRAINER_STATE, RunDir
-from models.training.state import TrainerState
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = "cache"  # <out>/cache: the jobs' POSDEBIAS_CACHE
@@ -167,7 +166,8 @@ class Keep:
         found = sorted({p.relative_to(root) for pattern in self.patterns for p in root.glob(pattern) if p.is_file()})
         weights = [p.relative_to(root) for run_dir in sorted(root.glob("runs/*")) if self.weights
                    for p in run_weight_files(run_dir)]
-        return [rel for rel in found if rel not in set(weights)] + weights
+        listed = set(weights)
+        return [rel for rel in found if rel not in listed] + weights
 
     def restore(self) -> list[Path]:
         """Copy into `out` every kept file it lacks; the paths copied. ValueError when the two hold other plans."""
@@ -184,11 +184,13 @@ class Keep:
         of what is kept (an answer record behind the kept one); a run's logs once the run finished (a run trained
         again replaces its earlier record), its weights as said above. The paths copied."""
         finished = {run_dir.name: RunDir(run_dir).finished.is_file() for run_dir in self.out.glob("runs/*")}
-        in_flight = {p.relative_to(self.out) for run_dir in self.out.glob("runs/*") if self.weights
-                     and not finished[run_dir.name] for p in run_weight_files(run_dir)}
+        listed = self.files(self.out)
+        # each run's checkpoint among them (its trainer_state.json): a run still training is kept with it or not at all
+        checkpoint = {rel.parts[1]: rel.parent for rel in listed
+                      if rel.name == TRAINER_STATE and rel.parts[0] == "runs" and rel.parts[2:3] == ("checkpoints",)}
         changed, short = [], set()  # short: checkpoints a file of which went missing while they were copied
-        for rel in self.files(self.out):
-            if rel.parts[0] == "runs" and rel not in in_flight and not finished.get(rel.parts[1], False):
+        for rel in listed:
+            if rel.parts[0] == "runs" and not finished.get(rel.parts[1], False) and rel.parts[1] not in checkpoint:
                 continue
             if rel.name == TRAINER_STATE and rel.parent in short:
                 continue  # not whole here: the kept one before it stays the run's
@@ -201,19 +203,18 @@ class Keep:
                 _copy(self.out / rel, kept)
                 changed.append(rel)
         if self.weights:
-            self._prune(finished)
+            self._prune(finished, checkpoint)
         return changed
 
-    def _prune(self, finished: dict[str, bool]) -> None:
+    def _prune(self, finished: dict[str, bool], checkpoint: dict[str, Path]) -> None:
         """Once a run's checkpoint is kept whole: remove the run's other kept checkpoints, and of a finished run its
         states and whatever else the keep would not restore; a run trained again loses its kept finished mark.
-        `finished`: each run's, as the save found it (a run that finishes during a save keeps its states until the
-        next one)."""
+        `finished`, `checkpoint`: each run's, as the save found them (a run that finishes during a save keeps its
+        states until the next one)."""
         wanted = set(self.files(self.folder))
         for name, done in finished.items():
             kept_run = self.folder / "runs" / name
-            mine = [p.parent for p in run_weight_files(self.out / "runs" / name) if p.name == TRAINER_STATE]
-            kept_ckpt = self.folder / mine[0].relative_to(self.out) if mine else None
+            kept_ckpt = self.folder / checkpoint[name] if name in checkpoint else None
             if kept_ckpt is not None and whole(kept_ckpt, states=not done):
                 for ckpt in list_checkpoints(kept_run):
                     if ckpt != kept_ckpt:
@@ -234,12 +235,7 @@ LEFT_OUT_OF_RUNS = ("wandb", ".lock", BASE_MODEL)  # wandb's own files (a resume
 
 def whole(ckpt: Path, states: bool) -> bool:
     """Every file the checkpoint's trainer_state.json lists is there at its size (`states`: the *.pt ones too)."""
-    try:
-        files = TrainerState.read(ckpt).files or {}
-    except (OSError, ValueError, KeyError):
-        return False
-    return all((ckpt / name).is_file() and (ckpt / name).stat().st_size == size for name, size in files.items()
-               if states or not name.endswith(RESUME_STATE_SUFFIX))
+    return checkpoint_damage(ckpt, None if states else RESUME_STATE_SUFFIX) is None
 
 
 def run_weight_files(run_dir: Path) -> list[Path]:

@@ -540,8 +540,7 @@ def test_the_keep_mirrors_what_is_small_and_costly_and_fills_a_fresh_folder(tmp_
         if not (out / rel).exists():
             _write(out / rel, rel)
     keep = reads_middle.kept_in(kept, out)
-    saved = sorted(map(str, keep.save()))
-    assert saved == sorted(small)
+    assert sorted(map(str, keep.save())) == sorted(small)
     assert keep.save() == []  # nothing changed
     _write(out / "cache/evaluations/answered/cd.jsonl", "more answers")
     assert list(map(str, keep.save())) == ["cache/evaluations/answered/cd.jsonl"]

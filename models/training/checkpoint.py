@@ -97,10 +97,11 @@ def _written_at(ckpt: Path) -> tuple[int, str]:
     return (state.stat().st_mtime_ns if state.is_file() else 0), ckpt.name
 
 
-def checkpoint_damage(ckpt: Path) -> str | None:
+def checkpoint_damage(ckpt: Path, unless: str | None = None) -> str | None:
     """Why the checkpoint cannot be resumed from (naming the file), or None when it is intact: its
     trainer_state.json must parse (as a `TrainerState`), and every file it lists must be there at the size it was
-    written with (a file cut short by a crash or a full disk). Checkpoints from before the list are only parsed."""
+    written with (a file cut short by a crash or a full disk). Checkpoints from before the list are only parsed.
+    `unless`: a file suffix not asked for (".pt": a checkpoint kept to be loaded, not resumed)."""
     state_file = Path(ckpt) / TRAINER_STATE
     try:
         files = TrainerState.read(ckpt).files or {}
@@ -109,6 +110,8 @@ def checkpoint_damage(ckpt: Path) -> str | None:
     except KeyError as err:
         return f"{state_file} has no {err} key"
     for name, size in files.items():
+        if unless and name.endswith(unless):
+            continue
         path = Path(ckpt) / name
         if not path.is_file():
             return f"{path} is missing"
